@@ -1,0 +1,1 @@
+"""prodrl_pipelines: production RL as partitioned Dagster assets (see DESIGN.md)."""
