@@ -1,0 +1,87 @@
+"""Which policy is live, in what order versions were deployed, and each round's decisions.
+
+Small JSON documents on the same blob store as the trajectories, so the sensor, the assets and
+the demo all read one source of truth:
+  deploy/live.json                the live deployment
+  deploy/history.json             deployed policy versions, oldest first (for max_policy_lag)
+  rounds/<round>/decision.json    the gate decision of a round (its presence = round finished)
+  evals/<policy_version>.json     held-out rewards per task of a policy (reused as "live" later)
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import asdict, dataclass
+from datetime import datetime, timezone
+
+BASE_VERSION = "round-000000"
+
+
+def round_key(k: int) -> str:
+    return f"round-{k:06d}"
+
+
+def round_index(key: str) -> int:
+    if not key.startswith("round-"):
+        raise ValueError(f"not a round partition key: {key!r} (expected 'round-NNNNNN')")
+    return int(key.split("-", 1)[1])
+
+
+@dataclass
+class LiveDeployment:
+    policy_version: str
+    checkpoint_dir: str
+    export_dir: str
+    model_version: str | None = None  # MLflow registry version
+    deployed_at: str = ""
+
+
+class DeploymentRegistry:
+    def __init__(self, blobs):
+        self.blobs = blobs
+
+    def _get(self, key: str, default=None):
+        if not self.blobs.exists(key):
+            return default
+        return json.loads(self.blobs.get_bytes(key))
+
+    def _put(self, key: str, obj) -> None:
+        self.blobs.put_bytes(key, json.dumps(obj, indent=1, sort_keys=True).encode())
+
+    def live(self) -> LiveDeployment | None:
+        raw = self._get("deploy/live.json")
+        return LiveDeployment(**raw) if raw else None
+
+    def deploy(self, dep: LiveDeployment) -> None:
+        dep.deployed_at = dep.deployed_at or datetime.now(timezone.utc).isoformat()
+        history = self.version_order()
+        if dep.policy_version not in history:
+            history.append(dep.policy_version)
+            self._put("deploy/history.json", history)
+        self._put("deploy/live.json", asdict(dep))
+
+    def version_order(self) -> list[str]:
+        return list(self._get("deploy/history.json", []))
+
+    def record_decision(self, rkey: str, decision: dict) -> None:
+        self._put(f"rounds/{rkey}/decision.json", decision)
+
+    def decision(self, rkey: str) -> dict | None:
+        return self._get(f"rounds/{rkey}/decision.json")
+
+    def update_round(self, rkey: str, **fields) -> dict:
+        """Merge fields into the round's summary document."""
+        cur = self._get(f"rounds/{rkey}/summary.json", {"round": round_index(rkey)})
+        cur.update(fields)
+        self._put(f"rounds/{rkey}/summary.json", cur)
+        return cur
+
+    def round_summaries(self) -> list[dict]:
+        keys = [k for k in self.blobs.list("rounds/") if k.endswith("/summary.json")]
+        return sorted((self._get(k) for k in keys), key=lambda d: d["round"])
+
+    def record_eval(self, policy_version: str, payload: dict) -> None:
+        self._put(f"evals/{policy_version}.json", payload)
+
+    def eval(self, policy_version: str) -> dict | None:
+        return self._get(f"evals/{policy_version}.json")

@@ -1,0 +1,234 @@
+"""The embedded local inference engine (DESIGN.md section 7).
+
+A transformers causal LM (Qwen3 / Qwen3-MoE) with a KV cache and batched temperature/top-k/top-p
+sampling that records, per call, the section-3 fields: exactly the prompt ids consumed, the sampled
+ids, their processed logprobs (vLLM ``processed_logprobs`` semantics) and the processed top-K head.
+
+On CPU the model computes in fp32 whatever dtype the checkpoint stores (bf16 matmuls are ~100x
+slower on these AVX2 machines); the deployment still differs from the trainer through its weights
+(e.g. a dequantised NVFP4 export) and its incremental KV-cache path.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from os import PathLike
+
+import torch
+from torch import Tensor
+
+from prodrl_pipelines.engines.sampling import processed_logprobs, top_logprobs
+from prodrl_pipelines.engines.types import CallRecord, SamplingParams
+
+__all__ = ["LocalEngine", "TOP_LOGPROB_FLOOR"]
+
+# Top-K entries outside the processed support (only when the support is smaller than K) carry -inf;
+# they are recorded as this floor instead, like vLLM's OpenAI server does, so records stay finite.
+TOP_LOGPROB_FLOOR = -9999.0
+
+
+class LocalEngine:
+    """Batched sampling from a transformers causal LM, recording what was consumed and sampled."""
+
+    def __init__(self, model, tokenizer, device: str | torch.device | None = None) -> None:
+        if device is not None:
+            model = model.to(device)
+        self.model = model.eval()
+        self.tokenizer = tokenizer
+        self.device = next(model.parameters()).device
+        self.vocab_size = int(model.get_input_embeddings().weight.shape[0])
+        pad = getattr(tokenizer, "pad_token_id", None)
+        if pad is None:
+            pad = getattr(tokenizer, "eos_token_id", None)
+        self.pad_token_id = int(pad) if pad is not None and 0 <= int(pad) < self.vocab_size else 0
+
+    @classmethod
+    def from_pretrained(
+        cls,
+        model_dir: str | PathLike,
+        device: str | torch.device = "cpu",
+        dtype: torch.dtype | str | None = None,
+    ) -> LocalEngine:
+        """Load an HF checkpoint directory (model + tokenizer).
+
+        ``dtype=None`` computes in fp32 on CPU and keeps the stored dtype elsewhere.
+        """
+        from transformers import AutoModelForCausalLM, AutoTokenizer
+
+        if dtype is None:
+            dtype = torch.float32 if torch.device(device).type == "cpu" else "auto"
+        model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+        return cls(model, tokenizer, device=device)
+
+    # ------------------------------------------------------------------ validation helpers
+
+    def _check_ids(self, seqs: Sequence[Sequence[int]], what: str, allow_empty: bool) -> list[list[int]]:
+        out: list[list[int]] = []
+        for i, seq in enumerate(seqs):
+            try:
+                ids = [int(t) for t in seq]
+            except (TypeError, ValueError) as exc:
+                raise ValueError(f"{what} {i} is not a sequence of integer token ids") from exc
+            if not ids and not allow_empty:
+                raise ValueError(f"{what} {i} is empty: a prompt needs at least one token")
+            bad = [t for t in ids if not 0 <= t < self.vocab_size]
+            if bad:
+                raise ValueError(
+                    f"{what} {i} has token id {bad[0]} outside the vocabulary [0, {self.vocab_size})"
+                )
+            out.append(ids)
+        return out
+
+    def _processed(self, logits: Tensor, params: SamplingParams) -> Tensor:
+        return processed_logprobs(logits, params.temperature, params.top_k, params.top_p)
+
+    # ------------------------------------------------------------------ generation
+
+    @torch.inference_mode()
+    def generate(
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams,
+        seed: int | None = None,
+    ) -> list[CallRecord]:
+        """Sample one continuation per prompt; one ``CallRecord`` per prompt, in order.
+
+        The batch is left-padded and prefilled once; decoding then feeds one token per step through
+        the KV cache. Rows that sampled a stop token leave the batch (and the cache). Sampling uses a
+        ``torch.Generator`` seeded by ``seed``, so the same inputs and seed give the same outputs.
+        """
+        from transformers import DynamicCache
+
+        if len(prompts) == 0:
+            return []
+        prompts = self._check_ids(prompts, "prompt", allow_empty=False)
+        n = len(prompts)
+        dev = self.device
+        lens = torch.tensor([len(p) for p in prompts], dtype=torch.long)
+        width = int(lens.max())
+        input_ids = torch.full((n, width), self.pad_token_id, dtype=torch.long)
+        attn = torch.zeros((n, width), dtype=torch.long)
+        for i, p in enumerate(prompts):
+            input_ids[i, width - len(p) :] = torch.tensor(p, dtype=torch.long)
+            attn[i, width - len(p) :] = 1
+        input_ids, attn = input_ids.to(dev), attn.to(dev)
+        position_ids = (attn.cumsum(-1) - 1).clamp_(min=0)
+
+        gen = torch.Generator(device=dev)
+        if seed is None:
+            gen.seed()
+        else:
+            gen.manual_seed(int(seed))
+        stop = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=dev)
+        k = params.num_top_logprobs
+
+        cache = DynamicCache(config=self.model.config)
+        out = self.model(
+            input_ids=input_ids,
+            attention_mask=attn,
+            position_ids=position_ids,
+            past_key_values=cache,
+            use_cache=True,
+            logits_to_keep=1,
+        )
+        logits = out.logits[:, -1, :]
+        active = torch.arange(n, device=dev)  # original row of each batch row
+        next_pos = lens.to(dev)
+
+        steps: list[tuple[Tensor, ...]] = []
+        for step in range(params.max_tokens):
+            proc = self._processed(logits, params)
+            tok = torch.multinomial(proc.exp(), 1, generator=gen)  # [b, 1]
+            tok_lp = proc.gather(-1, tok).squeeze(-1)
+            tok = tok.squeeze(-1)
+            top_ids, top_lps, complete = top_logprobs(proc, k)
+            finished = torch.isin(tok, stop) if stop.numel() else torch.zeros_like(tok, dtype=torch.bool)
+            steps.append((active, tok, tok_lp, top_ids, top_lps, complete, finished))
+            if step == params.max_tokens - 1:
+                break
+            keep = ~finished
+            if not bool(keep.any()):
+                break
+            if not bool(keep.all()):
+                idx = keep.nonzero().squeeze(-1)
+                cache.batch_select_indices(idx)
+                attn, active, tok, next_pos = attn[idx], active[idx], tok[idx], next_pos[idx]
+            attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=-1)
+            out = self.model(
+                input_ids=tok.unsqueeze(-1),
+                attention_mask=attn,
+                position_ids=next_pos.unsqueeze(-1),
+                past_key_values=cache,
+                use_cache=True,
+            )
+            logits = out.logits[:, -1, :]
+            next_pos = next_pos + 1
+
+        out_ids: list[list[int]] = [[] for _ in range(n)]
+        out_lps: list[list[float]] = [[] for _ in range(n)]
+        heads_ids: list[list[list[int]]] = [[] for _ in range(n)]
+        heads_lps: list[list[list[float]]] = [[] for _ in range(n)]
+        complete_all = [True] * n
+        stopped = [False] * n
+        for active_s, tok_s, lp_s, tid_s, tlp_s, comp_s, fin_s in steps:
+            tlp_s = tlp_s.clamp(min=TOP_LOGPROB_FLOOR)
+            for row, t, lp, tid, tlp, c, f in zip(
+                active_s.tolist(), tok_s.tolist(), lp_s.tolist(), tid_s.tolist(), tlp_s.tolist(),
+                comp_s.tolist(), fin_s.tolist(),
+            ):
+                out_ids[row].append(t)
+                out_lps[row].append(lp)
+                heads_ids[row].append(tid)
+                heads_lps[row].append(tlp)
+                complete_all[row] = complete_all[row] and c
+                stopped[row] = stopped[row] or f
+
+        return [
+            CallRecord(
+                prompt_token_ids=prompts[i],
+                output_token_ids=out_ids[i],
+                output_logprobs=out_lps[i],
+                top_token_ids=heads_ids[i],
+                top_logprobs=heads_lps[i],
+                support_complete=complete_all[i],
+                finish_reason="stop" if stopped[i] else "length",
+                output_text=self._decode(out_ids[i]),
+            )
+            for i in range(n)
+        ]
+
+    def _decode(self, ids: list[int]) -> str:
+        if self.tokenizer is None:
+            return ""
+        return self.tokenizer.decode(ids, skip_special_tokens=False)
+
+    # ------------------------------------------------------------------ re-scoring
+
+    @torch.inference_mode()
+    def score(
+        self,
+        prompts: Sequence[Sequence[int]],
+        outputs: Sequence[Sequence[int]],
+        params: SamplingParams,
+    ) -> list[list[float]]:
+        """Processed logprobs of each output token given its prompt and the earlier output tokens.
+
+        One full forward pass per (prompt, output) pair, unpadded and without a KV cache: an
+        independent path to check what ``generate`` recorded.
+        """
+        if len(prompts) != len(outputs):
+            raise ValueError(f"got {len(prompts)} prompts but {len(outputs)} outputs")
+        prompts = self._check_ids(prompts, "prompt", allow_empty=False)
+        outputs = self._check_ids(outputs, "output", allow_empty=True)
+        result: list[list[float]] = []
+        for p, o in zip(prompts, outputs):
+            if not o:
+                result.append([])
+                continue
+            ids = torch.tensor([p + o], dtype=torch.long, device=self.device)
+            logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=len(o) + 1).logits[0, :-1]
+            proc = self._processed(logits, params)
+            target = torch.tensor(o, dtype=torch.long, device=self.device).unsqueeze(-1)
+            result.append(proc.gather(-1, target).squeeze(-1).tolist())
+        return result

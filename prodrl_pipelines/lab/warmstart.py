@@ -1,0 +1,187 @@
+"""Supervised warm start of the lab policy and the base-checkpoint builder.
+
+The warm start trains on correct chat transcripts with the loss on assistant tokens only (the answer
+digits and the closing ``<|im_end|>``), tokenized exactly as the serving path renders prompts. It is
+deliberately short: the base policy should succeed often enough for RL to get signal, and fail
+often enough for RL to have room (held-out reward roughly 0.25-0.55 at temperature 1).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import time
+from pathlib import Path
+
+import torch
+from tqdm.auto import tqdm
+
+from prodrl_pipelines.lab import arithmetic
+from prodrl_pipelines.lab.arithmetic import ArithmeticTask
+from prodrl_pipelines.lab.model import build_model, lab_model_config
+from prodrl_pipelines.lab.tokenizer import IM_END, IM_START, build_tokenizer
+
+IGNORE_INDEX = -100
+
+# Tuned defaults per size: SFT steps, batch size, peak lr, number of distinct training tasks.
+SFT_DEFAULTS: dict[str, dict] = {
+    "tiny": dict(steps=20, batch_size=16, lr=3e-3, n_tasks=512),
+    "demo": dict(steps=300, batch_size=64, lr=3e-3, n_tasks=20000),
+}
+
+
+class _Encoder:
+    """Tokenizes conversations piecewise, identical to rendering the chat template and tokenizing."""
+
+    def __init__(self, tokenizer) -> None:
+        self.tok = tokenizer
+        self.im_start = int(tokenizer.convert_tokens_to_ids(IM_START))
+        self.im_end = int(tokenizer.convert_tokens_to_ids(IM_END))
+        self.nl = self._enc("\n")
+        self._role = {}
+
+    def _enc(self, text: str) -> list[int]:
+        return list(self.tok.encode(text, add_special_tokens=False))
+
+    def header(self, role: str) -> list[int]:
+        if role not in self._role:
+            self._role[role] = [self.im_start] + self._enc(role) + self.nl
+        return self._role[role]
+
+    def encode(self, messages: list[dict]) -> tuple[list[int], list[int]]:
+        """``(input_ids, labels)`` with labels = ids on assistant content + ``<|im_end|>``, else ignored."""
+        ids: list[int] = []
+        labels: list[int] = []
+        for m in messages:
+            head = self.header(m["role"])
+            body = self._enc(m["content"]) + [self.im_end]
+            ids += head + body + self.nl
+            if m["role"] == "assistant":
+                labels += [IGNORE_INDEX] * len(head) + body + [IGNORE_INDEX] * len(self.nl)
+            else:
+                labels += [IGNORE_INDEX] * (len(head) + len(body) + len(self.nl))
+        return ids, labels
+
+
+def sft_example(tokenizer, task: ArithmeticTask) -> tuple[list[int], list[int]]:
+    """The supervised example of one task: its correct transcript and the assistant-token labels."""
+    return _Encoder(tokenizer).encode(arithmetic.reference_messages(task))
+
+
+def _collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
+    width = max(len(ids) for ids, _ in examples)
+    n = len(examples)
+    input_ids = torch.full((n, width), pad_id, dtype=torch.long)
+    labels = torch.full((n, width), IGNORE_INDEX, dtype=torch.long)
+    attn = torch.zeros((n, width), dtype=torch.long)
+    for i, (ids, lab) in enumerate(examples):
+        input_ids[i, : len(ids)] = torch.tensor(ids)
+        labels[i, : len(lab)] = torch.tensor(lab)
+        attn[i, : len(ids)] = 1
+    return {"input_ids": input_ids, "labels": labels, "attention_mask": attn}
+
+
+def _lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
+    """Linear warmup then cosine decay to 10% of the peak."""
+    if step < warmup:
+        return peak * (step + 1) / warmup
+    frac = (step - warmup) / max(steps - warmup, 1)
+    return peak * (0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * frac)))
+
+
+def warm_start(
+    model: torch.nn.Module,
+    tokenizer,
+    tasks: list[ArithmeticTask],
+    steps: int,
+    batch_size: int,
+    lr: float,
+    seed: int,
+    *,
+    progress: bool = True,
+) -> dict:
+    """Supervised fine-tuning on correct transcripts of ``tasks``, loss on assistant tokens only.
+
+    AdamW (weight decay 0.01), linear warmup + cosine decay, grad-norm clip 1.0; each step draws
+    ``batch_size`` tasks from ``tasks`` with an RNG seeded by ``seed``. Returns metrics
+    (``loss_first``, ``loss_last`` averaged over the last 10 steps, ``seconds``, ``tokens``).
+    """
+    enc = _Encoder(tokenizer)
+    examples = [enc.encode(arithmetic.reference_messages(t)) for t in tasks]
+    pad_id = int(tokenizer.pad_token_id)
+    rng = random.Random(f"warm_start:{seed}")
+    gen = torch.Generator().manual_seed(int(seed))  # noqa: F841  (reserved: dropout is off)
+    opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
+    warmup = max(1, min(20, steps // 10))
+    model.train()
+    losses: list[float] = []
+    n_tokens = 0
+    t0 = time.perf_counter()
+    bar = tqdm(range(steps), desc="warm start (SFT)", disable=not progress, leave=False)
+    for step in bar:
+        batch = _collate([examples[rng.randrange(len(examples))] for _ in range(batch_size)], pad_id)
+        for g in opt.param_groups:
+            g["lr"] = _lr_at(step, steps, lr, warmup)
+        out = model(**batch, use_cache=False)
+        loss = out.loss
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), 1.0)
+        opt.step()
+        losses.append(float(loss.detach()))
+        n_tokens += int(batch["attention_mask"].sum())
+        if step % 10 == 0 or step == steps - 1:
+            bar.set_postfix(loss=f"{losses[-1]:.3f}")
+    model.eval()
+    tail = losses[-10:] if losses else [float("nan")]
+    return {
+        "steps": steps,
+        "batch_size": batch_size,
+        "lr": lr,
+        "loss_first": losses[0] if losses else float("nan"),
+        "loss_last": sum(tail) / len(tail),
+        "seconds": time.perf_counter() - t0,
+        "tokens": n_tokens,
+    }
+
+
+def build_base_policy(
+    out_dir: str | Path,
+    size: str = "demo",
+    seed: int = 0,
+    sft_steps: int | None = None,
+    *,
+    progress: bool = True,
+) -> Path:
+    """Build the lab tokenizer and model, warm-start it, save an HF checkpoint directory.
+
+    The directory holds ``config.json``, ``model.safetensors``, ``generation_config.json``, the
+    tokenizer files (with the chat template) and ``warm_start.json`` (the SFT metrics). Deterministic
+    given ``seed`` (same seed -> identical weights).
+    """
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    cfg = SFT_DEFAULTS[size]
+    steps = cfg["steps"] if sft_steps is None else int(sft_steps)
+    torch_threads = torch.get_num_threads()
+    tok = build_tokenizer()
+    config = lab_model_config(
+        size,
+        vocab_size=len(tok),
+        pad_token_id=int(tok.pad_token_id),
+        eos_token_id=int(tok.eos_token_id),
+    )
+    model = build_model(config, seed=seed)
+    tasks = arithmetic.generate_tasks(cfg["n_tasks"], seed=seed)
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(seed)
+        metrics = warm_start(
+            model, tok, tasks, steps=steps, batch_size=cfg["batch_size"], lr=cfg["lr"], seed=seed,
+            progress=progress,
+        )
+    model.save_pretrained(out, safe_serialization=True)
+    tok.save_pretrained(out)
+    meta = {"size": size, "seed": seed, "torch_threads": torch_threads, **metrics}
+    (out / "warm_start.json").write_text(json.dumps(meta, indent=2) + "\n")
+    return out

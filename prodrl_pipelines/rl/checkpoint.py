@@ -1,0 +1,97 @@
+"""Trainer checkpoints: a normal Hugging Face directory plus the state that carries across rounds.
+
+``trainer_state.pt`` holds the Adam state, the global step (learning-rate schedule position) and
+the baseline state, so the loop is one long training run, not a series of restarts.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+import torch
+
+from prodrl_pipelines.rl.advantages import BaselineState
+
+TRAINER_STATE = "trainer_state.pt"
+
+
+class CheckpointError(FileNotFoundError):
+    """A checkpoint that is missing or incomplete; the message names the path."""
+
+
+@dataclass
+class TrainerState:
+    global_step: int = 0
+    rounds_trained: int = 0
+    baseline: BaselineState = field(default_factory=BaselineState)
+    optimizer: dict | None = None
+
+
+def atomic_directory(final: Path):
+    """Context manager yielding a temp dir that replaces ``final`` only if the block succeeds."""
+
+    class _Atomic:
+        def __enter__(self_inner) -> Path:
+            final.parent.mkdir(parents=True, exist_ok=True)
+            self_inner.tmp = final.parent / f".{final.name}.tmp-{uuid.uuid4().hex[:8]}"
+            self_inner.tmp.mkdir()
+            return self_inner.tmp
+
+        def __exit__(self_inner, exc_type, exc, tb):
+            if exc_type is not None:
+                shutil.rmtree(self_inner.tmp, ignore_errors=True)
+                return False
+            if final.exists():  # re-materialisation: replace the previous attempt as a whole
+                old = final.parent / f".{final.name}.old-{uuid.uuid4().hex[:8]}"
+                os.replace(final, old)
+                os.replace(self_inner.tmp, final)
+                shutil.rmtree(old, ignore_errors=True)
+            else:
+                os.replace(self_inner.tmp, final)
+            return False
+
+    return _Atomic()
+
+
+def save_checkpoint(path: Path, model, tokenizer, optimizer: torch.optim.Optimizer | None, state: TrainerState) -> Path:
+    path = Path(path)
+    with atomic_directory(path) as tmp:
+        model.save_pretrained(tmp, safe_serialization=True)
+        tokenizer.save_pretrained(tmp)
+        payload = {
+            "global_step": state.global_step,
+            "rounds_trained": state.rounds_trained,
+            "baseline": asdict(state.baseline),
+            "optimizer": optimizer.state_dict() if optimizer is not None else state.optimizer,
+        }
+        torch.save(payload, tmp / TRAINER_STATE)
+    return path
+
+
+def load_policy(path: Path, dtype: torch.dtype = torch.float32):
+    """Load model and tokenizer of a checkpoint/export directory, computing in ``dtype``."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise CheckpointError(f"no checkpoint at {path} (config.json missing)")
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
+
+
+def load_trainer_state(path: Path) -> TrainerState:
+    f = Path(path) / TRAINER_STATE
+    if not f.exists():
+        return TrainerState()  # a base policy that was never RL-trained
+    raw = torch.load(f, map_location="cpu", weights_only=False)
+    return TrainerState(
+        global_step=int(raw["global_step"]),
+        rounds_trained=int(raw.get("rounds_trained", 0)),
+        baseline=BaselineState(**raw.get("baseline", {})),
+        optimizer=raw.get("optimizer"),
+    )

@@ -1,0 +1,61 @@
+"""Typed training recipe (DESIGN.md section 4 defaults), validated before any work starts."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+
+class RecipeError(ValueError):
+    """A recipe setting that cannot work; the message names the setting."""
+
+
+class Recipe(BaseModel):
+    """One round's training recipe. Defaults match DESIGN.md."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    steps_per_round: int = Field(8, ge=1, description="S: Adam steps per round (one per minibatch)")
+    batch_size: int = Field(16, ge=2, description="B: trajectories per minibatch")
+    learning_rate: float = Field(3e-4, gt=0)
+    adam_betas: tuple[float, float] = (0.9, 0.99)
+    weight_decay: float = Field(0.0, ge=0)
+    grad_clip: float = Field(1.0, gt=0)
+    correction: str = "none"
+    baseline: str = "loo"
+    normalize_adv_std: bool = False
+    ema_decay: float = Field(0.9, ge=0, lt=1)
+    kl_beta: float = Field(0.0, ge=0)
+    max_policy_lag: Literal[0, 1] = 0
+    replay: Literal["recorded", "retokenized"] = "recorded"
+    seed: int = 0
+
+    @field_validator("correction")
+    @classmethod
+    def _known_correction(cls, v: str) -> str:
+        from prodrl_pipelines.rl.losses import POLICY_CORRECTIONS
+
+        if v not in POLICY_CORRECTIONS:
+            raise ValueError(f"unknown correction {v!r}; known: {sorted(POLICY_CORRECTIONS)}")
+        return v
+
+    @field_validator("baseline")
+    @classmethod
+    def _known_baseline(cls, v: str) -> str:
+        from prodrl_pipelines.rl.advantages import BASELINES
+
+        if v not in BASELINES:
+            raise ValueError(f"unknown baseline {v!r}; known: {sorted(BASELINES)}")
+        return v
+
+    @model_validator(mode="after")
+    def _loo_needs_two(self) -> "Recipe":
+        if self.baseline == "loo" and self.steps_per_round * self.batch_size < 2:
+            raise ValueError("baseline 'loo' needs at least 2 trajectories per round")
+        return self
+
+    @property
+    def trajectories_per_round(self) -> int:
+        """S*B: each trajectory is used once per round."""
+        return self.steps_per_round * self.batch_size

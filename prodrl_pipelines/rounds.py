@@ -1,0 +1,308 @@
+"""The steps of one prod-RL round, free of Dagster: each asset calls exactly one of these.
+
+select -> batch -> train -> export -> evaluate -> gate -> deploy. Every step reads its inputs
+from the stores by round key and writes its outputs back, so any step can be re-run alone and a
+crashed round can be resumed from the last finished step.
+"""
+
+from __future__ import annotations
+
+import io
+import json
+import shutil
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
+
+from prodrl_pipelines.deployment import BASE_VERSION, DeploymentRegistry, LiveDeployment, round_index
+from prodrl_pipelines.gate import GateDecision, count_nonfinite, decide, mean_confidence_interval
+from prodrl_pipelines.settings import Settings
+from prodrl_pipelines.tracking import Lineage
+
+
+class RoundError(RuntimeError):
+    """A round cannot proceed; the message says which input or setting is at fault."""
+
+
+@dataclass
+class Services:
+    settings: Settings
+    blobs: object
+    lineage: Lineage | None = None
+
+    @property
+    def registry(self) -> DeploymentRegistry:
+        return DeploymentRegistry(self.blobs)
+
+    @property
+    def store(self):
+        from prodrl_pipelines.trajectories.store import TrajectoryStore
+
+        return TrajectoryStore(self.blobs)
+
+    def live(self) -> LiveDeployment:
+        live = self.registry.live()
+        if live is None:
+            raise RoundError(
+                "no live deployment: bootstrap the round-0 policy first (asset `base_policy` or `prodrl lab init`)"
+            )
+        if not (Path(live.checkpoint_dir) / "config.json").exists():
+            raise RoundError(f"live checkpoint {live.policy_version} is missing at {live.checkpoint_dir}")
+        return live
+
+
+def round_seed(settings: Settings, rkey: str) -> int:
+    return settings.recipe.seed * 1_000_003 + round_index(rkey)
+
+
+def _vocab_size(checkpoint_dir: str) -> int:
+    return int(json.loads((Path(checkpoint_dir) / "config.json").read_text())["vocab_size"])
+
+
+def _put_table(blobs, key: str, table: pa.Table) -> None:
+    buf = io.BytesIO()
+    pq.write_table(table, buf)
+    blobs.put_bytes(key, buf.getvalue())
+
+
+def _get_table(blobs, key: str) -> pa.Table:
+    if not blobs.exists(key):
+        raise RoundError(f"{key} is missing: materialise the upstream asset of this round first")
+    return pq.read_table(io.BytesIO(blobs.get_bytes(key)))
+
+
+def _put_json(blobs, key: str, obj) -> None:
+    blobs.put_bytes(key, json.dumps(obj, indent=1).encode())
+
+
+def _get_json(blobs, key: str):
+    if not blobs.exists(key):
+        raise RoundError(f"{key} is missing: materialise the upstream asset of this round first")
+    return json.loads(blobs.get_bytes(key))
+
+
+# --- 1. recorded_trajectories -------------------------------------------------------------
+def select_data(svc: Services, rkey: str) -> dict:
+    from prodrl_pipelines.trajectories.selection import select_round_dataset
+
+    s, live = svc.settings, svc.live()
+    sel = select_round_dataset(
+        svc.store, rkey, live_version=live.policy_version, version_order=svc.registry.version_order(),
+        max_policy_lag=s.recipe.max_policy_lag, n_required=s.recipe.trajectories_per_round,
+        vocab_size=_vocab_size(live.checkpoint_dir), seed=round_seed(s, rkey),
+    )
+    ds = sel.dataset
+    _put_table(svc.blobs, f"rounds/{rkey}/dataset.parquet", ds)
+    rewards = np.asarray(ds.group_by("trajectory_id").aggregate([("reward", "max")])["reward_max"])
+    versions = sorted(set(ds["policy_version"].to_pylist()))
+    gen_tokens = int(sum(len(x) for x in ds["output_token_ids"].to_pylist()))
+    stats = {
+        "live_version": live.policy_version, "data_versions": versions,
+        "num_trajectories": len(rewards), "num_calls": ds.num_rows, "generated_tokens": gen_tokens,
+        "eligible": sel.n_eligible, "quarantined": sel.n_quarantined,
+        "quarantine_reasons": dict(sel.quarantined_counts),
+        "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+    }
+    svc.registry.update_round(rkey, num_trajectories=len(rewards), data_reward_mean=stats["reward_mean"],
+                              quarantined=sel.n_quarantined)
+    return stats
+
+
+# --- 2. training_batch ----------------------------------------------------------------------
+def build_batch(svc: Services, rkey: str) -> dict:
+    from prodrl_pipelines.rl.batch import trajectories_from_table
+    from prodrl_pipelines.rl.checkpoint import load_trainer_state
+    from prodrl_pipelines.rl.trainer import plan_minibatches, round_advantages
+
+    s, live = svc.settings, svc.live()
+    trajs = trajectories_from_table(_get_table(svc.blobs, f"rounds/{rkey}/dataset.parquet"))
+    state = load_trainer_state(Path(live.checkpoint_dir))
+    adv = round_advantages(trajs, s.recipe, state)
+    plan = plan_minibatches(trajs, s.recipe, round_seed(s, rkey))
+    batch = {
+        "trajectory_ids": [t.trajectory_id for t in trajs],
+        "advantages": adv.tolist(),
+        "plan": plan,
+        "baseline_state": asdict(state.baseline),
+        "recipe": s.recipe.model_dump(),
+    }
+    _put_json(svc.blobs, f"rounds/{rkey}/batch.json", batch)
+    nz = float(np.mean(adv != 0))
+    return {
+        "steps": len(plan), "batch_size": s.recipe.batch_size, "baseline": s.recipe.baseline,
+        "adv_mean": float(adv.mean()), "adv_std": float(adv.std()), "adv_nonzero_frac": nz,
+        "generated_tokens_per_traj": float(np.mean([t.num_generated for t in trajs])),
+    }
+
+
+# --- 3. trained_checkpoint ------------------------------------------------------------------
+def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None = None, progress: bool = True) -> dict:
+    import torch
+
+    from prodrl_pipelines.rl.advantages import BaselineState
+    from prodrl_pipelines.rl.batch import trajectories_from_table
+    from prodrl_pipelines.rl.checkpoint import load_policy, load_trainer_state, save_checkpoint
+    from prodrl_pipelines.rl.trainer import build_optimizer, train_round
+
+    s, live = svc.settings, svc.live()
+    batch = _get_json(svc.blobs, f"rounds/{rkey}/batch.json")
+    trajs = {t.trajectory_id: t for t in trajectories_from_table(_get_table(svc.blobs, f"rounds/{rkey}/dataset.parquet"))}
+    trajs = [trajs[i] for i in batch["trajectory_ids"]]
+    model, tokenizer = load_policy(Path(live.checkpoint_dir), dtype=torch.float32)
+    state = load_trainer_state(Path(live.checkpoint_dir))
+    state.baseline = BaselineState(**batch["baseline_state"])
+    opt = build_optimizer(model, s.recipe, state)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    res = train_round(model, opt, trajs, np.asarray(batch["advantages"]), batch["plan"], s.recipe, state,
+                      pad_id, round_seed(s, rkey), on_step=on_step, progress=progress)
+    out = s.checkpoints_root / rkey
+    save_checkpoint(out, model, tokenizer, opt, state)
+    _put_json(svc.blobs, f"rounds/{rkey}/train_steps.json", res.steps)
+    svc.registry.update_round(rkey, mismatch_abs_logp=res.mismatch_abs_logp, trained_from=live.policy_version)
+    done = [m for m in res.steps if not m.get("skipped")]
+    return {
+        "checkpoint_dir": str(out), "trained_from": live.policy_version, "global_step": state.global_step,
+        "steps_taken": len(done), "steps_skipped": res.skipped_steps,
+        "mismatch_abs_logp": res.mismatch_abs_logp,
+        "final_loss": done[-1]["loss"] if done else float("nan"),
+        "mean_grad_norm": float(np.mean([m["grad_norm"] for m in done])) if done else float("nan"),
+        "tokens_per_s": float(np.mean([m["tokens_per_s"] for m in done])) if done else float("nan"),
+        "steps": res.steps,
+    }
+
+
+# --- 4. exported_policy -----------------------------------------------------------------------
+def export(svc: Services, rkey: str) -> dict:
+    from prodrl_pipelines.quant.bf16 import export_bf16
+
+    src = svc.settings.checkpoints_root / rkey
+    if not (src / "config.json").exists():
+        raise RoundError(f"trained checkpoint of {rkey} is missing at {src}: materialise trained_checkpoint")
+    return export_bf16(src, svc.settings.exports_root / rkey)
+
+
+# --- 5. heldout_eval ----------------------------------------------------------------------------
+def evaluate_policy(settings: Settings, export_dir: Path, policy_version: str) -> dict:
+    """Held-out reward per task of one exported policy, served as the deployment would serve it."""
+    from prodrl_pipelines.engines.local import LocalEngine
+    from prodrl_pipelines.lab.arithmetic import heldout_tasks
+    from prodrl_pipelines.lab.episodes import run_episodes
+
+    engine = LocalEngine.from_pretrained(export_dir)
+    tok = engine.tokenizer
+    tasks = heldout_tasks(settings.eval.heldout_size)
+    params = settings.deploy.sampling(stop_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),))
+    eps = run_episodes(engine, tok, tasks, params, policy_version, seed=settings.eval.eval_seed)
+    rewards = [float(r) for r in eps.rewards]
+    mean, ci = mean_confidence_interval(np.asarray(rewards))
+    return {"policy_version": policy_version, "task_ids": [t.task_id for t in tasks], "rewards": rewards,
+            "mean": mean, "ci95": ci}
+
+
+def evaluate(svc: Services, rkey: str) -> dict:
+    s, live = svc.settings, svc.live()
+    export_dir = s.exports_root / rkey
+    cand, smoke_error = None, ""
+    try:
+        cand = evaluate_policy(s, export_dir, rkey)
+    except Exception as e:  # noqa: BLE001 - a candidate that cannot serve is a gate failure, not a crash
+        smoke_error = f"{type(e).__name__}: {e}"
+    live_eval = svc.registry.eval(live.policy_version)
+    if live_eval is None or (cand is not None and live_eval["task_ids"] != cand["task_ids"]):
+        live_eval = evaluate_policy(s, Path(live.export_dir), live.policy_version)
+        svc.registry.record_eval(live.policy_version, live_eval)
+    if cand is not None:
+        svc.registry.record_eval(rkey, cand)
+    result = {"candidate": cand, "live": live_eval, "smoke_error": smoke_error, "live_version": live.policy_version}
+    _put_json(svc.blobs, f"rounds/{rkey}/heldout.json", result)
+    if cand is not None:
+        svc.registry.update_round(rkey, heldout_reward=cand["mean"], heldout_reward_ci=cand["ci95"],
+                                  live_heldout_reward=live_eval["mean"])
+    return result
+
+
+# --- 6. deployment_gate -----------------------------------------------------------------------
+def gate(svc: Services, rkey: str) -> GateDecision:
+    from safetensors.torch import load_file
+
+    s = svc.settings
+    ev = _get_json(svc.blobs, f"rounds/{rkey}/heldout.json")
+    nonfinite: dict[str, int] = {}
+    for f in sorted((s.exports_root / rkey).glob("*.safetensors")):
+        nonfinite.update(count_nonfinite(load_file(f)))
+    cand = ev["candidate"]
+    live = ev["live"]
+    smoke_ok = cand is not None and not ev["smoke_error"]
+    d = decide(
+        np.asarray(cand["rewards"]) if cand else np.asarray([]),
+        np.asarray(live["rewards"]) if cand else np.asarray([]),
+        tolerance=s.eval.gate_tolerance, z=s.eval.gate_z, nonfinite=nonfinite, smoke_ok=smoke_ok,
+        smoke_error=ev["smoke_error"],
+    )
+    svc.registry.record_decision(rkey, {**asdict(d), "deployed": False})
+    svc.registry.update_round(rkey, gate_passed=d.passed, gate_reasons=d.reasons, deployed=False)
+    return d
+
+
+# --- 7. deployment ------------------------------------------------------------------------------
+def deploy(svc: Services, rkey: str, model_version: str | None = None) -> LiveDeployment:
+    s = svc.settings
+    decision = svc.registry.decision(rkey)
+    if not decision or not decision["passed"]:
+        raise RoundError(f"{rkey} has no passing gate decision; refusing to deploy")
+    dep = LiveDeployment(policy_version=rkey, checkpoint_dir=str(s.checkpoints_root / rkey),
+                         export_dir=str(s.exports_root / rkey), model_version=model_version)
+    svc.registry.deploy(dep)
+    svc.registry.record_decision(rkey, {**decision, "deployed": True})
+    svc.registry.update_round(rkey, deployed=True, policy_version=rkey)
+    return dep
+
+
+# --- round 0 ----------------------------------------------------------------------------------
+def bootstrap_base_policy(svc: Services, progress: bool = True) -> dict:
+    """Build the lab base policy, export it, evaluate it and make it the live deployment."""
+    from prodrl_pipelines.lab.warmstart import build_base_policy
+    from prodrl_pipelines.quant.bf16 import export_bf16
+
+    s = svc.settings
+    ckpt = s.checkpoints_root / BASE_VERSION
+    if not (ckpt / "config.json").exists():
+        tmp = s.checkpoints_root / f".{BASE_VERSION}.build"
+        shutil.rmtree(tmp, ignore_errors=True)
+        build_base_policy(tmp, size=s.lab.size, seed=s.lab.seed, sft_steps=s.lab.sft_steps)
+        tmp.rename(ckpt)
+    exp = export_bf16(ckpt, s.exports_root / BASE_VERSION)
+    ev = evaluate_policy(s, s.exports_root / BASE_VERSION, BASE_VERSION)
+    svc.registry.record_eval(BASE_VERSION, ev)
+    dep = LiveDeployment(BASE_VERSION, str(ckpt), str(s.exports_root / BASE_VERSION))
+    svc.registry.deploy(dep)
+    svc.registry.update_round(BASE_VERSION, heldout_reward=ev["mean"], heldout_reward_ci=ev["ci95"],
+                              gate_passed=True, deployed=True, policy_version=BASE_VERSION, num_trajectories=0)
+    return {"checkpoint_dir": str(ckpt), "export": exp, "heldout_reward": ev["mean"], "heldout_ci95": ev["ci95"]}
+
+
+# --- sensor ---------------------------------------------------------------------------------
+def next_round_decision(svc: Services, existing_rounds: list[str], in_flight: bool) -> tuple[str | None, str]:
+    """(round key to start, reason). Starts round k+1 only when round k finished and S*B data exists."""
+    from prodrl_pipelines.deployment import round_key
+    from prodrl_pipelines.trajectories.selection import count_eligible
+
+    live = svc.registry.live()
+    if live is None:
+        return None, "no live deployment yet (materialise base_policy)"
+    if in_flight:
+        return None, "a round is in flight"
+    latest = max(existing_rounds, key=round_index) if existing_rounds else None
+    if latest is not None and svc.registry.decision(latest) is None:
+        return None, f"{latest} has not finished (no gate decision yet); re-run it if its run failed"
+    need = svc.settings.recipe.trajectories_per_round
+    n = count_eligible(svc.store, live.policy_version, svc.registry.version_order(),
+                       svc.settings.recipe.max_policy_lag, _vocab_size(live.checkpoint_dir))
+    if n < need:
+        return None, f"{n}/{need} eligible rewarded trajectories from {live.policy_version}"
+    nxt = round_key((round_index(latest) if latest else 0) + 1)
+    return nxt, f"{n} eligible trajectories >= S*B = {need}"

@@ -1,0 +1,73 @@
+"""Everything a prod-RL loop is configured with, typed and validated before any work starts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from pydantic import BaseModel, ConfigDict, Field
+
+from prodrl_pipelines.engines.types import SamplingParams
+from prodrl_pipelines.rl.config import Recipe
+
+
+class DeploySettings(BaseModel):
+    """Sampling parameters the deployment serves with (recorded with every call)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    max_tokens: int = Field(8, ge=1)
+    num_top_logprobs: int = Field(8, ge=1, le=20)
+
+    def sampling(self, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.max_tokens,
+                              self.num_top_logprobs, tuple(stop_token_ids))
+
+
+class EvalSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    heldout_size: int = Field(256, ge=2)
+    eval_seed: int = 1234
+    gate_tolerance: float = Field(0.05, ge=0)
+    gate_z: float = Field(1.645, gt=0, description="one-sided 95% paired bound")
+
+
+class LabSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    size: str = "demo"
+    seed: int = 0
+    sft_steps: int | None = None
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    home: str = ".prodrl"
+    recipe: Recipe = Recipe()
+    deploy: DeploySettings = DeploySettings()
+    eval: EvalSettings = EvalSettings()
+    lab: LabSettings = LabSettings()
+
+    @property
+    def home_path(self) -> Path:
+        return Path(self.home).resolve()
+
+    @property
+    def store_root(self) -> Path:
+        return self.home_path / "store"
+
+    @property
+    def checkpoints_root(self) -> Path:
+        return self.home_path / "checkpoints"
+
+    @property
+    def exports_root(self) -> Path:
+        return self.home_path / "exports"
+
+    @property
+    def mlflow_uri(self) -> str:
+        return f"sqlite:///{self.home_path / 'mlflow.db'}"
+
+    @property
+    def mlflow_artifacts(self) -> str:
+        return (self.home_path / "mlartifacts").as_uri()

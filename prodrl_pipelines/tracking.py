@@ -1,0 +1,112 @@
+"""MLflow lineage: one run per round, a registered model version per candidate, and aliases.
+
+`challenger` moves to every candidate; `champion` only to a deployed one. Checkpoints that already
+live in a store are registered by URI (``create_model_version(source=...)``), never copied.
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+from pathlib import Path
+
+from mlflow.entities import Metric, Param
+from mlflow.exceptions import MlflowException
+from mlflow.tracking import MlflowClient
+
+ROUND_TAG = "prodrl.round"
+CHALLENGER = "challenger"
+CHAMPION = "champion"
+
+
+class Lineage:
+    def __init__(self, tracking_uri: str, experiment: str = "prodrl", model_name: str = "prodrl-policy",
+                 artifact_location: str | None = None, registry_uri: str | None = None):
+        self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri or tracking_uri)
+        self.tracking_uri = tracking_uri
+        self.model_name = model_name
+        exp = self.client.get_experiment_by_name(experiment)
+        if exp is None:
+            try:
+                self.experiment_id = self.client.create_experiment(experiment, artifact_location=artifact_location)
+            except MlflowException:  # created concurrently by another process
+                self.experiment_id = self.client.get_experiment_by_name(experiment).experiment_id
+        else:
+            self.experiment_id = exp.experiment_id
+
+    # --- runs -----------------------------------------------------------------------------
+    def round_run(self, round_key: str, params: dict | None = None) -> str:
+        """The run of this round (re-materialising a round reuses it)."""
+        found = self.client.search_runs(
+            [self.experiment_id], filter_string=f"tags.`{ROUND_TAG}` = '{round_key}'", max_results=1
+        )
+        if found:
+            return found[0].info.run_id
+        run = self.client.create_run(self.experiment_id, run_name=round_key, tags={ROUND_TAG: round_key})
+        if params:
+            self.client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in params.items()])
+        return run.info.run_id
+
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int) -> None:
+        import time
+
+        ts = int(time.time() * 1000)
+        self.client.log_batch(run_id, metrics=[Metric(k, float(v), ts, step) for k, v in metrics.items()])
+
+    def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
+        for k, v in tags.items():
+            self.client.set_tag(run_id, k, str(v))
+
+    def log_bytes(self, run_id: str, data: bytes, filename: str, artifact_path: str | None = None) -> None:
+        with tempfile.TemporaryDirectory() as d:
+            p = Path(d) / filename
+            p.write_bytes(data)
+            self.client.log_artifact(run_id, str(p), artifact_path)
+
+    def finish(self, run_id: str, status: str = "FINISHED") -> None:
+        self.client.set_terminated(run_id, status)
+
+    def run_url(self, run_id: str) -> str:
+        base = self.tracking_uri if self.tracking_uri.startswith("http") else os.environ.get("MLFLOW_UI_URL", "")
+        return f"{base.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}" if base else f"runs:/{run_id}"
+
+    # --- registry ----------------------------------------------------------------------------
+    def _ensure_model(self) -> None:
+        try:
+            self.client.get_registered_model(self.model_name)
+        except MlflowException:
+            try:
+                self.client.create_registered_model(self.model_name)
+            except MlflowException:
+                pass  # created concurrently
+
+    def register_candidate(self, source_uri: str, run_id: str | None, round_key: str, tags: dict[str, str]) -> str:
+        """Register (idempotently per round) the candidate and point `challenger` at it."""
+        self._ensure_model()
+        version = None
+        for mv in self.client.search_model_versions(f"name = '{self.model_name}'"):
+            if mv.tags.get(ROUND_TAG) == round_key and mv.source == source_uri:
+                version = mv.version
+                break
+        if version is None:
+            mv = self.client.create_model_version(
+                self.model_name, source=source_uri, run_id=run_id, tags={ROUND_TAG: round_key, **tags}
+            )
+            version = mv.version
+        else:
+            self.tag_version(version, tags)
+        self.client.set_registered_model_alias(self.model_name, CHALLENGER, version)
+        return str(version)
+
+    def tag_version(self, version: str, tags: dict[str, str]) -> None:
+        for k, v in tags.items():
+            self.client.set_model_version_tag(self.model_name, version, k, str(v))
+
+    def promote(self, version: str) -> None:
+        self.client.set_registered_model_alias(self.model_name, CHAMPION, version)
+
+    def alias_version(self, alias: str) -> str | None:
+        try:
+            return str(self.client.get_model_version_by_alias(self.model_name, alias).version)
+        except MlflowException:
+            return None
