@@ -76,6 +76,9 @@ class DeploymentRegistry:
         self._put(f"rounds/{rkey}/summary.json", cur)
         return cur
 
+    def round_summary(self, rkey: str) -> dict:
+        return self._get(f"rounds/{rkey}/summary.json", {"round": round_index(rkey)})
+
     def round_summaries(self) -> list[dict]:
         keys = [k for k in self.blobs.list("rounds/") if k.endswith("/summary.json")]
         return sorted((self._get(k) for k in keys), key=lambda d: d["round"])

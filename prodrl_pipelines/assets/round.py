@@ -1,0 +1,121 @@
+"""One prod-RL round as a chain of partitioned assets; each calls one core step in `rounds`."""
+
+
+from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
+
+from prodrl_pipelines import rounds
+from prodrl_pipelines.assets.partitions import rounds_partitions
+from prodrl_pipelines.plots import markdown_image, reward_curve_png, step_series_png
+from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, StoreResource, services
+
+GROUP = "prod_rl_round"
+
+
+@asset(partitions_def=rounds_partitions, group_name=GROUP, kinds={"parquet"})
+def recorded_trajectories(context: AssetExecutionContext, settings: ProdRLSettings, store: StoreResource) -> MaterializeResult:
+    """S*B valid, rewarded trajectories from the live policy (within max_policy_lag), each used once;
+    bad records are quarantined and counted."""
+    stats = rounds.select_data(services(settings, store), context.partition_key)
+    return MaterializeResult(metadata={
+        "num_trajectories": stats["num_trajectories"], "num_calls": stats["num_calls"],
+        "generated_tokens": stats["generated_tokens"], "eligible": stats["eligible"],
+        "quarantined": stats["quarantined"], "quarantine_reasons": MetadataValue.json(stats["quarantine_reasons"]),
+        "reward_mean": stats["reward_mean"], "reward_std": stats["reward_std"],
+        "live_version": stats["live_version"], "data_versions": MetadataValue.json(stats["data_versions"]),
+    })
+
+
+@asset(partitions_def=rounds_partitions, group_name=GROUP, deps=[recorded_trajectories])
+def training_batch(context: AssetExecutionContext, settings: ProdRLSettings, store: StoreResource) -> MaterializeResult:
+    """Advantages (recipe baseline) and the S minibatches of B trajectories."""
+    stats = rounds.build_batch(services(settings, store), context.partition_key)
+    return MaterializeResult(metadata=stats)
+
+
+@asset(partitions_def=rounds_partitions, group_name=GROUP, deps=[training_batch], kinds={"pytorch"})
+def trained_checkpoint(context: AssetExecutionContext, settings: ProdRLSettings, store: StoreResource,
+                       mlflow: MlflowResource) -> MaterializeResult:
+    """theta_{k+1}: S Adam steps from the live checkpoint theta_k (Adam state carried over)."""
+    svc = services(settings, store, mlflow)
+    rkey = context.partition_key
+    run_id = svc.lineage.round_run(rkey, params={**svc.settings.recipe.model_dump(), **svc.settings.deploy.model_dump()})
+
+    def on_step(step: int, m: dict) -> None:
+        svc.lineage.log_metrics(run_id, m, step)
+
+    stats = rounds.train(svc, rkey, on_step=on_step)
+    steps = [m for m in stats.pop("steps") if not m.get("skipped")]
+    png = step_series_png(
+        {"engine |log pi_k - log mu|": [m["engine_mismatch"] for m in steps],
+         "staleness |log pi - log pi_k|": [m["staleness"] for m in steps],
+         "net |log pi - log mu|": [m["net_mismatch"] for m in steps]},
+        f"{rkey}: train-rollout mismatch", "mean |log-ratio|",
+    )
+    svc.lineage.log_bytes(run_id, png, "mismatch.png", "plots")
+    svc.lineage.log_metrics(run_id, {"round_mismatch_abs_logp": stats["mismatch_abs_logp"]}, stats["global_step"])
+    return MaterializeResult(metadata={
+        **stats, "mlflow_run_id": run_id, "mlflow_run": MetadataValue.url(svc.lineage.run_url(run_id)),
+        "mismatch_plot": MetadataValue.md(markdown_image(png, "mismatch")),
+    })
+
+
+@asset(partitions_def=rounds_partitions, group_name=GROUP, deps=[trained_checkpoint], kinds={"safetensors"})
+def exported_policy(context: AssetExecutionContext, settings: ProdRLSettings, store: StoreResource,
+                    mlflow: MlflowResource) -> MaterializeResult:
+    """The deployable export of theta_{k+1}, registered as the `challenger` model version."""
+    svc = services(settings, store, mlflow)
+    rkey = context.partition_key
+    stats = rounds.export(svc, rkey)
+    run_id = svc.lineage.round_run(rkey)
+    from pathlib import Path
+
+    version = svc.lineage.register_candidate(Path(stats["export_dir"]).as_uri(), run_id, rkey,
+                                             {"format": "bf16", "gate": "pending"})
+    svc.registry.update_round(rkey, model_version=version, mlflow_run_id=run_id)
+    return MaterializeResult(metadata={**stats, "model_version": version, "export_dir": MetadataValue.path(stats["export_dir"])})
+
+
+@asset(partitions_def=rounds_partitions, group_name=GROUP, deps=[exported_policy])
+def heldout_eval(context: AssetExecutionContext, settings: ProdRLSettings, store: StoreResource,
+                 mlflow: MlflowResource) -> MaterializeResult:
+    """Held-out reward of the candidate export and of the live deployment on the same tasks."""
+    svc = services(settings, store, mlflow)
+    rkey = context.partition_key
+    res = rounds.evaluate(svc, rkey)
+    hist = svc.registry.round_summaries()
+    png = reward_curve_png([h["round"] for h in hist if "heldout_reward" in h],
+                           [h["heldout_reward"] for h in hist if "heldout_reward" in h],
+                           [h.get("heldout_reward_ci", 0.0) for h in hist if "heldout_reward" in h],
+                           [bool(h.get("deployed")) for h in hist if "heldout_reward" in h])
+    run_id = svc.lineage.round_run(rkey)
+    cand = res["candidate"]
+    if cand is not None:
+        svc.lineage.log_metrics(run_id, {"heldout_reward": cand["mean"], "heldout_reward_ci95": cand["ci95"],
+                                         "live_heldout_reward": res["live"]["mean"]}, 0)
+    svc.lineage.log_bytes(run_id, png, "reward_curve.png", "plots")
+    return MaterializeResult(metadata={
+        "candidate_reward": cand["mean"] if cand else float("nan"),
+        "candidate_ci95": cand["ci95"] if cand else float("nan"),
+        "live_reward": res["live"]["mean"], "live_version": res["live_version"],
+        "num_tasks": len(res["live"]["rewards"]), "smoke_error": res["smoke_error"] or "none",
+        "reward_curve": MetadataValue.md(markdown_image(png, "held-out reward")),
+    })
+
+
+@asset(partitions_def=rounds_partitions, group_name=GROUP, deps=[heldout_eval])
+def deployment(context: AssetExecutionContext, settings: ProdRLSettings, store: StoreResource,
+               mlflow: MlflowResource) -> MaterializeResult:
+    """Redeploy: the candidate becomes the live policy and the registry `champion`.
+    Only materialised when the blocking `deployment_gate` check passed."""
+    svc = services(settings, store, mlflow)
+    rkey = context.partition_key
+    version = svc.registry.round_summary(rkey).get("model_version")
+    dep = rounds.deploy(svc, rkey, model_version=version)
+    if version:
+        svc.lineage.promote(version)
+        svc.lineage.tag_version(version, {"deployed": "true"})
+    run_id = svc.lineage.round_run(rkey)
+    svc.lineage.set_tags(run_id, {"deployed": "true"})
+    svc.lineage.finish(run_id)
+    return MaterializeResult(metadata={"policy_version": dep.policy_version, "export_dir": dep.export_dir,
+                                       "model_version": version or "", "deployed_at": dep.deployed_at})

@@ -1,0 +1,32 @@
+"""Simulated production traffic: lab tasks served by the live deployment, rewards posted after.
+
+Calls are written first and rewards separately, as a real feedback channel would deliver them.
+"""
+
+from __future__ import annotations
+
+import json
+
+from prodrl_pipelines.engines.local import LocalEngine
+from prodrl_pipelines.lab.arithmetic import generate_tasks
+from prodrl_pipelines.lab.episodes import run_episodes, stop_token_ids
+
+
+def simulate_traffic(svc, n_episodes: int) -> dict:
+    """Serve ``n_episodes`` fresh lab tasks with the live deployment and record them."""
+    live = svc.live()
+    blobs = svc.blobs
+    key = "traffic/batches.json"
+    batches = json.loads(blobs.get_bytes(key)) if blobs.exists(key) else []
+    seed = svc.settings.lab.seed * 7_919 + 104_729 * (len(batches) + 1)
+    engine = LocalEngine.from_pretrained(live.export_dir)
+    params = svc.settings.deploy.sampling(stop_token_ids=stop_token_ids(engine.tokenizer))
+    eps = run_episodes(engine, engine.tokenizer, generate_tasks(n_episodes, seed), params, live.policy_version, seed)
+    store = svc.store
+    store.write_calls(eps.calls_table())
+    store.write_rewards(eps.rewards_table())
+    stats = {"policy_version": live.policy_version, "episodes": len(eps), "reward_mean": eps.mean_reward,
+             "calls": sum(len(e.calls) for e in eps.episodes), "seed": seed}
+    batches.append(stats)
+    blobs.put_bytes(key, json.dumps(batches).encode())
+    return stats

@@ -1,0 +1,112 @@
+"""Dagster resources: thin typed wrappers that build the core objects (validated at run start)."""
+
+
+import os
+
+from dagster import ConfigurableResource, InitResourceContext
+from pydantic import PrivateAttr
+
+from prodrl_pipelines.rl.config import Recipe
+from prodrl_pipelines.rounds import Services
+from prodrl_pipelines.settings import DeploySettings, EvalSettings, LabSettings, Settings
+from prodrl_pipelines.tracking import Lineage
+
+_R, _D, _E = Recipe.model_fields, DeploySettings.model_fields, EvalSettings.model_fields
+
+
+class ProdRLSettings(ConfigurableResource):
+    """The loop's recipe, serving parameters, gate and paths (defaults: DESIGN.md)."""
+
+    home: str = ".prodrl"
+    # recipe (DESIGN.md s.4)
+    steps_per_round: int = _R["steps_per_round"].default
+    batch_size: int = _R["batch_size"].default
+    learning_rate: float = _R["learning_rate"].default
+    correction: str = _R["correction"].default
+    baseline: str = _R["baseline"].default
+    normalize_adv_std: bool = _R["normalize_adv_std"].default
+    kl_beta: float = _R["kl_beta"].default
+    max_policy_lag: int = _R["max_policy_lag"].default
+    seed: int = _R["seed"].default
+    # serving (recorded with each call)
+    temperature: float = _D["temperature"].default
+    top_p: float = _D["top_p"].default
+    top_k: int = _D["top_k"].default
+    max_tokens: int = _D["max_tokens"].default
+    num_top_logprobs: int = _D["num_top_logprobs"].default
+    # held-out evaluation and gate
+    heldout_size: int = _E["heldout_size"].default
+    gate_tolerance: float = _E["gate_tolerance"].default
+    gate_z: float = _E["gate_z"].default
+    # laboratory
+    lab_size: str = "demo"
+    lab_seed: int = 0
+    lab_sft_steps: int = -1  # -1: the lab size's default
+
+    def settings(self) -> Settings:
+        """Validate into the core settings; a bad value fails here, naming the setting."""
+        return Settings(
+            home=self.home,
+            recipe=Recipe(
+                steps_per_round=self.steps_per_round, batch_size=self.batch_size, learning_rate=self.learning_rate,
+                correction=self.correction, baseline=self.baseline, normalize_adv_std=self.normalize_adv_std,
+                kl_beta=self.kl_beta, max_policy_lag=self.max_policy_lag, seed=self.seed,
+            ),
+            deploy=DeploySettings(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
+                                  max_tokens=self.max_tokens, num_top_logprobs=self.num_top_logprobs),
+            eval=EvalSettings(heldout_size=self.heldout_size, gate_tolerance=self.gate_tolerance, gate_z=self.gate_z),
+            lab=LabSettings(size=self.lab_size, seed=self.lab_seed,
+                            sft_steps=None if self.lab_sft_steps < 0 else self.lab_sft_steps),
+        )
+
+    def setup_for_execution(self, context: InitResourceContext) -> None:
+        self.settings()  # fail before any asset runs
+
+
+class MlflowResource(ConfigurableResource):
+    """A thin resource over MlflowClient (through the core `Lineage`)."""
+
+    tracking_uri: str = ""  # empty: sqlite under the settings home
+    experiment: str = "prodrl"
+    model_name: str = "prodrl-policy"
+    artifact_location: str = ""
+    _lineage: Lineage | None = PrivateAttr(default=None)
+
+    def lineage(self, settings: Settings) -> Lineage:
+        if self._lineage is None:
+            settings.home_path.mkdir(parents=True, exist_ok=True)
+            self._lineage = Lineage(
+                self.tracking_uri or settings.mlflow_uri, self.experiment, self.model_name,
+                artifact_location=self.artifact_location or settings.mlflow_artifacts,
+            )
+        return self._lineage
+
+
+class StoreResource(ConfigurableResource):
+    """Where trajectories, rewards and round documents live (local directory by default)."""
+
+    root: str = ""  # empty: <home>/store
+
+    def blobs(self, settings: Settings):
+        from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
+
+        return LocalBlobStore(self.root or settings.store_root)
+
+
+def services(settings: ProdRLSettings, store: StoreResource, mlflow: MlflowResource | None = None) -> Services:
+    s = settings.settings()
+    return Services(settings=s, blobs=store.blobs(s), lineage=mlflow.lineage(s) if mlflow is not None else None)
+
+
+def default_resources() -> dict:
+    """Resources from the environment: PRODRL_HOME (default ./.prodrl), MLFLOW_TRACKING_URI,
+    and PRODRL_SETTINGS_JSON (a JSON object of ProdRLSettings fields, e.g. written by the demo)."""
+    import json
+
+    overrides = json.loads(os.environ.get("PRODRL_SETTINGS_JSON", "{}") or "{}")
+    overrides.setdefault("home", os.environ.get("PRODRL_HOME", ".prodrl"))
+    return {
+        "settings": ProdRLSettings(**overrides),
+        "store": StoreResource(root=os.environ.get("PRODRL_STORE_ROOT", "")),
+        "mlflow": MlflowResource(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI", "")),
+    }
