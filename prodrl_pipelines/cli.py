@@ -17,10 +17,11 @@ DEMO_SETTINGS = {
 
 
 def _use_home(home: Path, settings: dict) -> None:
-    """Point the code location at ``home`` (env vars are read when definitions load)."""
+    """Point Dagster (and a later `dagster dev` in this shell) at ``home``."""
     home.mkdir(parents=True, exist_ok=True)
     os.environ["PRODRL_HOME"] = str(home)
     os.environ["PRODRL_SETTINGS_JSON"] = json.dumps({**settings, "home": str(home)})
+    (home / "settings.json").write_text(json.dumps({**settings, "home": str(home)}, indent=1))
     dh = home / "dagster_home"
     dh.mkdir(exist_ok=True)
     if os.environ.get("PRODRL_DAGSTER_HOME"):
@@ -30,18 +31,19 @@ def _use_home(home: Path, settings: dict) -> None:
         (dh / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
 
 
-def run_loop(home: Path, settings: dict, rounds: int, log=print) -> list[dict]:
+def run_loop(home: Path, settings: dict, rounds: int, log=print, instance=None) -> list[dict]:
     """Bootstrap (if needed), then per round: serve traffic, tick the sensor, run the round."""
     _use_home(home, settings)
     from dagster import DagsterInstance, build_sensor_context
 
-    from prodrl_pipelines.definitions import defs
-    from prodrl_pipelines.resources.settings import services
-    from prodrl_pipelines.sensors import data_volume_sensor
+    from prodrl_pipelines.definitions import build_definitions
     from prodrl_pipelines.lab.traffic import simulate_traffic
+    from prodrl_pipelines.resources.settings import make_resources, services
+    from prodrl_pipelines.sensors import data_volume_sensor
 
-    instance = DagsterInstance.get()
-    res = defs.resources
+    res = make_resources({**settings, "home": str(home)})
+    defs = build_definitions(res)
+    instance = instance or DagsterInstance.get()
     svc = services(res["settings"], res["store"])
     s = svc.settings
     if svc.registry.live() is None:
@@ -50,9 +52,17 @@ def run_loop(home: Path, settings: dict, rounds: int, log=print) -> list[dict]:
         defs.get_job_def("bootstrap_lab").execute_in_process(instance=instance)
         log(f"  base policy ready in {time.time() - t0:.0f}s, held-out reward "
             f"{svc.registry.round_summary('round-000000').get('heldout_reward', float('nan')):.3f}")
+    from prodrl_pipelines.deployment import round_index
+
     for _ in range(rounds):
         t0 = time.time()
-        ctx = build_sensor_context(instance=instance, definitions=defs)
+        existing = instance.get_dynamic_partitions("rounds")
+        latest = max(existing, key=round_index) if existing else None
+        if latest and svc.registry.decision(latest) is None:
+            log(f"{latest}: unfinished (crashed or interrupted) -> resuming it")
+            run_round(defs, instance, latest, {})
+            continue
+        ctx = build_sensor_context(instance=instance, definitions=defs, resources=res)
         key, reason = None, ""
         for _attempt in range(3):
             result = data_volume_sensor(ctx)
@@ -68,14 +78,23 @@ def run_loop(home: Path, settings: dict, rounds: int, log=print) -> list[dict]:
             instance.add_dynamic_partitions(req.partitions_def_name, list(req.partition_keys))
         key = result.run_requests[0].partition_key
         log(f"{key}: running the round job")
-        out = defs.get_job_def("prod_rl_round").execute_in_process(
-            instance=instance, partition_key=key, raise_on_error=False, tags=result.run_requests[0].tags)
-        summ = svc.registry.round_summary(key)
-        if "gate_passed" not in summ:
-            raise RuntimeError(f"{key} failed before the gate decided (run {out.run_id}); see the Dagster logs")
+        summ = run_round(defs, instance, key, result.run_requests[0].tags)
         log(f"{key}: done in {time.time() - t0:.0f}s; held-out {summ.get('heldout_reward', float('nan')):.3f}, "
             f"gate {'passed' if summ['gate_passed'] else 'FAILED'}")
     return summary_rows(svc)
+
+
+def run_round(defs, instance, key: str, tags: dict) -> dict:
+    """Execute the round job for one partition; returns the round's summary once the gate decided."""
+    from prodrl_pipelines.resources.settings import services
+
+    out = defs.get_job_def("prod_rl_round").execute_in_process(
+        instance=instance, partition_key=key, raise_on_error=False, tags=tags)
+    res = defs.resources
+    summ = services(res["settings"], res["store"]).registry.round_summary(key)
+    if "gate_passed" not in summ:
+        raise RuntimeError(f"{key} failed before the gate decided (run {out.run_id}); see the Dagster logs")
+    return summ
 
 
 def summary_rows(svc) -> list[dict]:
@@ -106,7 +125,7 @@ def print_table(rows: list[dict]) -> None:
         gate = "base" if r["round"] == 0 else ("passed" if r["gate_passed"] else "failed")
         t.add_row(str(r["round"]), str(r["num_trajectories"]), hr, mm, gate, "yes" if r["deployed"] else "no",
                   str(r["policy_version"]))
-    Console().print(t)
+    Console(width=140).print(t)
 
 
 def cmd_demo(args) -> int:

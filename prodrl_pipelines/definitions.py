@@ -13,11 +13,18 @@ from prodrl_pipelines.sensors import data_volume_sensor, round_job
 bootstrap_job = define_asset_job("bootstrap_lab", selection=[base_policy],
                                  description="Build, evaluate and deploy the round-0 lab policy.")
 
-defs = Definitions(
-    assets=[base_policy, recorded_trajectories, training_batch, trained_checkpoint, exported_policy,
-            heldout_eval, deployment],
-    asset_checks=[deployment_gate],
-    jobs=[round_job, bootstrap_job, lab_traffic_job],
-    sensors=[data_volume_sensor],
-    resources=default_resources(),
-)
+
+
+def build_definitions(resources: dict | None = None) -> Definitions:
+    """The code location; ``resources`` default to the environment (see `default_resources`)."""
+    return Definitions(
+        assets=[base_policy, recorded_trajectories, training_batch, trained_checkpoint, exported_policy,
+                heldout_eval, deployment],
+        asset_checks=[deployment_gate],
+        jobs=[round_job, bootstrap_job, lab_traffic_job],
+        sensors=[data_volume_sensor],
+        resources=resources if resources is not None else default_resources(),
+    )
+
+
+defs = build_definitions()

@@ -104,7 +104,7 @@ def select_data(svc: Services, rkey: str) -> dict:
         "live_version": live.policy_version, "data_versions": versions,
         "num_trajectories": len(rewards), "num_calls": ds.num_rows, "generated_tokens": gen_tokens,
         "eligible": sel.n_eligible, "quarantined": sel.n_quarantined,
-        "quarantine_reasons": dict(sel.quarantined_counts),
+        "quarantine_reasons": dict(sel.quarantine_counts),
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
     }
     svc.registry.update_round(rkey, num_trajectories=len(rewards), data_reward_mean=stats["reward_mean"],

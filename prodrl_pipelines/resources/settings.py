@@ -98,15 +98,23 @@ def services(settings: ProdRLSettings, store: StoreResource, mlflow: MlflowResou
     return Services(settings=s, blobs=store.blobs(s), lineage=mlflow.lineage(s) if mlflow is not None else None)
 
 
+def make_resources(settings: dict, store_root: str = "", tracking_uri: str = "") -> dict:
+    """Resources from plain values; ``settings`` holds ProdRLSettings fields (validated here)."""
+    res = {
+        "settings": ProdRLSettings(**settings),
+        "store": StoreResource(root=store_root),
+        "mlflow": MlflowResource(tracking_uri=tracking_uri),
+    }
+    res["settings"].settings()  # a bad setting fails at load time, naming the field
+    return res
+
+
 def default_resources() -> dict:
-    """Resources from the environment: PRODRL_HOME (default ./.prodrl), MLFLOW_TRACKING_URI,
-    and PRODRL_SETTINGS_JSON (a JSON object of ProdRLSettings fields, e.g. written by the demo)."""
+    """Resources from the environment: PRODRL_HOME (default ./.prodrl), PRODRL_SETTINGS_JSON (a JSON
+    object of ProdRLSettings fields), PRODRL_STORE_ROOT and MLFLOW_TRACKING_URI."""
     import json
 
     overrides = json.loads(os.environ.get("PRODRL_SETTINGS_JSON", "{}") or "{}")
     overrides.setdefault("home", os.environ.get("PRODRL_HOME", ".prodrl"))
-    return {
-        "settings": ProdRLSettings(**overrides),
-        "store": StoreResource(root=os.environ.get("PRODRL_STORE_ROOT", "")),
-        "mlflow": MlflowResource(tracking_uri=os.environ.get("MLFLOW_TRACKING_URI", "")),
-    }
+    return make_resources(overrides, os.environ.get("PRODRL_STORE_ROOT", ""),
+                          os.environ.get("MLFLOW_TRACKING_URI", ""))

@@ -1,0 +1,33 @@
+# Two commands (README): `make demo` and `make test`. Each sets itself up on a fresh machine.
+PY ?= python3.11
+VENV := .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+
+.PHONY: setup demo test bench postgres clean
+
+$(STAMP): pyproject.toml
+	@command -v $(PY) >/dev/null || { echo "need Python 3.11 as '$(PY)' (set PY=...)"; exit 1; }
+	test -x $(BIN)/python || $(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	# torch first, pinned: here it is the CPU wheel on local disk; a bare `torch` would pull CUDA.
+	$(BIN)/pip install -q torch==2.13.0
+	$(BIN)/pip install -q -e '.[test]'
+	rm -f $(VENV)/.installed-*; touch $@
+
+setup: $(STAMP)
+
+demo: $(STAMP)
+	rm -rf runs/demo
+	$(BIN)/prodrl demo --name demo --rounds 4
+
+# Tests need PostgreSQL (DESIGN.md s.8): PRODRL_TEST_PG_URL, default postgresql+psycopg2://postgres@127.0.0.1:5432/test
+test: $(STAMP)
+	bash scripts/ensure_postgres.sh
+	$(BIN)/python -m pytest -q
+
+bench: $(STAMP)
+	for b in bench/*.py; do $(BIN)/python $$b || exit 1; done
+
+clean:
+	rm -rf runs .prodrl .pytest_cache

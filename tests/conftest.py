@@ -1,0 +1,43 @@
+"""Shared fixtures: the PostgreSQL-backed Dagster instance and quiet, seeded torch."""
+
+import os
+import shutil
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+PG_URL = os.environ.get("PRODRL_TEST_PG_URL", "postgresql+psycopg2://postgres@127.0.0.1:5432/test")
+
+os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
+
+
+@pytest.fixture(scope="session")
+def pg_url() -> str:
+    import psycopg2
+
+    try:
+        psycopg2.connect(PG_URL.replace("postgresql+psycopg2://", "postgresql://"), connect_timeout=3).close()
+    except Exception as e:  # a hard failure: these tests must run against PostgreSQL
+        pytest.fail(f"PostgreSQL not reachable at {PG_URL} ({e}); set PRODRL_TEST_PG_URL (see README)")
+    return PG_URL
+
+
+@pytest.fixture
+def pg_instance(tmp_path, pg_url, monkeypatch):
+    """A Dagster instance on PostgreSQL configured by the repo's own dagster.yaml, wiped first."""
+    from dagster import DagsterInstance
+
+    home = tmp_path / "dagster_home"
+    home.mkdir()
+    shutil.copy(REPO / "dagster.yaml", home / "dagster.yaml")
+    monkeypatch.setenv("DAGSTER_PG_URL", pg_url)
+    monkeypatch.setenv("DAGSTER_HOME", str(home))
+    instance = DagsterInstance.from_config(str(home))
+    instance.wipe()
+    for name in ("rounds",):
+        for key in instance.get_dynamic_partitions(name):
+            instance.delete_dynamic_partition(name, key)
+    yield instance
+    instance.dispose()
