@@ -87,14 +87,20 @@ def _get_json(blobs, key: str):
 
 # --- 1. recorded_trajectories -------------------------------------------------------------
 def select_data(svc: Services, rkey: str) -> dict:
-    from prodrl_pipelines.trajectories.selection import select_round_dataset
+    from prodrl_pipelines.trajectories.selection import InsufficientDataError, select_round_dataset
 
     s, live = svc.settings, svc.live()
-    sel = select_round_dataset(
-        svc.store, rkey, live_version=live.policy_version, version_order=svc.registry.version_order(),
-        max_policy_lag=s.recipe.max_policy_lag, n_required=s.recipe.trajectories_per_round,
-        vocab_size=_vocab_size(live.checkpoint_dir), seed=round_seed(s, rkey),
-    )
+    try:
+        sel = select_round_dataset(
+            svc.store, rkey, live_version=live.policy_version, version_order=svc.registry.version_order(),
+            max_policy_lag=s.recipe.max_policy_lag, n_required=s.recipe.trajectories_per_round,
+            vocab_size=_vocab_size(live.checkpoint_dir), seed=round_seed(s, rkey),
+        )
+    except InsufficientDataError as e:
+        raise RoundError(
+            f"settings steps_per_round={s.recipe.steps_per_round} x batch_size={s.recipe.batch_size} = "
+            f"{s.recipe.trajectories_per_round} trajectories per round exceed the available data: {e}"
+        ) from e
     ds = sel.dataset
     _put_table(svc.blobs, f"rounds/{rkey}/dataset.parquet", ds)
     rewards = np.asarray(ds.group_by("trajectory_id").aggregate([("reward", "max")])["reward_max"])

@@ -99,6 +99,8 @@ def train_round(
             # No learning signal: skip (and count) rather than take an empty Adam step.
             result.skipped_steps += 1
             result.steps.append({**base, "skipped": 1.0})
+            if on_step is not None:
+                on_step(state.global_step, result.steps[-1])
             continue
         logp = token_logprobs(model, b)
         terms = TokenTerms(logp=logp, logp_old=logp_old[s], logp_mu=b.logp_mu, adv=b.adv)

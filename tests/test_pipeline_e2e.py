@@ -1,0 +1,139 @@
+"""Two rounds through Dagster on the PostgreSQL instance: asset chain, sensor, gate, MLflow aliases."""
+
+import json
+
+import numpy as np
+import pytest
+import torch
+from dagster import AssetCheckKey, AssetKey, DagsterEventType, build_sensor_context, materialize
+from safetensors.torch import load_file, save_file
+
+from prodrl_pipelines.assets.gate import deployment_gate
+from prodrl_pipelines.assets.round import (
+    deployment, exported_policy, heldout_eval, recorded_trajectories, trained_checkpoint, training_batch,
+)
+from prodrl_pipelines.definitions import build_definitions
+from prodrl_pipelines.lab.traffic import simulate_traffic
+from prodrl_pipelines.resources.settings import make_resources, services
+from prodrl_pipelines.sensors import data_volume_sensor
+from prodrl_pipelines.tracking import CHALLENGER, CHAMPION
+
+TINY = {"lab_size": "tiny", "lab_sft_steps": 30, "steps_per_round": 2, "batch_size": 4,
+        "heldout_size": 12, "max_tokens": 6, "gate_tolerance": 0.5}
+ROUND_ASSETS = [recorded_trajectories, training_batch, trained_checkpoint, exported_policy, heldout_eval, deployment]
+
+
+def tick(instance, defs, res):
+    return data_volume_sensor(build_sensor_context(instance=instance, definitions=defs, resources=res))
+
+
+def request_round(instance, defs, res):
+    result = tick(instance, defs, res)
+    assert result.run_requests, result
+    for req in result.dynamic_partitions_requests:
+        instance.add_dynamic_partitions(req.partitions_def_name, list(req.partition_keys))
+    return result.run_requests[0]
+
+
+def test_two_rounds_on_postgres(tmp_path, pg_instance):
+    instance = pg_instance
+    assert type(instance.run_storage).__name__ == "PostgresRunStorage"
+    res = make_resources({**TINY, "home": str(tmp_path / "home")})
+    defs = build_definitions(res)
+    svc = services(res["settings"], res["store"], res["mlflow"])
+
+    # Before bootstrap the sensor explains why it waits.
+    assert "no live deployment" in tick(instance, defs, res).skip_message
+
+    assert defs.get_job_def("bootstrap_lab").execute_in_process(instance=instance).success
+    lineage = res["mlflow"].lineage(svc.settings)
+    assert lineage.alias_version(CHAMPION) == "1"
+
+    # Not enough data yet: skip with the numbers.
+    msg = tick(instance, defs, res).skip_message
+    assert "0/8 eligible" in msg
+
+    simulate_traffic(svc, 8)
+    req = request_round(instance, defs, res)
+    assert req.partition_key == "round-000001" and req.run_key == "round-000001"
+    assert instance.get_dynamic_partitions("rounds") == ["round-000001"]
+
+    # --- round 1: the whole chain, gate passes, deployed
+    out = defs.get_job_def("prod_rl_round").execute_in_process(instance=instance, partition_key="round-000001",
+                                                                tags=req.tags)
+    assert out.success
+    mats = {e.asset_key.path[-1] for e in out.get_asset_materialization_events()
+            for e in [e.event_specific_data.materialization]}
+    assert mats == {"recorded_trajectories", "training_batch", "trained_checkpoint", "exported_policy",
+                    "heldout_eval", "deployment"}
+    rec = instance.get_latest_materialization_event(AssetKey("recorded_trajectories")).asset_materialization
+    assert rec.partition == "round-000001" and rec.metadata["num_trajectories"].value == 8
+    assert svc.registry.live().policy_version == "round-000001"
+    assert lineage.alias_version(CHAMPION) == lineage.alias_version(CHALLENGER) == "2"
+    summary = svc.registry.round_summary("round-000001")
+    assert summary["gate_passed"] and summary["deployed"] and np.isfinite(summary["mismatch_abs_logp"])
+    steps = json.loads(svc.blobs.get_bytes("rounds/round-000001/train_steps.json"))
+    assert len(steps) == 2
+    mlrun = lineage.client.get_run(summary["mlflow_run_id"])
+    # per-step metrics (a step with all-zero advantages is skipped and logged as such)
+    assert {"skipped", "adv_mean", "heldout_reward"} <= set(mlrun.data.metrics)
+    arts = {a.path for a in lineage.client.list_artifacts(mlrun.info.run_id, "plots")}
+    assert {"plots/reward_curve.png", "plots/mismatch.png"} <= arts
+
+    # Idempotent sensor: round 1 done but no new data from the new live policy.
+    assert "0/8 eligible" in tick(instance, defs, res).skip_message
+
+    # --- round 2: a deliberately broken candidate (NaN weights) is blocked by the gate
+    simulate_traffic(svc, 8)
+    req = request_round(instance, defs, res)
+    assert req.partition_key == "round-000002"
+    first = materialize(ROUND_ASSETS[:3], instance=instance, partition_key="round-000002", resources=res)
+    assert first.success
+    ckpt = svc.settings.checkpoints_root / "round-000002" / "model.safetensors"
+    sd = load_file(ckpt)
+    name = next(k for k in sd if "mlp" in k)
+    sd[name][0, 0] = float("nan")
+    save_file(sd, ckpt, metadata={"format": "pt"})
+    second = materialize([*ROUND_ASSETS, deployment_gate], selection=ROUND_ASSETS[3:], instance=instance,
+                         partition_key="round-000002", resources=res, raise_on_error=False)
+    evals = [e for e in second.all_events if e.event_type == DagsterEventType.ASSET_CHECK_EVALUATION]
+    assert len(evals) == 1 and not evals[0].event_specific_data.passed
+    assert "non-finite weights" in evals[0].event_specific_data.description
+    assert "deployment" not in {e.event_specific_data.materialization.asset_key.path[-1]
+                                for e in second.get_asset_materialization_events()}
+    # Live deployment and champion untouched; the candidate is the challenger, tagged with the reasons.
+    assert svc.registry.live().policy_version == "round-000001"
+    assert lineage.alias_version(CHAMPION) == "2" and lineage.alias_version(CHALLENGER) == "3"
+    mv = lineage.client.get_model_version(lineage.model_name, "3")
+    assert mv.tags["gate"] == "failed" and "non-finite" in mv.tags["gate_reasons"]
+    assert svc.registry.decision("round-000002")["deployed"] is False
+
+    # Round 3 trains from the live checkpoint (round 1), not from the rejected one.
+    simulate_traffic(svc, 8)
+    req = request_round(instance, defs, res)
+    assert req.partition_key == "round-000003"
+    materialize(ROUND_ASSETS[:3], instance=instance, partition_key="round-000003", resources=res)
+    assert svc.registry.round_summary("round-000003")["trained_from"] == "round-000001"
+
+
+def test_bad_settings_fail_before_work(tmp_path):
+    from pydantic import ValidationError
+
+    with pytest.raises(ValidationError, match="correction"):
+        make_resources({"home": str(tmp_path), "correction": "magic"})
+    with pytest.raises(ValidationError, match="batch_size"):
+        make_resources({"home": str(tmp_path), "batch_size": 0})
+
+
+def test_round_without_enough_data_names_the_setting(tmp_path, pg_instance):
+    res = make_resources({**TINY, "home": str(tmp_path / "home")})
+    defs = build_definitions(res)
+    assert defs.get_job_def("bootstrap_lab").execute_in_process(instance=pg_instance).success
+    svc = services(res["settings"], res["store"])
+    simulate_traffic(svc, 3)
+    pg_instance.add_dynamic_partitions("rounds", ["round-000001"])
+    out = materialize([recorded_trajectories], instance=pg_instance, partition_key="round-000001",
+                      resources=res, raise_on_error=False)
+    assert not out.success
+    err = out.get_step_failure_events()[0].event_specific_data.error
+    assert "steps_per_round" in str(err.cause or err.message) or "steps_per_round" in err.to_string()
