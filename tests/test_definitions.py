@@ -1,0 +1,33 @@
+"""The code location loads with every asset, check, sensor and job (what `dagster dev` shows)."""
+
+import subprocess
+import sys
+
+from dagster import AssetCheckKey, AssetKey
+
+from prodrl_pipelines.definitions import defs
+
+
+def test_code_location_contents():
+    graph = defs.resolve_asset_graph()
+    keys = {k.to_user_string() for k in graph.get_all_asset_keys()}
+    assert keys == {"base_policy", "recorded_trajectories", "training_batch", "trained_checkpoint",
+                    "exported_policy", "heldout_eval", "deployment"}
+    check = AssetCheckKey(AssetKey("heldout_eval"), "deployment_gate")
+    assert check in graph.asset_check_keys
+    assert graph.get_check_spec(check).blocking
+    assert {j.name for j in defs.resolve_all_job_defs()} >= {"prod_rl_round", "bootstrap_lab", "lab_traffic_job"}
+    assert defs.resolve_sensor_def("data_volume_sensor") is not None
+    # the round chain, in order
+    chain = ["recorded_trajectories", "training_batch", "trained_checkpoint", "exported_policy", "heldout_eval",
+             "deployment"]
+    for up, down in zip(chain, chain[1:]):
+        assert AssetKey(up) in graph.get(AssetKey(down)).parent_keys
+
+
+def test_core_never_imports_dagster():
+    code = ("import sys, prodrl_pipelines.rounds, prodrl_pipelines.rl.trainer, prodrl_pipelines.lab.traffic, "
+            "prodrl_pipelines.trajectories.selection, prodrl_pipelines.engines.local, prodrl_pipelines.quant.bf16;"
+            "print('dagster' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
+    assert out.stdout.strip() == "False"
