@@ -49,6 +49,15 @@ _SMALL = dict(
 )
 
 
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    # Tiny models: on a shared 2-core machine, 2 OpenMP threads were measured ~20x slower than one.
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
 @pytest.fixture(scope="module")
 def engine() -> LocalEngine:
     torch.manual_seed(0)
@@ -141,6 +150,33 @@ def test_processed_logprobs_per_row_params_match_scalar_calls():
     assert torch.all(support_size(batched) >= 1)
 
 
+def test_candidate_fast_path_matches_full_sort():
+    g = torch.Generator().manual_seed(4)
+    n, vocab = 60, 200
+    logits = torch.randn(n, vocab, generator=g) * torch.rand(n, 1, generator=g) * 6
+    logits[:5, :] = torch.round(logits[:5, :])  # many exact ties, also at top-k boundaries
+    top_k = torch.randint(0, 12, (n,), generator=g)
+    top_p = torch.where(torch.rand(n, generator=g) < 0.3, 1.0, torch.rand(n, generator=g))
+    temp = 0.5 + torch.rand(n, generator=g)
+    ref = processed_logprobs(logits, temp, top_k, top_p, candidates=10**9)  # full-sort path
+    assert torch.allclose(ref.exp().sum(-1), torch.ones(n), atol=1e-5)
+    for cand in (1, 3, 8, 40, 150):
+        got = processed_logprobs(logits, temp, top_k, top_p, candidates=cand)
+        # Tie-free rows: the same distribution.
+        assert torch.equal(torch.isfinite(got[5:]), torch.isfinite(ref[5:])), cand
+        fin = torch.isfinite(ref[5:])
+        assert torch.allclose(got[5:][fin], ref[5:][fin], atol=1e-5), cand
+        # Rows with ties: which of equally likely tokens a top-p cut drops depends on the sort
+        # order (as in vLLM), but the kept values are the same.
+        for r in range(5):
+            a, b = got[r][torch.isfinite(got[r])].sort().values, ref[r][torch.isfinite(ref[r])].sort().values
+            assert a.shape == b.shape and torch.allclose(a, b, atol=1e-5), (cand, r)
+    # top-k ties at the threshold are all kept, on both paths
+    tied = torch.tensor([3.0, 2.0, 2.0, 2.0, 1.0, 0.0])
+    for cand in (1, 2, 3, 10**9):
+        assert int(support_size(processed_logprobs(tied, top_k=2, candidates=cand))) == 4
+
+
 def test_top_logprobs_helper():
     proc = processed_logprobs(torch.tensor([[1.0, 0.0, -1.0, 2.0, 0.5], [0.0, 3.0, 1.0, 2.0, -2.0]]), top_k=2)
     ids, lps, complete = top_logprobs(proc, 3)
@@ -152,9 +188,28 @@ def test_top_logprobs_helper():
     assert complete.tolist() == [False, False]
     with pytest.raises(ValueError):
         top_logprobs(proc, 0)
+    rows = processed_logprobs(torch.randn(30, 40), top_k=torch.arange(30) % 12)
+    for K in (1, 4, 8, 11, 40, 50):
+        ids, lps, complete = top_logprobs(rows, K)
+        assert ids.shape == (30, K)
+        assert torch.equal(complete, support_size(rows) <= K), K
 
 
 # ---------------------------------------------------------------------------- generation
+
+
+@pytest.mark.parametrize("K", [2, 8], ids=["full_row_cdf", "head"])
+def test_sampler_frequencies(K):
+    from prodrl_pipelines.engines.local import _sample
+
+    logits = torch.tensor([2.0, 1.0, 0.5, 0.0, -1.0, -3.0])
+    proc = processed_logprobs(logits, top_p=0.97).expand(40000, -1).contiguous()
+    ids, lps, complete = top_logprobs(proc, K)
+    assert bool(complete.all()) == (K == 8)
+    tok = _sample(proc, ids, lps, complete, torch.Generator().manual_seed(0))
+    freq = torch.bincount(tok, minlength=6).double() / tok.numel()
+    assert freq[5] == 0  # outside the support
+    assert torch.allclose(freq, proc[0].exp().double(), atol=0.01)
 
 
 @pytest.mark.parametrize("params", PARAMS, ids=["plain", "t0.7_topk5", "topp0.9"])

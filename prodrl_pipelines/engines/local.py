@@ -27,6 +27,25 @@ __all__ = ["LocalEngine", "TOP_LOGPROB_FLOOR"]
 TOP_LOGPROB_FLOOR = -9999.0
 
 
+def _sample(proc: Tensor, top_ids: Tensor, top_lps: Tensor, complete: Tensor, gen: torch.Generator) -> Tensor:
+    """Draw one token per row of the processed distribution ``proc`` [b, V] -> ids [b].
+
+    When every row's support lies in its recorded head, draw from the head ([b, K]). Otherwise draw
+    by inverting the fp64 CDF of the whole row: one uniform per row and a binary search, much cheaper
+    than ``torch.multinomial`` on a 152k vocabulary (~40-100 ms against ~300-450 ms for 64 rows on
+    one core). A token with zero probability cannot be drawn: the uniform is kept strictly below the
+    total, and ``searchsorted(right=True)`` only lands where the CDF strictly increases.
+    """
+    if bool(complete.all()):
+        pick = torch.multinomial(top_lps.exp(), 1, generator=gen)
+        return top_ids.gather(-1, pick).squeeze(-1)
+    cdf = torch.cumsum(proc.exp(), dim=-1, dtype=torch.float64)
+    total = cdf[:, -1:]
+    u = torch.rand(total.shape, dtype=torch.float64, device=proc.device, generator=gen) * total
+    u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
+    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=proc.shape[-1] - 1)
+
+
 class LocalEngine:
     """Batched sampling from a transformers causal LM, recording what was consumed and sampled."""
 
@@ -139,10 +158,9 @@ class LocalEngine:
         steps: list[tuple[Tensor, ...]] = []
         for step in range(params.max_tokens):
             proc = self._processed(logits, params)
-            tok = torch.multinomial(proc.exp(), 1, generator=gen)  # [b, 1]
-            tok_lp = proc.gather(-1, tok).squeeze(-1)
-            tok = tok.squeeze(-1)
             top_ids, top_lps, complete = top_logprobs(proc, k)
+            tok = _sample(proc, top_ids, top_lps, complete, gen)
+            tok_lp = proc.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
             finished = torch.isin(tok, stop) if stop.numel() else torch.zeros_like(tok, dtype=torch.bool)
             steps.append((active, tok, tok_lp, top_ids, top_lps, complete, finished))
             if step == params.max_tokens - 1:
