@@ -111,7 +111,26 @@ def _cast_column(col: pa.ChunkedArray, field: pa.Field, what: str) -> pa.Chunked
         ) from None
 
 
+def _has_integer(t: pa.DataType) -> bool:
+    while pa.types.is_list(t) or pa.types.is_large_list(t):
+        t = t.value_type
+    return pa.types.is_integer(t)
+
+
 def _array_from_values(values: list[Any], field: pa.Field, what: str) -> pa.Array:
+    if _has_integer(field.type):
+        # pa.array(..., type=int32) silently truncates 1.5 -> 1; infer, then cast safely instead.
+        try:
+            inferred = pa.array(values)
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError):
+            inferred = None
+        if inferred is not None:
+            try:
+                return inferred.cast(field.type)
+            except (pa.ArrowInvalid, pa.ArrowNotImplementedError, pa.ArrowTypeError) as e:
+                raise SchemaMismatchError(
+                    f"{what}: column {field.name!r} cannot be converted to {field.type}: {e}"
+                ) from None
     try:
         return pa.array(values, type=field.type)
     except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError) as e:
@@ -453,8 +472,12 @@ class TrajectoryStore:
     # --- JSON documents ----------------------------------------------------------------------
 
     def put_json(self, key: str, obj: Any) -> None:
-        """Store ``obj`` as UTF-8 JSON (sorted keys, indented) atomically under ``key``."""
-        data = json.dumps(obj, indent=2, sort_keys=True, allow_nan=False, default=str)
+        """Store ``obj`` as UTF-8 JSON (sorted keys, indented) atomically under ``key``.
+
+        Non-JSON values (datetimes, paths) are written with ``str``; NaN / inf are written as
+        ``NaN`` / ``Infinity`` like Python's ``json`` (a NaN metric must not crash a round).
+        """
+        data = json.dumps(obj, indent=2, sort_keys=True, default=str)
         self.blobs.put_bytes(key, data.encode("utf-8"))
 
     def get_json(self, key: str) -> Any:

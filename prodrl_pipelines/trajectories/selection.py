@@ -1,0 +1,202 @@
+"""Choosing a round's training data from the trajectory store (DESIGN.md sections 3 and 5).
+
+Eligible trajectory: every call's policy_version is in the round's policy window (the live version
+and the ``max_policy_lag`` versions before it in ``version_order``; 0 = sync), it has a reward row,
+it passes validation, and no other round's ledger holds it. The round takes exactly ``n_required``
+of them, oldest first (earliest call ``created_at``; null timestamps last; ties by trajectory_id).
+
+Trajectories without a reward row yet are *pending*: neither eligible nor quarantined, they may
+become eligible later. Quarantined trajectories go into the round's ledger with status
+"quarantined", so later rounds neither train on them nor quarantine them again.
+
+Known limitation: only the window's partitions are read, so a trajectory whose calls span a version
+outside the window looks incomplete and is quarantined as ``bad_call_index``.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from .store import TrajectoryStore
+from .validation import _validate
+
+
+class InsufficientDataError(RuntimeError):
+    """Fewer eligible trajectories than the round needs. Carries the numbers as attributes."""
+
+    def __init__(self, message: str, *, n_required: int, n_eligible: int, breakdown: dict[str, int]) -> None:
+        super().__init__(message)
+        self.n_required = n_required
+        self.n_eligible = n_eligible
+        self.breakdown = breakdown
+
+
+@dataclass(frozen=True)
+class SelectionResult:
+    """``dataset``: the chosen trajectories' calls (CALL_SCHEMA + ``reward`` float64), ordered by
+    trajectory (oldest first) then call_index. ``quarantine_counts``: reason code -> trajectories
+    (``validation.ValidationResult.counts``). ``n_eligible``: eligible trajectories before taking
+    ``n_required``. ``n_quarantined``: trajectories with quarantined rows this round.
+    """
+
+    dataset: pa.Table
+    quarantine_counts: dict[str, int]
+    n_eligible: int
+    n_quarantined: int
+    trajectory_ids: list[str] = field(default_factory=list)
+    policy_versions: list[str] = field(default_factory=list)
+    n_pending: int = 0  # in the window, not yet used, no reward row yet
+    n_used_elsewhere: int = 0  # in the window but in another round's ledger
+    quarantine_key: str | None = None
+    ledger_key: str | None = None
+    seed: int | None = None
+
+    @property
+    def quarantined(self) -> dict[str, int]:
+        return self.quarantine_counts
+
+
+def policy_window(live_version: str, version_order: list[str], max_policy_lag: int) -> list[str]:
+    """The live version and the ``max_policy_lag`` versions before it in ``version_order`` (oldest first)."""
+    if max_policy_lag < 0:
+        raise ValueError(f"max_policy_lag must be >= 0, got {max_policy_lag}")
+    try:
+        i = list(version_order).index(live_version)
+    except ValueError:
+        raise ValueError(
+            f"live policy version {live_version!r} is not in version_order {list(version_order)}"
+        ) from None
+    return list(version_order[max(0, i - max_policy_lag) : i + 1])
+
+
+def _candidates(
+    store: TrajectoryStore, calls: pa.Table, rewards: pa.Table, exclude_round: str | None
+) -> tuple[np.ndarray, int, int]:
+    """Row mask of trajectories neither ledgered nor unrewarded; also (n_used, n_pending)."""
+    ids = calls.column("trajectory_id")
+    used = store.used_trajectory_ids(exclude_round=exclude_round)
+    used_mask = pc.is_in(ids, value_set=pa.array(sorted(used), pa.string()))
+    rewarded = pc.is_in(ids, value_set=rewards.column("trajectory_id"))
+    n_used = len(pc.unique(ids.filter(used_mask))) if used else 0
+    pending_mask = pc.and_(pc.invert(used_mask), pc.invert(rewarded))
+    n_pending = len(pc.unique(ids.filter(pending_mask)))
+    keep = pc.and_(pc.invert(used_mask), rewarded)
+    return keep.to_numpy(zero_copy_only=False).astype(bool), n_used, n_pending
+
+
+def select_round_dataset(
+    store: TrajectoryStore,
+    round_key: str,
+    live_version: str,
+    version_order: list[str],
+    max_policy_lag: int,
+    n_required: int,
+    vocab_size: int,
+    seed: int | None = None,
+    *,
+    requirement: str | None = None,
+) -> SelectionResult:
+    """Validate the window's rewarded, unused trajectories and take the ``n_required`` oldest.
+
+    Writes the round's quarantine rows (replacing earlier ones of this round) and its ledger
+    (overwritten), so re-materialising a round is idempotent as long as no new data arrived.
+    Raises ``InsufficientDataError`` (writing nothing) when fewer than ``n_required`` are eligible;
+    ``requirement`` is a human explanation of ``n_required`` for that message, e.g.
+    ``"S*B = steps_per_round=8 x batch_size=8"``. ``seed`` is recorded only: the choice is
+    deterministic without it.
+    """
+    if n_required < 1:
+        raise ValueError(f"n_required must be >= 1, got {n_required}")
+    window = policy_window(live_version, version_order, max_policy_lag)
+    calls = store.read_calls(window, dedupe=False)
+    rewards = store.read_rewards()
+    include, n_used, n_pending = _candidates(store, calls, rewards, exclude_round=round_key)
+    verdict = _validate(
+        calls, rewards, vocab_size, set(version_order), check_top=True, check_prompt=True, include=include
+    )
+    n_quarantined = verdict.n_quarantined_trajectories()
+
+    # Age of each eligible trajectory = its earliest call (null timestamps last); oldest first.
+    keep, t = verdict.keep, verdict.t
+    ts = pc.fill_null(verdict.calls.column("created_at").cast(pa.int64()), np.iinfo(np.int64).max)
+    ts = ts.to_numpy().astype(np.int64)
+    age = np.full(len(verdict.traj_ids), np.iinfo(np.int64).max, dtype=np.int64)
+    np.minimum.at(age, t[keep], ts[keep])
+    eligible = np.unique(t[keep]).tolist()
+    n_eligible = len(eligible)
+    if n_eligible < n_required:
+        need = f"{n_required} trajectories" + (f" ({requirement})" if requirement else "")
+        breakdown = {
+            "eligible": n_eligible,
+            "pending_reward": n_pending,
+            "used_by_other_rounds": n_used,
+            "quarantined": n_quarantined,
+        }
+        raise InsufficientDataError(
+            f"round {round_key!r} needs {need} but only {n_eligible} eligible in policy versions "
+            f"{window} (live {live_version!r}, max_policy_lag={max_policy_lag}); "
+            f"{n_pending} still await a reward, {n_used} were consumed by other rounds (trained on "
+            f"or quarantined), {n_quarantined} were quarantined. Wait for more rewarded traffic, "
+            f"lower the requirement, or raise max_policy_lag.",
+            n_required=n_required,
+            n_eligible=n_eligible,
+            breakdown=breakdown,
+        )
+    ids = verdict.traj_ids
+    chosen = sorted(eligible, key=lambda c: (age[c], ids[c]))[:n_required]
+    rank = np.full(len(ids), -1, dtype=np.int64)
+    rank[chosen] = np.arange(len(chosen))
+    rows = np.flatnonzero(keep & (rank[t] >= 0))
+    rows = rows[np.lexsort((verdict.ci[rows], rank[t[rows]]))]
+    dataset = verdict.valid_table(rows)
+    chosen_ids = [ids[c] for c in chosen]
+
+    quarantine_key = store.write_quarantine(verdict.quarantine_table(), round_key, replace=True)
+    ledger_key = store.write_ledger(round_key, chosen_ids, verdict.rejected_trajectory_ids())
+    return SelectionResult(
+        dataset=dataset,
+        quarantine_counts=verdict.counts,
+        n_eligible=n_eligible,
+        n_quarantined=n_quarantined,
+        trajectory_ids=chosen_ids,
+        policy_versions=window,
+        n_pending=n_pending,
+        n_used_elsewhere=n_used,
+        quarantine_key=quarantine_key,
+        ledger_key=ledger_key,
+        seed=seed,
+    )
+
+
+_CHEAP_COLUMNS = ["trajectory_id", "call_index", "policy_version", "output_token_ids", "output_logprobs"]
+
+
+def count_eligible(
+    store: TrajectoryStore,
+    live_version: str,
+    version_order: list[str],
+    max_policy_lag: int,
+    vocab_size: int,
+) -> int:
+    """Cheap upper bound of ``select_round_dataset``'s ``n_eligible``, for a sensor.
+
+    Reads only key columns, output ids and output logprobs of the window's partitions. Excludes
+    trajectories without a reward row or with a null / non-finite reward, those in any round's
+    ledger, and those failing the simple rules (duplicate conflict, call indices, empty generation,
+    length mismatch, output token range, non-finite output logprob). Skips the prompt token-range
+    and all top-K checks, so it may count a few trajectories that selection then quarantines.
+    """
+    window = policy_window(live_version, version_order, max_policy_lag)
+    calls = store.read_calls(window, dedupe=False, columns=_CHEAP_COLUMNS)
+    if calls.num_rows == 0:
+        return 0
+    rewards = store.read_rewards()
+    include, _, _ = _candidates(store, calls, rewards, exclude_round=None)
+    verdict = _validate(
+        calls, rewards, vocab_size, set(version_order), check_top=False, check_prompt=False, include=include
+    )
+    return len(np.unique(verdict.t[verdict.keep]))

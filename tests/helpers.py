@@ -1,0 +1,66 @@
+"""Small builders of contract-conforming rows for tests (seeded, deterministic)."""
+
+from __future__ import annotations
+
+from datetime import datetime, timedelta, timezone
+
+import numpy as np
+
+VOCAB = 50
+T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+
+
+def make_call(
+    trajectory_id: str,
+    call_index: int = 0,
+    *,
+    policy_version: str = "v0",
+    n_tokens: int = 4,
+    k: int = 3,
+    vocab: int = VOCAB,
+    seed: int = 0,
+    created_at: datetime | None = None,
+    **overrides,
+) -> dict:
+    """One valid call row (CALL_SCHEMA); ``overrides`` replace fields after generation."""
+    rng = np.random.default_rng([seed, call_index, sum(map(ord, trajectory_id))])
+    out = rng.integers(0, vocab, n_tokens).tolist()
+    top_ids = [rng.choice(vocab, size=k, replace=False).tolist() for _ in range(n_tokens)]
+    top_lps = [sorted((-rng.random(k) * 5).tolist(), reverse=True) for _ in range(n_tokens)]
+    row = {
+        "trajectory_id": trajectory_id,
+        "call_index": call_index,
+        "task_id": f"task-{trajectory_id}",
+        "policy_version": policy_version,
+        "prompt_token_ids": rng.integers(0, vocab, 5).tolist(),
+        "output_token_ids": out,
+        "output_logprobs": (-rng.random(n_tokens) * 3).tolist(),
+        "top_token_ids": top_ids,
+        "top_logprobs": top_lps,
+        "support_complete": False,
+        "temperature": 1.0,
+        "top_p": 1.0,
+        "top_k": 0,
+        "prompt_text": "p",
+        "output_text": "o",
+        "created_at": created_at or T0,
+    }
+    row.update(overrides)
+    return row
+
+
+def make_trajectory(trajectory_id: str, n_calls: int = 2, *, minutes: int = 0, **kw) -> list[dict]:
+    """``n_calls`` valid calls created ``minutes`` after T0 (one second apart)."""
+    return [
+        make_call(trajectory_id, i, created_at=T0 + timedelta(minutes=minutes, seconds=i), **kw)
+        for i in range(n_calls)
+    ]
+
+
+def make_reward(trajectory_id: str, reward: float = 1.0, *, minutes: int = 0, source: str = "test") -> dict:
+    return {
+        "trajectory_id": trajectory_id,
+        "reward": reward,
+        "source": source,
+        "created_at": T0 + timedelta(minutes=minutes),
+    }
