@@ -85,11 +85,22 @@ def _get_json(blobs, key: str):
     return json.loads(blobs.get_bytes(key))
 
 
+def preflight(svc: Services, live: LiveDeployment) -> None:
+    """Settings that cannot work with this deployment fail before any data is touched."""
+    r = svc.settings.recipe
+    if r.needs_reference_model and not (Path(live.export_dir) / "prodrl_export.json").exists():
+        raise RoundError(
+            f"correction={r.correction!r} needs the deployed export of {live.policy_version} as the reference "
+            f"model, but {live.export_dir} holds no export"
+        )
+
+
 # --- 1. recorded_trajectories -------------------------------------------------------------
 def select_data(svc: Services, rkey: str) -> dict:
     from prodrl_pipelines.trajectories.selection import InsufficientDataError, select_round_dataset
 
     s, live = svc.settings, svc.live()
+    preflight(svc, live)
     try:
         sel = select_round_dataset(
             svc.store, rkey, live_version=live.policy_version, version_order=svc.registry.version_order(),
@@ -163,8 +174,13 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
     state.baseline = BaselineState(**batch["baseline_state"])
     opt = build_optimizer(model, s.recipe, state)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    reference = None
+    if s.recipe.needs_reference_model:
+        preflight(svc, live)
+        reference, _ = load_policy(Path(live.export_dir), dtype=torch.float32)  # deployed weights, upcast
+        reference.eval()
     res = train_round(model, opt, trajs, np.asarray(batch["advantages"]), batch["plan"], s.recipe, state,
-                      pad_id, round_seed(s, rkey), on_step=on_step, progress=progress)
+                      pad_id, round_seed(s, rkey), on_step=on_step, progress=progress, reference_model=reference)
     out = s.checkpoints_root / rkey
     save_checkpoint(out, model, tokenizer, opt, state)
     _put_json(svc.blobs, f"rounds/{rkey}/train_steps.json", res.steps)

@@ -13,12 +13,26 @@ import pyarrow as pa
 import torch
 
 
+# Recorded head entries at or below this are padding (outside the processed support).
+HEAD_FLOOR = -9000.0
+
+
 @dataclass
 class Call:
     prompt_ids: list[int]
     output_ids: list[int]
     output_logprobs: list[float]
     temperature: float
+    top_ids: list[list[int]] | None = None  # recorded processed top-K head per generated position
+    top_logprobs: list[list[float]] | None = None
+    support_complete: bool = False
+    top_k: int = 0
+    top_p: float = 1.0
+
+    @property
+    def filtered(self) -> bool:
+        """The deployment restricted the support (top-k / top-p): IS must renormalise over it."""
+        return self.top_k > 0 or self.top_p < 1.0
 
 
 @dataclass
@@ -39,7 +53,8 @@ def trajectories_from_table(table: pa.Table) -> list[Trajectory]:
     """Group call rows (with a joined ``reward`` column) into trajectories ordered by call_index."""
     cols = table.select(
         ["trajectory_id", "call_index", "task_id", "policy_version", "reward", "prompt_token_ids",
-         "output_token_ids", "output_logprobs", "temperature"]
+         "output_token_ids", "output_logprobs", "temperature", "top_token_ids", "top_logprobs",
+         "support_complete", "top_k", "top_p"]
     ).to_pydict()
     by_id: dict[str, Trajectory] = {}
     order = sorted(range(table.num_rows), key=lambda r: (cols["trajectory_id"][r], cols["call_index"][r]))
@@ -50,7 +65,8 @@ def trajectories_from_table(table: pa.Table) -> list[Trajectory]:
             traj = by_id[tid] = Trajectory(tid, cols["task_id"][r] or "", cols["policy_version"][r], float(cols["reward"][r]))
         traj.calls.append(
             Call(cols["prompt_token_ids"][r], cols["output_token_ids"][r], cols["output_logprobs"][r],
-                 float(cols["temperature"][r]))
+                 float(cols["temperature"][r]), cols["top_token_ids"][r], cols["top_logprobs"][r],
+                 bool(cols["support_complete"][r]), int(cols["top_k"][r] or 0), float(cols["top_p"][r] or 1.0))
         )
     return sorted(by_id.values(), key=lambda t: t.trajectory_id)
 
@@ -74,6 +90,12 @@ class PackedBatch:
     adv: torch.Tensor  # [G] float, A_i of the token's trajectory
     weight: torch.Tensor  # [G] float, 1 / (B * T_i)
     traj_index: torch.Tensor  # [G] long, trajectory index within the minibatch
+    head_ids: torch.Tensor  # [G, K] long, recorded processed top-K ids (padding -> the sampled id)
+    head_mu: torch.Tensor  # [G, K] float, recorded log mu over the head (padding -> -inf)
+    head_mask: torch.Tensor  # [G, K] bool, real head entries inside the processed support
+    support_complete: torch.Tensor  # [G] bool, the head holds the whole sampling support
+    filtered: torch.Tensor  # [G] bool, served with top-k/top-p (IS renormalises over the support)
+    target_in_head: torch.Tensor  # [G] bool
 
     @property
     def num_tokens(self) -> int:
@@ -86,6 +108,7 @@ def pack_minibatch(trajs: list[Trajectory], advantages: np.ndarray, pad_id: int)
         raise ValueError("one advantage per trajectory is required")
     B = len(trajs)
     seqs, gen_row, gen_pos, targets, temps, lmu, adv, weight, tidx = [], [], [], [], [], [], [], [], []
+    heads: list[tuple[Call, int]] = []
     for i, (tr, a) in enumerate(zip(trajs, advantages)):
         T = tr.num_generated
         if T == 0:
@@ -102,6 +125,7 @@ def pack_minibatch(trajs: list[Trajectory], advantages: np.ndarray, pad_id: int)
                 gen_pos.append(P - 1 + t)
                 targets.append(tok)
             n = len(c.output_ids)
+            heads.append((c, n))
             temps += [c.temperature] * n
             lmu += list(c.output_logprobs)
             adv += [float(a)] * n
@@ -114,8 +138,28 @@ def pack_minibatch(trajs: list[Trajectory], advantages: np.ndarray, pad_id: int)
         ids[r, : len(s)] = torch.tensor(s, dtype=torch.long)
         mask[r, : len(s)] = 1
     f32 = torch.float32
+    tgt = torch.tensor(targets)
+    K = max([len(r) for c, _ in heads for r in (c.top_ids or [])] or [1])
+    G = len(targets)
+    head_ids = tgt[:, None].repeat(1, K)
+    head_mu = torch.full((G, K), float("-inf"))
+    complete = torch.zeros(G, dtype=torch.bool)
+    filtered = torch.zeros(G, dtype=torch.bool)
+    g = 0
+    for c, n in heads:
+        if c.top_ids:
+            for t in range(n):
+                row_ids, row_lp = c.top_ids[t], c.top_logprobs[t]
+                head_ids[g + t, : len(row_ids)] = torch.tensor(row_ids, dtype=torch.long)
+                head_mu[g + t, : len(row_lp)] = torch.tensor(row_lp, dtype=f32)
+        complete[g:g + n] = c.support_complete
+        filtered[g:g + n] = c.filtered
+        g += n
+    head_mask = head_mu > HEAD_FLOOR
+    head_mu = head_mu.masked_fill(~head_mask, float("-inf"))
+    in_head = ((head_ids == tgt[:, None]) & head_mask).any(-1)
     return PackedBatch(
-        ids, mask, torch.tensor(gen_row), torch.tensor(gen_pos), torch.tensor(targets),
+        ids, mask, torch.tensor(gen_row), torch.tensor(gen_pos), tgt,
         torch.tensor(temps, dtype=f32), torch.tensor(lmu, dtype=f32), torch.tensor(adv, dtype=f32),
-        torch.tensor(weight, dtype=f32), torch.tensor(tidx),
+        torch.tensor(weight, dtype=f32), torch.tensor(tidx), head_ids, head_mu, head_mask, complete, filtered, in_head,
     )

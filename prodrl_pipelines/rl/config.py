@@ -26,7 +26,15 @@ class Recipe(BaseModel):
     baseline: str = "loo"
     normalize_adv_std: bool = False
     ema_decay: float = Field(0.9, ge=0, lt=1)
-    kl_beta: float = Field(0.0, ge=0)
+    kl_beta: float = Field(0.0, ge=0, description="beta of the sampled reverse-KL to pi_k; 0 disables")
+    # correction parameters (DESIGN.md s.4)
+    tis_cap: float = Field(2.0, gt=0, description="C of tis/ref_is")
+    ppo_eps: float = Field(0.2, gt=0, lt=1)
+    cis_lambda: float = Field(2.3, ge=0)
+    cis_kappa: float = Field(5e-3, ge=0, le=1)
+    icepop_low: float = Field(0.5, ge=0)
+    icepop_high: float = Field(2.0, gt=0)
+    logprob_chunk: int = Field(1024, ge=1, description="tokens per chunk of the vocab projection")
     max_policy_lag: Literal[0, 1] = 0
     replay: Literal["recorded", "retokenized"] = "recorded"
     seed: int = 0
@@ -50,10 +58,22 @@ class Recipe(BaseModel):
         return v
 
     @model_validator(mode="after")
-    def _loo_needs_two(self) -> "Recipe":
+    def _consistent(self) -> "Recipe":
         if self.baseline == "loo" and self.steps_per_round * self.batch_size < 2:
             raise ValueError("baseline 'loo' needs at least 2 trajectories per round")
+        if self.icepop_low >= self.icepop_high:
+            raise ValueError(f"icepop_low ({self.icepop_low}) must be below icepop_high ({self.icepop_high})")
         return self
+
+    def correction_params(self):
+        from prodrl_pipelines.rl.losses import CorrectionParams
+
+        return CorrectionParams(tis_cap=self.tis_cap, ppo_eps=self.ppo_eps, cis_lambda=self.cis_lambda,
+                                cis_kappa=self.cis_kappa, icepop_low=self.icepop_low, icepop_high=self.icepop_high)
+
+    @property
+    def needs_reference_model(self) -> bool:
+        return self.correction == "ref_is"
 
     @property
     def trajectories_per_round(self) -> int:

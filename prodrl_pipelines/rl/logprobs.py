@@ -1,4 +1,14 @@
-"""Trainer-side log-probabilities of the generated tokens, at the recorded temperature."""
+"""Trainer-side log-probabilities of generated tokens and of the recorded head, computed in chunks.
+
+Real vocabularies are ~150k, so [tokens x vocab] logits for a whole batch are never held at once:
+``ChunkedGatherLogprobs`` projects ``chunk`` hidden states at a time, keeps only the gathered
+log-probabilities and the log-sum-exp, and recomputes each chunk's logits in backward, where
+
+    d logp[g, m] / d logits[g, :] = onehot(ids[g, m]) - softmax(logits[g, :])
+
+so the gradient of ``sum_m grad[g, m] * logp[g, m]`` w.r.t. the logits is
+``scatter(ids, grad) - (sum_m grad[g, m]) * softmax``. Peak extra memory: one chunk of logits.
+"""
 
 from __future__ import annotations
 
@@ -6,19 +16,84 @@ import torch
 
 from prodrl_pipelines.rl.batch import PackedBatch
 
+DEFAULT_CHUNK = 1024
+
+
+class ChunkedGatherLogprobs(torch.autograd.Function):
+    """logp[g, m] = log_softmax(h[g] @ W^T / tau[g])[ids[g, m]], chunked over g."""
+
+    @staticmethod
+    def forward(ctx, hidden, weight, ids, inv_temp, chunk: int):
+        G = hidden.shape[0]
+        out = hidden.new_empty(ids.shape, dtype=torch.float32)
+        lse = hidden.new_empty(G, dtype=torch.float32)
+        for s in range(0, G, chunk):
+            e = min(s + chunk, G)
+            logits = (hidden[s:e] @ weight.t()).float() * inv_temp[s:e, None]
+            lse[s:e] = torch.logsumexp(logits, dim=-1)
+            out[s:e] = logits.gather(-1, ids[s:e]) - lse[s:e, None]
+            del logits
+        ctx.save_for_backward(hidden, weight, ids, inv_temp, lse)
+        ctx.chunk = chunk
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        hidden, weight, ids, inv_temp, lse = ctx.saved_tensors
+        chunk = ctx.chunk
+        G = hidden.shape[0]
+        need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
+        grad_h = torch.empty_like(hidden) if need_h else None
+        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        for s in range(0, G, chunk):
+            e = min(s + chunk, G)
+            logits = (hidden[s:e] @ weight.t()).float() * inv_temp[s:e, None]
+            g = grad_out[s:e].float()
+            # d/dlogits = scatter(grad) - (sum grad) * softmax, then the 1/tau of the logits' scale
+            dlog = torch.exp(logits - lse[s:e, None]).mul_(-g.sum(-1, keepdim=True))
+            dlog.scatter_add_(-1, ids[s:e], g)
+            dlog.mul_(inv_temp[s:e, None])
+            dlog = dlog.to(hidden.dtype)
+            if need_h:
+                grad_h[s:e] = dlog @ weight
+            if need_w:
+                grad_w += (dlog.t() @ hidden[s:e]).float()
+            del logits, dlog
+        return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None
+
+
+def gather_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tensor, temperature: torch.Tensor,
+                    chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """Chunked log_softmax(h W^T / tau) gathered at ``ids`` [G, M]; exact gradients."""
+    if ids.dim() != 2:
+        raise ValueError(f"ids must be [tokens, M], got shape {tuple(ids.shape)}")
+    return ChunkedGatherLogprobs.apply(hidden, weight, ids, 1.0 / temperature.float(), int(chunk))
+
+
+def full_gather_logprobs(hidden, weight, ids, temperature) -> torch.Tensor:
+    """Reference path: materialises all [tokens x vocab] logits (tests and benchmarks only)."""
+    logits = (hidden @ weight.t()).float() / temperature.float()[:, None]
+    return torch.log_softmax(logits, -1).gather(-1, ids)
+
 
 def generated_hidden_states(model, batch: PackedBatch) -> torch.Tensor:
     """Final hidden states at the positions that predict generated tokens: [G, H].
 
-    Only these rows are projected onto the vocabulary, so prompt positions never cost a
-    [tokens x vocab] matmul.
+    Only these rows are projected onto the vocabulary, so prompt positions cost no vocab matmul.
     """
     out = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
     return out.last_hidden_state[batch.gen_row, batch.gen_pos]
 
 
-def token_logprobs(model, batch: PackedBatch) -> torch.Tensor:
+def policy_logprobs(model, batch: PackedBatch, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+    """[G, 1+K]: column 0 = log pi(a|h) of the sampled token, columns 1.. = log pi over the recorded
+    head ids (padding entries point at the sampled token; mask them with ``batch.head_mask``)."""
+    h = generated_hidden_states(model, batch)
+    ids = torch.cat([batch.targets[:, None], batch.head_ids], dim=1)
+    return gather_logprobs(h, model.lm_head.weight, ids, batch.temperature, chunk)
+
+
+def token_logprobs(model, batch: PackedBatch, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
     """log pi(a|h) = log_softmax(z / tau)[a] for every generated token: [G]."""
     h = generated_hidden_states(model, batch)
-    logits = model.lm_head(h).float() / batch.temperature.unsqueeze(-1)
-    return torch.log_softmax(logits, dim=-1).gather(-1, batch.targets.unsqueeze(-1)).squeeze(-1)
+    return gather_logprobs(h, model.lm_head.weight, batch.targets[:, None], batch.temperature, chunk)[:, 0]

@@ -18,8 +18,8 @@ from prodrl_pipelines.rl.advantages import compute_advantages
 from prodrl_pipelines.rl.batch import PackedBatch, Trajectory, pack_minibatch
 from prodrl_pipelines.rl.checkpoint import TrainerState
 from prodrl_pipelines.rl.config import Recipe
-from prodrl_pipelines.rl.logprobs import token_logprobs
-from prodrl_pipelines.rl.losses import TokenTerms, policy_objective
+from prodrl_pipelines.rl.logprobs import policy_logprobs
+from prodrl_pipelines.rl.losses import TokenTerms, kl_penalty, policy_objective
 
 
 @dataclass
@@ -39,6 +39,36 @@ def build_optimizer(model, recipe: Recipe, state: TrainerState) -> torch.optim.O
         for g in opt.param_groups:  # the recipe's current settings win over the saved ones
             g["lr"], g["betas"], g["weight_decay"] = recipe.learning_rate, recipe.adam_betas, recipe.weight_decay
     return opt
+
+
+def support_renormalised(lp_all: torch.Tensor, b: PackedBatch) -> torch.Tensor:
+    """log pi_S(a) = log pi(a) - log sum_{v in S} pi(v) for tokens served with top-k/top-p.
+
+    S is the recorded head (exact when ``support_complete``; otherwise the recorded head plus the
+    sampled token, an approximation). Unfiltered tokens are returned unchanged (S = vocabulary).
+    """
+    head = lp_all[:, 1:].masked_fill(~b.head_mask, float("-inf"))
+    lse = torch.logsumexp(head, dim=-1)
+    lse = torch.where(b.target_in_head, lse, torch.logaddexp(lse, lp_all[:, 0]))
+    return torch.where(b.filtered, lp_all[:, 0] - lse, lp_all[:, 0])
+
+
+def terms_for(lp_all: torch.Tensor, old_all: torch.Tensor, b: PackedBatch, logp_ref: torch.Tensor | None = None) -> TokenTerms:
+    """All per-token quantities the corrections use, from [G, 1+K] log-probs (sampled + head)."""
+    ref = None if logp_ref is None else support_renormalised(logp_ref, b)
+    return TokenTerms(
+        logp=lp_all[:, 0], logp_old=old_all[:, 0], logp_mu=b.logp_mu, adv=b.adv,
+        logp_is=support_renormalised(lp_all, b), logp_old_is=support_renormalised(old_all, b),
+        head_logp=lp_all[:, 1:], head_mu=b.head_mu, head_mask=b.head_mask, support_complete=b.support_complete,
+        logp_ref=ref,
+    )
+
+
+def head_entropy(lp_all: torch.Tensor, b: PackedBatch) -> float:
+    """Mean entropy of pi restricted to the recorded head (renormalised)."""
+    head = lp_all[:, 1:].detach().masked_fill(~b.head_mask, float("-inf"))
+    logq = head - torch.logsumexp(head, -1, keepdim=True)
+    return float(-(logq.exp() * logq.masked_fill(~b.head_mask, 0)).sum(-1).mean())
 
 
 def plan_minibatches(trajs: list[Trajectory], recipe: Recipe, round_seed: int) -> list[list[int]]:
@@ -73,16 +103,26 @@ def train_round(
     round_seed: int,
     on_step: Callable[[int, dict[str, float]], None] | None = None,
     progress: bool = True,
+    reference_model=None,
 ) -> RoundResult:
-    """S Adam steps, minibatch s = trajs[plan[s]], with precomputed advantages ``adv_all``."""
+    """S Adam steps, minibatch s = trajs[plan[s]], with precomputed advantages ``adv_all``.
+
+    ``reference_model`` (``ref_is`` only): the deployed weights, dequantised, run by the trainer.
+    """
     torch.manual_seed(round_seed)
     adv_all = np.asarray(adv_all, dtype=np.float64)
     batches: list[PackedBatch] = [pack_minibatch([trajs[i] for i in mb], adv_all[mb], pad_id) for mb in plan]
 
-    # pi_k once per round, reused by all S steps.
+    if recipe.needs_reference_model and reference_model is None:
+        raise ValueError(f"correction {recipe.correction!r} needs the deployed weights as a reference model")
+    chunk = recipe.logprob_chunk
+    cparams = recipe.correction_params()
+    # pi_k (and pi_ref) once per round, reused by all S steps.
     model.eval()
     with torch.no_grad():
-        logp_old = [token_logprobs(model, b) for b in batches]
+        old_all = [policy_logprobs(model, b, chunk) for b in batches]
+        ref_all = [policy_logprobs(reference_model, b, chunk) for b in batches] if reference_model is not None else None
+    logp_old = [o[:, 0] for o in old_all]
     all_old = torch.cat(logp_old)
     all_mu = torch.cat([b.logp_mu for b in batches])
     result = RoundResult(mismatch_abs_logp=float((all_old - all_mu).abs().mean()), advantages=adv_all)
@@ -102,10 +142,12 @@ def train_round(
             if on_step is not None:
                 on_step(state.global_step, result.steps[-1])
             continue
-        logp = token_logprobs(model, b)
-        terms = TokenTerms(logp=logp, logp_old=logp_old[s], logp_mu=b.logp_mu, adv=b.adv)
-        objective, diag = policy_objective(terms, b.weight, recipe.correction)
-        loss = -objective
+        lp_all = policy_logprobs(model, b, chunk)
+        logp = lp_all[:, 0]
+        terms = terms_for(lp_all, old_all[s], b, None if ref_all is None else ref_all[s])
+        objective, diag = policy_objective(terms, b.weight, recipe.correction, cparams)
+        kl = kl_penalty(terms, b.weight)
+        loss = -objective + recipe.kl_beta * kl if recipe.kl_beta > 0 else -objective
         optimizer.zero_grad(set_to_none=True)
         loss.backward()
         grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip))
@@ -121,6 +163,8 @@ def train_round(
                 "engine_mismatch": float((logp_old[s] - b.logp_mu).abs().mean()),
                 "staleness": float((lp - logp_old[s]).abs().mean()),
                 "net_mismatch": float((lp - b.logp_mu).abs().mean()),
+                "kl": float(kl.detach()),
+                "head_entropy": head_entropy(lp_all, b),
                 "tokens": float(b.num_tokens),
                 "tokens_per_s": b.num_tokens / dt,
                 "skipped": 0.0,
