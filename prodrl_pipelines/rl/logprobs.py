@@ -25,11 +25,13 @@ class ChunkedGatherLogprobs(torch.autograd.Function):
     @staticmethod
     def forward(ctx, hidden, weight, ids, inv_temp, chunk: int):
         G = hidden.shape[0]
-        out = hidden.new_empty(ids.shape, dtype=torch.float32)
-        lse = hidden.new_empty(G, dtype=torch.float32)
+        acc = torch.promote_types(hidden.dtype, torch.float32)  # fp32 at least, fp64 stays fp64
+        out = hidden.new_empty(ids.shape, dtype=acc)
+        lse = hidden.new_empty(G, dtype=acc)
+        inv_temp = inv_temp.to(acc)
         for s in range(0, G, chunk):
             e = min(s + chunk, G)
-            logits = (hidden[s:e] @ weight.t()).float() * inv_temp[s:e, None]
+            logits = (hidden[s:e] @ weight.t()).to(acc) * inv_temp[s:e, None]
             lse[s:e] = torch.logsumexp(logits, dim=-1)
             out[s:e] = logits.gather(-1, ids[s:e]) - lse[s:e, None]
             del logits
@@ -44,11 +46,12 @@ class ChunkedGatherLogprobs(torch.autograd.Function):
         G = hidden.shape[0]
         need_h, need_w = ctx.needs_input_grad[0], ctx.needs_input_grad[1]
         grad_h = torch.empty_like(hidden) if need_h else None
-        grad_w = torch.zeros_like(weight, dtype=torch.float32) if need_w else None
+        acc = lse.dtype
+        grad_w = torch.zeros_like(weight, dtype=acc) if need_w else None
         for s in range(0, G, chunk):
             e = min(s + chunk, G)
-            logits = (hidden[s:e] @ weight.t()).float() * inv_temp[s:e, None]
-            g = grad_out[s:e].float()
+            logits = (hidden[s:e] @ weight.t()).to(acc) * inv_temp[s:e, None]
+            g = grad_out[s:e].to(acc)
             # d/dlogits = scatter(grad) - (sum grad) * softmax, then the 1/tau of the logits' scale
             dlog = torch.exp(logits - lse[s:e, None]).mul_(-g.sum(-1, keepdim=True))
             dlog.scatter_add_(-1, ids[s:e], g)
@@ -57,7 +60,7 @@ class ChunkedGatherLogprobs(torch.autograd.Function):
             if need_h:
                 grad_h[s:e] = dlog @ weight
             if need_w:
-                grad_w += (dlog.t() @ hidden[s:e]).float()
+                grad_w += (dlog.t() @ hidden[s:e]).to(acc)
             del logits, dlog
         return grad_h, (grad_w.to(weight.dtype) if need_w else None), None, None, None
 
@@ -67,7 +70,7 @@ def gather_logprobs(hidden: torch.Tensor, weight: torch.Tensor, ids: torch.Tenso
     """Chunked log_softmax(h W^T / tau) gathered at ``ids`` [G, M]; exact gradients."""
     if ids.dim() != 2:
         raise ValueError(f"ids must be [tokens, M], got shape {tuple(ids.shape)}")
-    return ChunkedGatherLogprobs.apply(hidden, weight, ids, 1.0 / temperature.float(), int(chunk))
+    return ChunkedGatherLogprobs.apply(hidden, weight, ids, 1.0 / temperature.to(hidden.dtype), int(chunk))
 
 
 def full_gather_logprobs(hidden, weight, ids, temperature) -> torch.Tensor:
