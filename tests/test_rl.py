@@ -220,3 +220,51 @@ def test_plan_needs_enough_trajectories():
         plan_minibatches(_random_trajs(3), Recipe(steps_per_round=4, batch_size=2), 0)
     plan = plan_minibatches(_random_trajs(8), Recipe(steps_per_round=4, batch_size=2), 0)
     assert sorted(i for mb in plan for i in mb) == list(range(8))
+
+
+def _trajs_with_heads(n, K=4, seed=0, top_k=0):
+    rng = np.random.default_rng(seed)
+    out = []
+    for i in range(n):
+        calls = []
+        for _ in range(2):
+            P, O = rng.integers(2, 6), rng.integers(1, 4)
+            outs = rng.integers(3, 32, O).tolist()
+            top_ids, top_lps = [], []
+            for a in outs:
+                ids = [a] + rng.choice([v for v in range(3, 32) if v != a], K - 1, replace=False).tolist()
+                lps = np.sort(np.log(rng.dirichlet(np.ones(K)) * 0.9))[::-1].tolist()
+                top_ids.append(ids)
+                top_lps.append(lps)
+            calls.append(Call(rng.integers(3, 32, P).tolist(), outs, [top_lps[t][0] for t in range(O)], 1.0,
+                              top_ids, top_lps, support_complete=bool(top_k), top_k=top_k))
+        out.append(Trajectory(f"h{i:03d}", "t", "v0", float(i % 2), calls))
+    return out
+
+
+@pytest.mark.parametrize("correction", ["none", "tis", "ref_is", "cis", "icepop", "score_centering"])
+@pytest.mark.parametrize("top_k", [0, 4])
+def test_every_correction_trains_a_round(correction, top_k):
+    model = _tiny_model()
+    recipe = Recipe(steps_per_round=2, batch_size=2, correction=correction, kl_beta=0.1)
+    trajs = _trajs_with_heads(4, top_k=top_k)
+    st = TrainerState()
+    ref = _tiny_model(seed=1) if correction == "ref_is" else None
+    adv = compute_advantages([t.reward for t in trajs], "loo")
+    res = train_round(model, build_optimizer(model, recipe, st), trajs, adv, [[0, 1], [2, 3]], recipe, st, 0, 0,
+                      progress=False, reference_model=ref)
+    assert st.global_step == 2
+    for m in res.steps:
+        assert all(math.isfinite(v) for v in m.values()), m
+        assert m["kl"] >= 0 and m["staleness"] >= 0
+    if correction in ("tis", "cis", "icepop", "ref_is"):
+        assert "is_weight_mean" in res.steps[0] and "ppo_clip_frac" in res.steps[0]
+
+
+def test_ref_is_without_reference_fails_clearly():
+    model = _tiny_model()
+    recipe = Recipe(steps_per_round=1, batch_size=2, correction="ref_is")
+    trajs = _trajs_with_heads(2)
+    with pytest.raises(ValueError, match="reference model"):
+        train_round(model, build_optimizer(model, recipe, TrainerState()), trajs, np.array([1.0, -1.0]), [[0, 1]],
+                    recipe, TrainerState(), 0, 0, progress=False)

@@ -71,6 +71,37 @@ def head_entropy(lp_all: torch.Tensor, b: PackedBatch) -> float:
     return float(-(logq.exp() * logq.masked_fill(~b.head_mask, 0)).sum(-1).mean())
 
 
+def train_step(model, optimizer, b: PackedBatch, old_all: torch.Tensor, ref_all: torch.Tensor | None,
+               recipe: Recipe, cparams) -> dict[str, float]:
+    """One Adam step on one minibatch: loss = -J + beta * KL; returns the step's diagnostics."""
+    t0 = time.perf_counter()
+    lp_all = policy_logprobs(model, b, recipe.logprob_chunk)
+    terms = terms_for(lp_all, old_all, b, ref_all)
+    objective, diag = policy_objective(terms, b.weight, recipe.correction, cparams)
+    kl = kl_penalty(terms, b.weight)
+    loss = -objective + recipe.kl_beta * kl if recipe.kl_beta > 0 else -objective
+    optimizer.zero_grad(set_to_none=True)
+    loss.backward()
+    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip))
+    optimizer.step()
+    dt = time.perf_counter() - t0
+    with torch.no_grad():
+        lp, old = lp_all[:, 0].detach(), old_all[:, 0]
+        return {
+            "loss": float(loss.detach()),
+            "grad_norm": grad_norm,
+            "engine_mismatch": float((old - b.logp_mu).abs().mean()),  # |log pi_k - log mu|
+            "staleness": float((lp - old).abs().mean()),  # |log pi - log pi_k|
+            "net_mismatch": float((lp - b.logp_mu).abs().mean()),  # |log pi - log mu|
+            "kl": float(kl.detach()),
+            "head_entropy": head_entropy(lp_all, b),
+            "tokens": float(b.num_tokens),
+            "tokens_per_s": b.num_tokens / dt,
+            "skipped": 0.0,
+            **diag,
+        }
+
+
 def plan_minibatches(trajs: list[Trajectory], recipe: Recipe, round_seed: int) -> list[list[int]]:
     """Deterministic shuffle of the S*B trajectories into S minibatches of B (each used once)."""
     n_req = recipe.trajectories_per_round
@@ -122,14 +153,12 @@ def train_round(
     with torch.no_grad():
         old_all = [policy_logprobs(model, b, chunk) for b in batches]
         ref_all = [policy_logprobs(reference_model, b, chunk) for b in batches] if reference_model is not None else None
-    logp_old = [o[:, 0] for o in old_all]
-    all_old = torch.cat(logp_old)
+    all_old = torch.cat([o[:, 0] for o in old_all])
     all_mu = torch.cat([b.logp_mu for b in batches])
     result = RoundResult(mismatch_abs_logp=float((all_old - all_mu).abs().mean()), advantages=adv_all)
 
     model.train()
     for s, b in enumerate(tqdm(batches, desc="train", disable=not progress, leave=False)):
-        t0 = time.perf_counter()
         adv_mb = adv_all[plan[s]]
         base = {
             "adv_mean": float(adv_mb.mean()), "adv_std": float(adv_mb.std()),
@@ -142,34 +171,9 @@ def train_round(
             if on_step is not None:
                 on_step(state.global_step, result.steps[-1])
             continue
-        lp_all = policy_logprobs(model, b, chunk)
-        logp = lp_all[:, 0]
-        terms = terms_for(lp_all, old_all[s], b, None if ref_all is None else ref_all[s])
-        objective, diag = policy_objective(terms, b.weight, recipe.correction, cparams)
-        kl = kl_penalty(terms, b.weight)
-        loss = -objective + recipe.kl_beta * kl if recipe.kl_beta > 0 else -objective
-        optimizer.zero_grad(set_to_none=True)
-        loss.backward()
-        grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip))
-        optimizer.step()
+        metrics = {**base, **train_step(model, optimizer, b, old_all[s], None if ref_all is None else ref_all[s],
+                                        recipe, cparams)}
         state.global_step += 1
-        dt = time.perf_counter() - t0
-        with torch.no_grad():
-            lp = logp.detach()
-            metrics = {
-                **base,
-                "loss": float(loss.detach()),
-                "grad_norm": grad_norm,
-                "engine_mismatch": float((logp_old[s] - b.logp_mu).abs().mean()),
-                "staleness": float((lp - logp_old[s]).abs().mean()),
-                "net_mismatch": float((lp - b.logp_mu).abs().mean()),
-                "kl": float(kl.detach()),
-                "head_entropy": head_entropy(lp_all, b),
-                "tokens": float(b.num_tokens),
-                "tokens_per_s": b.num_tokens / dt,
-                "skipped": 0.0,
-                **diag,
-            }
         result.steps.append(metrics)
         if on_step is not None:
             on_step(state.global_step, metrics)
