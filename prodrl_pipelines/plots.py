@@ -48,3 +48,22 @@ def step_series_png(series: dict[str, Sequence[float]], title: str, ylabel: str 
 def markdown_image(png: bytes, alt: str) -> str:
     """Inline PNG for Dagster MarkdownMetadataValue."""
     return f"![{alt}](data:image/png;base64,{base64.b64encode(png).decode()})"
+
+
+def mismatch_history_png(steps: Sequence[dict], round_starts: Sequence[int]) -> bytes:
+    """The seed's three figures over the whole run: engine mismatch |log pi_k - log mu| (falls as
+    the policy sharpens), staleness |log pi - log pi_k| (sawtooth: resets at each redeploy) and net
+    |log pi - log mu|. Dotted lines mark round starts."""
+    keys = [("engine_mismatch", "engine |log pi_k - log mu|"), ("staleness", "staleness |log pi - log pi_k|"),
+            ("net_mismatch", "net |log pi - log mu|")]
+    fig, axes = plt.subplots(3, 1, figsize=(6, 6.5), sharex=True)
+    xs = range(1, len(steps) + 1)
+    for ax, (k, title) in zip(axes, keys):
+        ax.plot(xs, [s.get(k, float("nan")) for s in steps], lw=1.3)
+        for r in round_starts:
+            ax.axvline(r + 0.5, color="grey", ls=":", lw=0.8)
+        ax.set_title(title, fontsize=9)
+        ax.grid(alpha=0.3)
+    axes[-1].set_xlabel("optimizer step (all rounds)")
+    fig.tight_layout()
+    return _png(fig)

@@ -197,6 +197,15 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
     }
 
 
+def training_history(svc: Services) -> tuple[list[dict], list[int]]:
+    """Every trained step of every round so far, in order, and the index where each round starts."""
+    steps, starts = [], []
+    for key in sorted(k.split("/")[1] for k in svc.blobs.list("rounds/") if k.endswith("/train_steps.json")):
+        starts.append(len(steps))
+        steps += [m for m in _get_json(svc.blobs, f"rounds/{key}/train_steps.json") if not m.get("skipped")]
+    return steps, starts
+
+
 # --- 4. exported_policy -----------------------------------------------------------------------
 def export(svc: Services, rkey: str) -> dict:
     from prodrl_pipelines.quant.bf16 import export_bf16

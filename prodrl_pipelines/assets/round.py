@@ -5,7 +5,7 @@ from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, ass
 
 from prodrl_pipelines import rounds
 from prodrl_pipelines.assets.partitions import rounds_partitions
-from prodrl_pipelines.plots import markdown_image, reward_curve_png, step_series_png
+from prodrl_pipelines.plots import markdown_image, mismatch_history_png, reward_curve_png
 from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, StoreResource, services
 
 GROUP = "prod_rl_round"
@@ -45,16 +45,15 @@ def trained_checkpoint(context: AssetExecutionContext, settings: ProdRLSettings,
 
     stats = rounds.train(svc, rkey, on_step=on_step)
     steps = [m for m in stats.pop("steps") if not m.get("skipped")]
-    png = step_series_png(
-        {"engine |log pi_k - log mu|": [m["engine_mismatch"] for m in steps],
-         "staleness |log pi - log pi_k|": [m["staleness"] for m in steps],
-         "net |log pi - log mu|": [m["net_mismatch"] for m in steps]},
-        f"{rkey}: train-rollout mismatch", "mean |log-ratio|",
-    )
+    history, starts = rounds.training_history(svc)
+    png = mismatch_history_png(history, starts)
     svc.lineage.log_bytes(run_id, png, "mismatch.png", "plots")
     svc.lineage.log_metrics(run_id, {"round_mismatch_abs_logp": stats["mismatch_abs_logp"]}, stats["global_step"])
+    means = {f"mean_{k}": float(sum(m[k] for m in steps) / len(steps))
+             for k in ("engine_mismatch", "staleness", "net_mismatch", "kl", "head_entropy", "grad_norm",
+                       "is_weight_mean", "is_truncated_frac", "ppo_clip_frac") if steps and k in steps[0]}
     return MaterializeResult(metadata={
-        **stats, "mlflow_run_id": run_id, "mlflow_run": MetadataValue.url(svc.lineage.run_url(run_id)),
+        **stats, **means, "correction": svc.settings.recipe.correction, "mlflow_run_id": run_id, "mlflow_run": MetadataValue.url(svc.lineage.run_url(run_id)),
         "mismatch_plot": MetadataValue.md(markdown_image(png, "mismatch")),
     })
 
