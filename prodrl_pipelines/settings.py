@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from prodrl_pipelines.engines.types import SamplingParams
 from prodrl_pipelines.rl.config import Recipe
@@ -19,10 +19,18 @@ class DeploySettings(BaseModel):
     top_k: int = Field(0, ge=0)
     max_tokens: int = Field(8, ge=1)
     num_top_logprobs: int = Field(8, ge=1, le=20)
+    record_extra_draw: bool = False
+
+    @model_validator(mode="after")
+    def _head_covers_top_k(self) -> "DeploySettings":
+        if self.top_k and self.num_top_logprobs < self.top_k:
+            raise ValueError(f"num_top_logprobs ({self.num_top_logprobs}) must be >= top_k ({self.top_k}) so the "
+                             "recorded head holds the whole sampling support")
+        return self
 
     def sampling(self, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, self.top_k, self.max_tokens,
-                              self.num_top_logprobs, tuple(stop_token_ids))
+                              self.num_top_logprobs, tuple(stop_token_ids), self.record_extra_draw)
 
 
 class EvalSettings(BaseModel):
@@ -47,6 +55,13 @@ class Settings(BaseModel):
     deploy: DeploySettings = DeploySettings()
     eval: EvalSettings = EvalSettings()
     lab: LabSettings = LabSettings()
+
+    @model_validator(mode="after")
+    def _sampled_needs_extra_draw(self) -> "Settings":
+        if self.recipe.correction == "score_centering_sampled" and not self.deploy.record_extra_draw:
+            raise ValueError("correction 'score_centering_sampled' needs deploy.record_extra_draw = true "
+                             "(the deployment must record an extra draw per position)")
+        return self
 
     @property
     def home_path(self) -> Path:

@@ -268,3 +268,32 @@ def test_ref_is_without_reference_fails_clearly():
     with pytest.raises(ValueError, match="reference model"):
         train_round(model, build_optimizer(model, recipe, TrainerState()), trajs, np.array([1.0, -1.0]), [[0, 1]],
                     recipe, TrainerState(), 0, 0, progress=False)
+
+
+def test_sampled_score_centering_uses_recorded_extra_draw():
+    model = _tiny_model()
+    recipe = Recipe(steps_per_round=1, batch_size=2, correction="score_centering_sampled")
+    trajs = _trajs_with_heads(2)
+    with pytest.raises(ValueError, match="extra recorded draw"):
+        train_round(model, build_optimizer(model, recipe, TrainerState()), trajs, np.array([1.0, -1.0]), [[0, 1]],
+                    recipe, TrainerState(), 0, 0, progress=False)
+    for t in trajs:
+        for c in t.calls:
+            c.extra_ids = list(reversed(c.output_ids))
+    st = TrainerState()
+    res = train_round(model, build_optimizer(model, recipe, st), trajs, np.array([1.0, -1.0]), [[0, 1]], recipe, st,
+                      0, 0, progress=False)
+    assert st.global_step == 1 and math.isfinite(res.steps[0]["loss"])
+
+
+def test_settings_reject_nonsense_combinations():
+    from pydantic import ValidationError
+
+    from prodrl_pipelines.settings import DeploySettings, Settings
+
+    with pytest.raises(ValidationError, match="record_extra_draw"):
+        Settings(recipe=Recipe(correction="score_centering_sampled"))
+    with pytest.raises(ValidationError, match="num_top_logprobs"):
+        DeploySettings(top_k=20, num_top_logprobs=8)
+    with pytest.raises(ValidationError, match="icepop_low"):
+        Recipe(icepop_low=2.0, icepop_high=1.0)

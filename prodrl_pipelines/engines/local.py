@@ -160,9 +160,10 @@ class LocalEngine:
             proc = self._processed(logits, params)
             top_ids, top_lps, complete = top_logprobs(proc, k)
             tok = _sample(proc, top_ids, top_lps, complete, gen)
+            extra = _sample(proc, top_ids, top_lps, complete, gen) if params.record_extra_draw else tok
             tok_lp = proc.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
             finished = torch.isin(tok, stop) if stop.numel() else torch.zeros_like(tok, dtype=torch.bool)
-            steps.append((active, tok, tok_lp, top_ids, top_lps, complete, finished))
+            steps.append((active, tok, tok_lp, top_ids, top_lps, complete, finished, extra))
             if step == params.max_tokens - 1:
                 break
             keep = ~finished
@@ -187,15 +188,17 @@ class LocalEngine:
         out_lps: list[list[float]] = [[] for _ in range(n)]
         heads_ids: list[list[list[int]]] = [[] for _ in range(n)]
         heads_lps: list[list[list[float]]] = [[] for _ in range(n)]
+        extras: list[list[int]] = [[] for _ in range(n)]
         complete_all = [True] * n
         stopped = [False] * n
-        for active_s, tok_s, lp_s, tid_s, tlp_s, comp_s, fin_s in steps:
+        for active_s, tok_s, lp_s, tid_s, tlp_s, comp_s, fin_s, ex_s in steps:
             tlp_s = tlp_s.clamp(min=TOP_LOGPROB_FLOOR)
-            for row, t, lp, tid, tlp, c, f in zip(
+            for row, t, lp, tid, tlp, c, f, x in zip(
                 active_s.tolist(), tok_s.tolist(), lp_s.tolist(), tid_s.tolist(), tlp_s.tolist(),
-                comp_s.tolist(), fin_s.tolist(),
+                comp_s.tolist(), fin_s.tolist(), ex_s.tolist(),
             ):
                 out_ids[row].append(t)
+                extras[row].append(x)
                 out_lps[row].append(lp)
                 heads_ids[row].append(tid)
                 heads_lps[row].append(tlp)
@@ -210,6 +213,7 @@ class LocalEngine:
                 top_token_ids=heads_ids[i],
                 top_logprobs=heads_lps[i],
                 support_complete=complete_all[i],
+                extra_token_ids=extras[i] if params.record_extra_draw else None,
                 finish_reason="stop" if stopped[i] else "length",
                 output_text=self._decode(out_ids[i]),
             )

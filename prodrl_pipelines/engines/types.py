@@ -16,6 +16,9 @@ class SamplingParams:
     # K: how many of the most likely processed tokens to record per generated position.
     num_top_logprobs: int = 8
     stop_token_ids: tuple[int, ...] = ()
+    # Also draw one extra, independent token a' ~ mu per position (not fed back): the `sampled`
+    # score-centering estimator uses it. Off by default (it consumes random numbers).
+    record_extra_draw: bool = False
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
@@ -40,6 +43,7 @@ class CallRecord:
     top_token_ids: list[list[int]]  # K most likely processed tokens per generated position
     top_logprobs: list[list[float]]
     support_complete: bool  # the recorded head holds the whole sampling support at every position
+    extra_token_ids: list[int] | None = None  # one extra draw a' ~ mu per position (when asked)
     finish_reason: str = "length"  # "stop" when a stop token was sampled (it is kept in the output)
     output_text: str = ""
     extra: dict = field(default_factory=dict)

@@ -19,6 +19,9 @@ signal than all-or-nothing (with ~40% per-turn accuracy an all-or-nothing reward
 0 for most episodes and the baseline-subtracted advantages are mostly noise), and judging each turn
 against the model's own previous answer credits each call for its own arithmetic.
 
+Answers must be bare integers: ``"=16"`` or ``"16 apples"`` are malformed (wrong for that turn).
+``noisy_messages`` produces the transcripts of a sloppy demonstrator for the warm start.
+
 Held-out tasks are disjoint from training tasks by construction: a task's identity is a hash of its
 content, and a fixed 1-in-10 slice of that hash space is reserved for evaluation.
 """
@@ -31,7 +34,7 @@ import re
 from dataclasses import dataclass
 
 # Task distribution (difficulty knobs; the demo base policy is tuned against these defaults).
-FIRST_OPERAND_RANGE = (0, 29)  # inclusive: a and b of the first turn
+FIRST_OPERAND_RANGE = (0, 9)  # inclusive: a and b of the first turn
 LATER_OPERAND_RANGE = (1, 9)  # inclusive: c of each "then op c" turn
 TURNS_RANGE = (2, 3)  # inclusive: model calls per episode
 OPS = ("+", "-")
@@ -115,7 +118,7 @@ def generate_tasks(n: int, seed: int) -> list[ArithmeticTask]:
     return _generate(n, seed, heldout=False)
 
 
-def heldout_tasks(n: int = 200, seed: int = HELDOUT_SEED) -> list[ArithmeticTask]:
+def heldout_tasks(n: int = 256, seed: int = HELDOUT_SEED) -> list[ArithmeticTask]:
     """The fixed held-out evaluation set (disjoint from every ``generate_tasks`` output)."""
     return _generate(n, seed, heldout=True)
 
@@ -172,6 +175,36 @@ def reference_messages(task: ArithmeticTask) -> list[dict]:
     for turn, ans in enumerate(reference_answers(task)):
         msgs.append({"role": "user", "content": task.prompt(turn)})
         msgs.append({"role": "assistant", "content": ans})
+    return msgs
+
+
+SLOPPY_PREFIX = "="  # how a sloppy demonstrator sometimes writes an answer: "=12" (rejected by the verifier)
+
+
+def noisy_messages(
+    task: ArithmeticTask,
+    rng: random.Random,
+    answer_noise: float = 0.0,
+    format_noise: float = 0.0,
+) -> list[dict]:
+    """A transcript from a sloppy demonstrator.
+
+    Each answer is off by 1 or 2 with probability ``answer_noise``, and written as ``"=12"`` instead
+    of ``"12"`` with probability ``format_noise`` (the verifier only accepts a bare integer). Later
+    turns apply their operation to the value actually shown (the task's semantics).
+    """
+    msgs: list[dict] = []
+    prev = task.numbers[0]
+    for turn in range(task.n_turns):
+        value = apply_op(prev, task.ops[turn], task.numbers[turn + 1])
+        if answer_noise > 0 and rng.random() < answer_noise:
+            value += rng.choice((-2, -1, 1, 2))
+        text = str(value)
+        if format_noise > 0 and rng.random() < format_noise:
+            text = SLOPPY_PREFIX + text
+        msgs.append({"role": "user", "content": task.prompt(turn)})
+        msgs.append({"role": "assistant", "content": text})
+        prev = value
     return msgs
 
 

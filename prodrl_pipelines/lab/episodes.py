@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import random
 import uuid
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from typing import Protocol
 
@@ -85,8 +85,6 @@ def with_stop_tokens(params: SamplingParams, tokenizer) -> SamplingParams:
     stops = tuple(sorted(set(params.stop_token_ids) | set(stop_token_ids(tokenizer))))
     if stops == tuple(params.stop_token_ids):
         return params
-    from dataclasses import replace
-
     return replace(params, stop_token_ids=stops)
 
 

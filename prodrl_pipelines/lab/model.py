@@ -1,19 +1,23 @@
 """The lab's tiny Qwen3-architecture causal LM, built from a config (no hub downloads).
 
 The default is a tiny Qwen3-MoE (``Qwen3MoeForCausalLM``: 4 experts, top-2 routing, every layer
-sparse), because engine/trainer mismatch is heavy-tailed on MoE models (routing flips); see the
-measurements in the module's tests/report. Sizes:
+sparse), because engine/trainer mismatch is heavy-tailed on MoE models (routing flips). Measured on
+the 2-core CPU box (fp32, one torch thread, SFT batch 64 x ~50 tokens): the MoE "demo" model costs
+~95 ms per training step against ~77 ms for the dense equivalent (1.2-1.9x depending on batch and
+load), learns the arithmetic task per step as fast as the dense one (held-out reward 0.18 vs 0.16
+after 400 steps on a harder variant), and REINFORCE improves it as well as the dense one; the cost is
+affordable, so MoE it is. ``arch="dense"`` (an override) builds ``Qwen3ForCausalLM`` instead.
 
-- ``tiny``: for tests; builds and trains in well under a second per step.
-- ``demo``: the default demo policy; warm-starts in about a minute on 2 CPU cores.
+Sizes:
+
+- ``tiny``: for tests; builds and trains in a few seconds, success rate irrelevant.
+- ``demo``: the default demo policy (~130k parameters); warm-starts in ~30 s on 2 CPU cores.
 """
 
 from __future__ import annotations
 
 import torch
 from transformers import Qwen3Config, Qwen3ForCausalLM, Qwen3MoeConfig, Qwen3MoeForCausalLM
-
-from prodrl_pipelines.lab.tokenizer import IM_END, IM_START, PAD_TOKEN  # noqa: F401  (documentation)
 
 _COMMON = dict(
     hidden_act="silu",

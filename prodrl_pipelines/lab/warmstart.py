@@ -1,9 +1,16 @@
 """Supervised warm start of the lab policy and the base-checkpoint builder.
 
-The warm start trains on correct chat transcripts with the loss on assistant tokens only (the answer
-digits and the closing ``<|im_end|>``), tokenized exactly as the serving path renders prompts. It is
-deliberately short: the base policy should succeed often enough for RL to get signal, and fail
-often enough for RL to have room (held-out reward roughly 0.25-0.55 at temperature 1).
+The warm start trains on chat transcripts with the loss on assistant tokens only (the answer digits
+and the closing ``<|im_end|>``), tokenized exactly as the serving path renders prompts. The base
+policy should succeed often enough for RL to get signal and fail often enough for RL to have room
+(held-out reward roughly 0.25-0.55 at temperature 1).
+
+Why a "sloppy demonstrator" for the demo: on this ~130k-parameter model, REINFORCE improves the
+arithmetic itself only slowly (the policy gradient is consistent across batches, but the reward is
+sharply curved along it, so steps above lr ~1e-4 undo more than they gain). A format habit, by
+contrast, is one context-independent decision that RL fixes quickly and reliably. So 40% of the
+demonstrated answers are written ``=12`` (rejected by the verifier); the base policy copies the habit
+at temperature 1 and RL removes it round after round, while the arithmetic improves a little too.
 """
 
 from __future__ import annotations
@@ -24,10 +31,13 @@ from prodrl_pipelines.lab.tokenizer import IM_END, IM_START, build_tokenizer
 
 IGNORE_INDEX = -100
 
-# Tuned defaults per size: SFT steps, batch size, peak lr, number of distinct training tasks.
+# Tuned defaults per size: SFT steps, batch size, peak lr, number of distinct training tasks, and
+# the sloppy-demonstrator rates (see ``arithmetic.noisy_messages``). For "demo", 40% of the
+# demonstrated answers are written "=12": the base policy copies that habit at temperature 1, which
+# the verifier rejects, so RL has a clean, learnable signal on top of the (slower) arithmetic gains.
 SFT_DEFAULTS: dict[str, dict] = {
-    "tiny": dict(steps=20, batch_size=16, lr=3e-3, n_tasks=512),
-    "demo": dict(steps=300, batch_size=64, lr=3e-3, n_tasks=20000),
+    "tiny": dict(steps=20, batch_size=16, lr=3e-3, n_tasks=512, answer_noise=0.0, format_noise=0.0),
+    "demo": dict(steps=500, batch_size=64, lr=1e-2, n_tasks=20000, answer_noise=0.0, format_noise=0.4),
 }
 
 
@@ -99,19 +109,21 @@ def warm_start(
     lr: float,
     seed: int,
     *,
+    answer_noise: float = 0.0,
+    format_noise: float = 0.0,
     progress: bool = True,
 ) -> dict:
     """Supervised fine-tuning on correct transcripts of ``tasks``, loss on assistant tokens only.
 
-    AdamW (weight decay 0.01), linear warmup + cosine decay, grad-norm clip 1.0; each step draws
-    ``batch_size`` tasks from ``tasks`` with an RNG seeded by ``seed``. Returns metrics
+    AdamW (weight decay 0.01), linear warmup + cosine decay to 10% of ``lr``, grad-norm clip 1.0;
+    each step draws ``batch_size`` tasks from ``tasks`` with an RNG seeded by ``seed``. Transcripts
+    come from ``arithmetic.noisy_messages`` (exact when both noise rates are 0). Returns metrics
     (``loss_first``, ``loss_last`` averaged over the last 10 steps, ``seconds``, ``tokens``).
     """
     enc = _Encoder(tokenizer)
-    examples = [enc.encode(arithmetic.reference_messages(t)) for t in tasks]
-    pad_id = int(tokenizer.pad_token_id)
     rng = random.Random(f"warm_start:{seed}")
-    gen = torch.Generator().manual_seed(int(seed))  # noqa: F841  (reserved: dropout is off)
+    examples = [enc.encode(arithmetic.noisy_messages(t, rng, answer_noise, format_noise)) for t in tasks]
+    pad_id = int(tokenizer.pad_token_id)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     warmup = max(1, min(20, steps // 10))
     model.train()
@@ -153,17 +165,33 @@ def build_base_policy(
     sft_steps: int | None = None,
     *,
     progress: bool = True,
+    num_threads: int | None = 1,
 ) -> Path:
     """Build the lab tokenizer and model, warm-start it, save an HF checkpoint directory.
 
     The directory holds ``config.json``, ``model.safetensors``, ``generation_config.json``, the
     tokenizer files (with the chat template) and ``warm_start.json`` (the SFT metrics). Deterministic
     given ``seed`` (same seed -> identical weights).
+
+    ``num_threads`` temporarily sets torch's intra-op threads for the build (restored after). One
+    thread is the default: this model's ops are tiny, and on a shared 2-core machine two OpenMP
+    threads measured 2-7x slower per step than one under contention (and barely faster when idle).
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     cfg = SFT_DEFAULTS[size]
     steps = cfg["steps"] if sft_steps is None else int(sft_steps)
+    prev_threads = torch.get_num_threads()
+    if num_threads is not None:
+        torch.set_num_threads(int(num_threads))
+    try:
+        return _build(out, size, seed, steps, cfg, progress)
+    finally:
+        torch.set_num_threads(prev_threads)
+
+
+def _build(out: Path, size: str, seed: int, steps: int, cfg: dict, progress: bool) -> Path:
+    t0 = time.perf_counter()
     torch_threads = torch.get_num_threads()
     tok = build_tokenizer()
     config = lab_model_config(
@@ -178,10 +206,17 @@ def build_base_policy(
         torch.manual_seed(seed)
         metrics = warm_start(
             model, tok, tasks, steps=steps, batch_size=cfg["batch_size"], lr=cfg["lr"], seed=seed,
+            answer_noise=cfg.get("answer_noise", 0.0), format_noise=cfg.get("format_noise", 0.0),
             progress=progress,
         )
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
-    meta = {"size": size, "seed": seed, "torch_threads": torch_threads, **metrics}
+    meta = {
+        "size": size,
+        "seed": seed,
+        "torch_threads": torch_threads,
+        "build_seconds": time.perf_counter() - t0,
+        **metrics,
+    }
     (out / "warm_start.json").write_text(json.dumps(meta, indent=2) + "\n")
     return out

@@ -26,6 +26,12 @@ class ProdRLSettings(ConfigurableResource):
     baseline: str = _R["baseline"].default
     normalize_adv_std: bool = _R["normalize_adv_std"].default
     kl_beta: float = _R["kl_beta"].default
+    tis_cap: float = _R["tis_cap"].default
+    ppo_eps: float = _R["ppo_eps"].default
+    cis_lambda: float = _R["cis_lambda"].default
+    cis_kappa: float = _R["cis_kappa"].default
+    icepop_low: float = _R["icepop_low"].default
+    icepop_high: float = _R["icepop_high"].default
     max_policy_lag: int = _R["max_policy_lag"].default
     seed: int = _R["seed"].default
     # serving (recorded with each call)
@@ -34,6 +40,7 @@ class ProdRLSettings(ConfigurableResource):
     top_k: int = _D["top_k"].default
     max_tokens: int = _D["max_tokens"].default
     num_top_logprobs: int = _D["num_top_logprobs"].default
+    record_extra_draw: bool = _D["record_extra_draw"].default
     # held-out evaluation and gate
     heldout_size: int = _E["heldout_size"].default
     gate_tolerance: float = _E["gate_tolerance"].default
@@ -50,10 +57,13 @@ class ProdRLSettings(ConfigurableResource):
             recipe=Recipe(
                 steps_per_round=self.steps_per_round, batch_size=self.batch_size, learning_rate=self.learning_rate,
                 correction=self.correction, baseline=self.baseline, normalize_adv_std=self.normalize_adv_std,
-                kl_beta=self.kl_beta, max_policy_lag=self.max_policy_lag, seed=self.seed,
+                kl_beta=self.kl_beta, max_policy_lag=self.max_policy_lag, seed=self.seed, tis_cap=self.tis_cap,
+                ppo_eps=self.ppo_eps, cis_lambda=self.cis_lambda, cis_kappa=self.cis_kappa,
+                icepop_low=self.icepop_low, icepop_high=self.icepop_high,
             ),
             deploy=DeploySettings(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                                  max_tokens=self.max_tokens, num_top_logprobs=self.num_top_logprobs),
+                                  max_tokens=self.max_tokens, num_top_logprobs=self.num_top_logprobs,
+                                  record_extra_draw=self.record_extra_draw),
             eval=EvalSettings(heldout_size=self.heldout_size, gate_tolerance=self.gate_tolerance, gate_z=self.gate_z),
             lab=LabSettings(size=self.lab_size, seed=self.lab_seed,
                             sft_steps=None if self.lab_sft_steps < 0 else self.lab_sft_steps),

@@ -28,6 +28,7 @@ class Call:
     support_complete: bool = False
     top_k: int = 0
     top_p: float = 1.0
+    extra_ids: list[int] | None = None  # recorded extra draw a' ~ mu per position (optional)
 
     @property
     def filtered(self) -> bool:
@@ -51,11 +52,13 @@ class Trajectory:
 
 def trajectories_from_table(table: pa.Table) -> list[Trajectory]:
     """Group call rows (with a joined ``reward`` column) into trajectories ordered by call_index."""
-    cols = table.select(
-        ["trajectory_id", "call_index", "task_id", "policy_version", "reward", "prompt_token_ids",
-         "output_token_ids", "output_logprobs", "temperature", "top_token_ids", "top_logprobs",
-         "support_complete", "top_k", "top_p"]
-    ).to_pydict()
+    names = ["trajectory_id", "call_index", "task_id", "policy_version", "reward", "prompt_token_ids",
+             "output_token_ids", "output_logprobs", "temperature", "top_token_ids", "top_logprobs",
+             "support_complete", "top_k", "top_p"]
+    if "extra_token_ids" in table.column_names:
+        names.append("extra_token_ids")
+    cols = table.select(names).to_pydict()
+    extra = cols.get("extra_token_ids", [None] * table.num_rows)
     by_id: dict[str, Trajectory] = {}
     order = sorted(range(table.num_rows), key=lambda r: (cols["trajectory_id"][r], cols["call_index"][r]))
     for r in order:
@@ -66,7 +69,8 @@ def trajectories_from_table(table: pa.Table) -> list[Trajectory]:
         traj.calls.append(
             Call(cols["prompt_token_ids"][r], cols["output_token_ids"][r], cols["output_logprobs"][r],
                  float(cols["temperature"][r]), cols["top_token_ids"][r], cols["top_logprobs"][r],
-                 bool(cols["support_complete"][r]), int(cols["top_k"][r] or 0), float(cols["top_p"][r] or 1.0))
+                 bool(cols["support_complete"][r]), int(cols["top_k"][r] or 0), float(cols["top_p"][r] or 1.0),
+                 extra[r])
         )
     return sorted(by_id.values(), key=lambda t: t.trajectory_id)
 
@@ -96,6 +100,8 @@ class PackedBatch:
     support_complete: torch.Tensor  # [G] bool, the head holds the whole sampling support
     filtered: torch.Tensor  # [G] bool, served with top-k/top-p (IS renormalises over the support)
     target_in_head: torch.Tensor  # [G] bool
+    extra_ids: torch.Tensor  # [G] long, recorded extra draw a' (the sampled id where none was recorded)
+    has_extra: torch.Tensor  # [G] bool
 
     @property
     def num_tokens(self) -> int:
@@ -145,8 +151,15 @@ def pack_minibatch(trajs: list[Trajectory], advantages: np.ndarray, pad_id: int)
     head_mu = torch.full((G, K), float("-inf"))
     complete = torch.zeros(G, dtype=torch.bool)
     filtered = torch.zeros(G, dtype=torch.bool)
+    extra_ids = tgt.clone()
+    has_extra = torch.zeros(G, dtype=torch.bool)
     g = 0
     for c, n in heads:
+        if c.extra_ids is not None:
+            if len(c.extra_ids) != n:
+                raise ValueError(f"extra_token_ids has {len(c.extra_ids)} ids for {n} generated tokens")
+            extra_ids[g:g + n] = torch.tensor(c.extra_ids, dtype=torch.long)
+            has_extra[g:g + n] = True
         if c.top_ids:
             for t in range(n):
                 row_ids, row_lp = c.top_ids[t], c.top_logprobs[t]
@@ -162,4 +175,5 @@ def pack_minibatch(trajs: list[Trajectory], advantages: np.ndarray, pad_id: int)
         ids, mask, torch.tensor(gen_row), torch.tensor(gen_pos), tgt,
         torch.tensor(temps, dtype=f32), torch.tensor(lmu, dtype=f32), torch.tensor(adv, dtype=f32),
         torch.tensor(weight, dtype=f32), torch.tensor(tidx), head_ids, head_mu, head_mask, complete, filtered, in_head,
+        extra_ids, has_extra,
     )

@@ -89,10 +89,11 @@ def generated_hidden_states(model, batch: PackedBatch) -> torch.Tensor:
 
 
 def policy_logprobs(model, batch: PackedBatch, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
-    """[G, 1+K]: column 0 = log pi(a|h) of the sampled token, columns 1.. = log pi over the recorded
-    head ids (padding entries point at the sampled token; mask them with ``batch.head_mask``)."""
+    """[G, 1+K+1]: column 0 = log pi(a|h) of the sampled token, columns 1..K = log pi over the
+    recorded head ids (padding entries point at the sampled token; mask with ``batch.head_mask``),
+    column K+1 = log pi(a') of the recorded extra draw (the sampled token where none was recorded)."""
     h = generated_hidden_states(model, batch)
-    ids = torch.cat([batch.targets[:, None], batch.head_ids], dim=1)
+    ids = torch.cat([batch.targets[:, None], batch.head_ids, batch.extra_ids[:, None]], dim=1)
     return gather_logprobs(h, model.lm_head.weight, ids, batch.temperature, chunk)
 
 

@@ -47,7 +47,8 @@ def support_renormalised(lp_all: torch.Tensor, b: PackedBatch) -> torch.Tensor:
     S is the recorded head (exact when ``support_complete``; otherwise the recorded head plus the
     sampled token, an approximation). Unfiltered tokens are returned unchanged (S = vocabulary).
     """
-    head = lp_all[:, 1:].masked_fill(~b.head_mask, float("-inf"))
+    K = b.head_mask.shape[1]
+    head = lp_all[:, 1:1 + K].masked_fill(~b.head_mask, float("-inf"))
     lse = torch.logsumexp(head, dim=-1)
     lse = torch.where(b.target_in_head, lse, torch.logaddexp(lse, lp_all[:, 0]))
     return torch.where(b.filtered, lp_all[:, 0] - lse, lp_all[:, 0])
@@ -56,17 +57,19 @@ def support_renormalised(lp_all: torch.Tensor, b: PackedBatch) -> torch.Tensor:
 def terms_for(lp_all: torch.Tensor, old_all: torch.Tensor, b: PackedBatch, logp_ref: torch.Tensor | None = None) -> TokenTerms:
     """All per-token quantities the corrections use, from [G, 1+K] log-probs (sampled + head)."""
     ref = None if logp_ref is None else support_renormalised(logp_ref, b)
+    K = b.head_mask.shape[1]
     return TokenTerms(
         logp=lp_all[:, 0], logp_old=old_all[:, 0], logp_mu=b.logp_mu, adv=b.adv,
         logp_is=support_renormalised(lp_all, b), logp_old_is=support_renormalised(old_all, b),
-        head_logp=lp_all[:, 1:], head_mu=b.head_mu, head_mask=b.head_mask, support_complete=b.support_complete,
-        logp_ref=ref,
+        head_logp=lp_all[:, 1:1 + K], head_mu=b.head_mu, head_mask=b.head_mask, support_complete=b.support_complete,
+        logp_ref=ref, logp_extra=lp_all[:, 1 + K] if bool(b.has_extra.all()) else None,
     )
 
 
 def head_entropy(lp_all: torch.Tensor, b: PackedBatch) -> float:
     """Mean entropy of pi restricted to the recorded head (renormalised)."""
-    head = lp_all[:, 1:].detach().masked_fill(~b.head_mask, float("-inf"))
+    K = b.head_mask.shape[1]
+    head = lp_all[:, 1:1 + K].detach().masked_fill(~b.head_mask, float("-inf"))
     logq = head - torch.logsumexp(head, -1, keepdim=True)
     return float(-(logq.exp() * logq.masked_fill(~b.head_mask, 0)).sum(-1).mean())
 

@@ -25,6 +25,8 @@ CALL_SCHEMA = pa.schema(
         pa.field("temperature", pa.float32()),
         pa.field("top_p", pa.float32()),
         pa.field("top_k", pa.int32()),
+        # Optional: one extra independent draw a' ~ mu per generated position (sampled score centering).
+        pa.field("extra_token_ids", pa.list_(pa.int32())),
         pa.field("prompt_text", pa.string()),
         pa.field("output_text", pa.string()),
         pa.field("created_at", pa.timestamp("us", tz="UTC")),
