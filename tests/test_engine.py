@@ -314,3 +314,16 @@ def test_from_pretrained_bf16_checkpoint_runs_in_fp32(engine: LocalEngine, tmp_p
     scored = loaded.score([r.prompt_token_ids for r in recs], [r.output_token_ids for r in recs], params)
     for r, s in zip(recs, scored):
         assert s == pytest.approx(r.output_logprobs, abs=1e-4)
+
+
+def test_extra_draw_is_recorded_inside_the_support(engine: LocalEngine):
+    params = SamplingParams(temperature=0.8, top_k=5, max_tokens=6, num_top_logprobs=5, record_extra_draw=True)
+    recs = engine.generate(_prompts(8), params, seed=3)
+    differs = 0
+    for rec in recs:
+        assert rec.extra_token_ids is not None and len(rec.extra_token_ids) == len(rec.output_token_ids)
+        for t, (x, heads) in enumerate(zip(rec.extra_token_ids, rec.top_token_ids)):
+            assert x in heads  # top_k <= K: the head is the whole support
+            differs += x != rec.output_token_ids[t]
+    assert differs > 0  # an independent draw, not a copy of the sampled token
+    assert engine.generate(_prompts(2), SamplingParams(max_tokens=3), seed=0)[0].extra_token_ids is None
