@@ -20,7 +20,9 @@ from prodrl_pipelines.engines.types import CallRecord, SamplingParams
 from prodrl_pipelines.lab import arithmetic
 from prodrl_pipelines.lab.arithmetic import ArithmeticTask
 from prodrl_pipelines.lab.tokenizer import IM_END
-from prodrl_pipelines.trajectories.schema import CALL_SCHEMA, REWARD_SCHEMA
+from prodrl_pipelines.trajectories.schema import CALL_FIELDS, CALL_SCHEMA, REWARD_SCHEMA
+
+_HAS_EXTRA = "extra_token_ids" in CALL_FIELDS  # optional extra draw a' ~ mu (sampled score centering)
 
 
 class Engine(Protocol):
@@ -97,6 +99,11 @@ def assistant_content(tokenizer, output_ids: list[int]) -> str:
     return tokenizer.decode(ids, skip_special_tokens=False)
 
 
+def _extra_ids(rec: CallRecord) -> list[int] | None:
+    extra = getattr(rec, "extra_token_ids", None)
+    return None if extra is None else [int(t) for t in extra]
+
+
 def _turn_seed(seed: int, turn: int) -> int:
     return (int(seed) * 1_000_003 + 7919 * turn) % (2**31 - 1)
 
@@ -151,6 +158,8 @@ def run_episodes(
                     "created_at": now,
                 }
             )
+            if _HAS_EXTRA:
+                calls[i][-1]["extra_token_ids"] = _extra_ids(rec)
             texts[i].append(content)
             messages[i].append({"role": "assistant", "content": content})
             reply = arithmetic.env_reply(tasks[i], turn, content)
