@@ -10,9 +10,9 @@ import time
 from pathlib import Path
 
 DEMO_SETTINGS = {
-    # Sized so 4+ rounds fit in a few minutes on 2 CPU cores (see README).
-    "steps_per_round": 8, "batch_size": 32, "learning_rate": 3e-4,
-    "heldout_size": 256, "max_tokens": 8,
+    # Sized so 4+ rounds fit in a few minutes on 2 CPU cores (see README): S*B = 1024 episodes/round.
+    "steps_per_round": 8, "batch_size": 128, "learning_rate": 2e-4,
+    "heldout_size": 512, "max_tokens": 8,
 }
 
 
