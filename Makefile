@@ -19,7 +19,7 @@ setup: $(STAMP)
 
 demo: $(STAMP)
 	rm -rf runs/demo
-	$(BIN)/prodrl demo --name demo --rounds 4
+	$(BIN)/prodrl demo --name demo --rounds 8
 
 # Tests need PostgreSQL (DESIGN.md s.8): PRODRL_TEST_PG_URL, default postgresql+psycopg2://postgres@127.0.0.1:5432/test
 test: $(STAMP)

@@ -11,13 +11,18 @@ from pathlib import Path
 
 DEMO_SETTINGS = {
     # Sized so 4+ rounds fit in a few minutes on 2 CPU cores (see README): S*B = 1024 episodes/round.
-    "steps_per_round": 8, "batch_size": 128, "learning_rate": 2e-4,
+    "steps_per_round": 8, "batch_size": 128, "learning_rate": 1e-4,
     "heldout_size": 512, "max_tokens": 8,
 }
 
 
+# The demo prints its own one-line-per-step story; the full event log is in the Dagster instance.
+QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
+
+
 def _use_home(home: Path, settings: dict) -> None:
     """Point Dagster (and a later `dagster dev` in this shell) at ``home``."""
+    home = home.resolve()
     home.mkdir(parents=True, exist_ok=True)
     os.environ["PRODRL_HOME"] = str(home)
     os.environ["PRODRL_SETTINGS_JSON"] = json.dumps({**settings, "home": str(home)})
@@ -49,7 +54,7 @@ def run_loop(home: Path, settings: dict, rounds: int, log=print, instance=None) 
     if svc.registry.live() is None:
         t0 = time.time()
         log("building the round-0 lab policy (tokenizer, model, SFT warm start) ...")
-        defs.get_job_def("bootstrap_lab").execute_in_process(instance=instance)
+        defs.resolve_job_def("bootstrap_lab").execute_in_process(instance=instance, run_config=QUIET)
         log(f"  base policy ready in {time.time() - t0:.0f}s, held-out reward "
             f"{svc.registry.round_summary('round-000000').get('heldout_reward', float('nan')):.3f}")
     from prodrl_pipelines.deployment import round_index
@@ -88,8 +93,8 @@ def run_round(defs, instance, key: str, tags: dict) -> dict:
     """Execute the round job for one partition; returns the round's summary once the gate decided."""
     from prodrl_pipelines.resources.settings import services
 
-    out = defs.get_job_def("prod_rl_round").execute_in_process(
-        instance=instance, partition_key=key, raise_on_error=False, tags=tags)
+    out = defs.resolve_job_def("prod_rl_round").execute_in_process(
+        instance=instance, partition_key=key, raise_on_error=False, tags=tags, run_config=QUIET)
     res = defs.resources
     summ = services(res["settings"], res["store"]).registry.round_summary(key)
     if "gate_passed" not in summ:
@@ -132,7 +137,7 @@ def cmd_demo(args) -> int:
     settings = dict(DEMO_SETTINGS)
     if args.settings:
         settings.update(json.loads(Path(args.settings).read_text()))
-    home = Path(args.runs_dir) / args.name
+    home = Path(args.runs_dir).resolve() / args.name
     t0 = time.time()
     rows = run_loop(home, settings, args.rounds)
     print_table(rows)
@@ -149,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     sub = p.add_subparsers(dest="cmd", required=True)
     d = sub.add_parser("demo", help="run the lab prod-RL loop end to end through Dagster")
     d.add_argument("--name", default="demo")
-    d.add_argument("--rounds", type=int, default=4)
+    d.add_argument("--rounds", type=int, default=8)
     d.add_argument("--runs-dir", default="runs")
     d.add_argument("--settings", help="JSON file of ProdRLSettings overrides")
     d.set_defaults(fn=cmd_demo)

@@ -45,7 +45,7 @@ def test_two_rounds_on_postgres(tmp_path, pg_instance):
     # Before bootstrap the sensor explains why it waits.
     assert "no live deployment" in tick(instance, defs, res).skip_message
 
-    assert defs.get_job_def("bootstrap_lab").execute_in_process(instance=instance).success
+    assert defs.resolve_job_def("bootstrap_lab").execute_in_process(instance=instance).success
     lineage = res["mlflow"].lineage(svc.settings)
     assert lineage.alias_version(CHAMPION) == "1"
 
@@ -59,7 +59,7 @@ def test_two_rounds_on_postgres(tmp_path, pg_instance):
     assert instance.get_dynamic_partitions("rounds") == ["round-000001"]
 
     # --- round 1: the whole chain, gate passes, deployed
-    out = defs.get_job_def("prod_rl_round").execute_in_process(instance=instance, partition_key="round-000001",
+    out = defs.resolve_job_def("prod_rl_round").execute_in_process(instance=instance, partition_key="round-000001",
                                                                 tags=req.tags)
     assert out.success
     mats = {e.asset_key.path[-1] for e in out.get_asset_materialization_events()
@@ -128,7 +128,7 @@ def test_bad_settings_fail_before_work(tmp_path):
 def test_round_without_enough_data_names_the_setting(tmp_path, pg_instance):
     res = make_resources({**TINY, "home": str(tmp_path / "home")})
     defs = build_definitions(res)
-    assert defs.get_job_def("bootstrap_lab").execute_in_process(instance=pg_instance).success
+    assert defs.resolve_job_def("bootstrap_lab").execute_in_process(instance=pg_instance).success
     svc = services(res["settings"], res["store"])
     simulate_traffic(svc, 3)
     pg_instance.add_dynamic_partitions("rounds", ["round-000001"])

@@ -18,7 +18,7 @@ class Recipe(BaseModel):
 
     steps_per_round: int = Field(8, ge=1, description="S: Adam steps per round (one per minibatch)")
     batch_size: int = Field(16, ge=2, description="B: trajectories per minibatch")
-    learning_rate: float = Field(3e-4, gt=0)
+    learning_rate: float = Field(1e-4, gt=0)
     adam_betas: tuple[float, float] = (0.9, 0.99)
     weight_decay: float = Field(0.0, ge=0)
     grad_clip: float = Field(1.0, gt=0)
