@@ -137,3 +137,14 @@ def test_round_without_enough_data_names_the_setting(tmp_path, pg_instance):
     assert not out.success
     err = out.get_step_failure_events()[0].event_specific_data.error
     assert "steps_per_round" in str(err.cause or err.message) or "steps_per_round" in err.to_string()
+
+
+def test_ref_is_without_deployed_export_fails_before_data(tmp_path):
+    from prodrl_pipelines.deployment import LiveDeployment
+    from prodrl_pipelines.rounds import RoundError, preflight
+
+    res = make_resources({"home": str(tmp_path), "correction": "ref_is"})
+    svc = services(res["settings"], res["store"])
+    live = LiveDeployment("round-000000", str(tmp_path / "ckpt"), str(tmp_path / "no-export"))
+    with pytest.raises(RoundError, match="correction='ref_is' needs the deployed export"):
+        preflight(svc, live)
