@@ -89,7 +89,8 @@ def train_step(model, optimizer, b: PackedBatch, old_all: torch.Tensor, ref_all:
     optimizer.step()
     dt = time.perf_counter() - t0
     with torch.no_grad():
-        lp, old = lp_all[:, 0].detach(), old_all[:, 0]
+        # mismatch against mu uses pi renormalised over the served support (mu is processed)
+        lp, old = terms.logp_is.detach(), terms.logp_old_is
         return {
             "loss": float(loss.detach()),
             "grad_norm": grad_norm,
@@ -156,7 +157,7 @@ def train_round(
     with torch.no_grad():
         old_all = [policy_logprobs(model, b, chunk) for b in batches]
         ref_all = [policy_logprobs(reference_model, b, chunk) for b in batches] if reference_model is not None else None
-    all_old = torch.cat([o[:, 0] for o in old_all])
+    all_old = torch.cat([support_renormalised(o, b) for o, b in zip(old_all, batches)])
     all_mu = torch.cat([b.logp_mu for b in batches])
     result = RoundResult(mismatch_abs_logp=float((all_old - all_mu).abs().mean()), advantages=adv_all)
 
