@@ -20,10 +20,10 @@ from prodrl_pipelines.rl.trainer import train_step
 B, K, REPS = 32, 8, 9
 
 
-def make_model():
+def make_model(vocab: int, hidden: int):
     from prodrl_pipelines.lab.model import build_model, lab_model_config
 
-    cfg = lab_model_config("demo", vocab_size=512, pad_token_id=0, eos_token_id=1)
+    cfg = lab_model_config("demo", vocab_size=vocab, pad_token_id=0, eos_token_id=1, hidden_size=hidden)
     return build_model(cfg, seed=0).float()
 
 
@@ -60,8 +60,13 @@ def ce_step(model, opt, b):
 
 def main() -> None:
     torch.set_num_threads(1)  # one core: less sensitive to a shared, noisy machine
+    for vocab, hidden in [(512, 64), (151_936, 128)]:
+        run(vocab, hidden)
+
+
+def run(vocab: int, hidden: int) -> None:
     torch.manual_seed(0)
-    model = make_model()
+    model = make_model(vocab, hidden)
     vocab = model.config.vocab_size
     b = make_batch(vocab)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-6)
@@ -83,7 +88,7 @@ def main() -> None:
             if rep:  # first round is warm-up
                 times[v].append(time.perf_counter() - t0)
     ce = statistics.median(times["ce"])
-    print(f"train step, lab 'demo' model, B={B} trajectories ({b.num_tokens} generated tokens, "
+    print(f"train step, lab 'demo' MoE model (vocab {vocab}, hidden {hidden}), B={B} trajectories ({b.num_tokens} generated tokens, "
           f"{int(b.attention_mask.sum())} tokens in), head K={K}, KL on; median of {REPS}")
     print(f"  {'ce (HF labels)':24s} {ce * 1e3:7.1f} ms   ratio 1.00")
     for v in variants[1:]:
