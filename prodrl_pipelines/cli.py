@@ -29,8 +29,12 @@ def _use_home(home: Path, settings: dict) -> None:
     (home / "settings.json").write_text(json.dumps({**settings, "home": str(home)}, indent=1))
     dh = home / "dagster_home"
     dh.mkdir(exist_ok=True)
-    if os.environ.get("PRODRL_DAGSTER_HOME"):
-        os.environ["DAGSTER_HOME"] = os.environ["PRODRL_DAGSTER_HOME"]
+    if os.environ.get("PRODRL_DAGSTER_HOME"):  # e.g. this repo, whose dagster.yaml uses PostgreSQL
+        os.environ["DAGSTER_HOME"] = str(Path(os.environ["PRODRL_DAGSTER_HOME"]).resolve())
+        if os.environ.get("DAGSTER_PG_URL"):
+            from prodrl_pipelines.preflight import check_postgres
+
+            check_postgres(os.environ["DAGSTER_PG_URL"], "DAGSTER_PG_URL")
     else:  # embedded default: SQLite under the run's own DAGSTER_HOME
         os.environ["DAGSTER_HOME"] = str(dh)
         (dh / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
@@ -159,7 +163,13 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--settings", help="JSON file of ProdRLSettings overrides")
     d.set_defaults(fn=cmd_demo)
     args = p.parse_args(argv)
-    return args.fn(args)
+    from prodrl_pipelines.preflight import PreflightError
+
+    try:
+        return args.fn(args)
+    except PreflightError as e:
+        print(f"prodrl: {e}", file=sys.stderr)
+        return 2
 
 
 if __name__ == "__main__":
