@@ -102,7 +102,9 @@ def run_round(defs, instance, key: str, tags: dict) -> dict:
     res = defs.resources
     summ = services(res["settings"], res["store"]).registry.round_summary(key)
     if "gate_passed" not in summ:
-        raise RuntimeError(f"{key} failed before the gate decided (run {out.run_id}); see the Dagster logs")
+        errors = [f"{e.step_key}: {e.event_specific_data.error.message.strip().splitlines()[-1]}"
+                  for e in out.get_step_failure_events()]
+        raise RuntimeError(f"{key} failed before the gate decided (Dagster run {out.run_id}): " + "; ".join(errors))
     return summ
 
 
@@ -148,7 +150,7 @@ def cmd_demo(args) -> int:
     out = home / "summary.json"
     out.write_text(json.dumps({"name": args.name, "settings": settings, "seconds": round(time.time() - t0, 1),
                                "rounds": rows}, indent=1))
-    print(f"wrote {out} ({time.time() - t0:.0f}s). Browse: DAGSTER_HOME={home / 'dagster_home'} "
+    print(f"wrote {out} ({time.time() - t0:.0f}s). Browse: DAGSTER_HOME={os.environ['DAGSTER_HOME']} "
           f"PRODRL_HOME={home} dagster dev; mlflow ui --backend-store-uri sqlite:///{home / 'mlflow.db'}")
     return 0
 

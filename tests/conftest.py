@@ -35,9 +35,13 @@ def pg_instance(tmp_path, pg_url, monkeypatch):
     monkeypatch.setenv("DAGSTER_PG_URL", pg_url)
     monkeypatch.setenv("DAGSTER_HOME", str(home))
     instance = DagsterInstance.from_config(str(home))
-    instance.wipe()
-    for name in ("rounds",):
-        for key in instance.get_dynamic_partitions(name):
-            instance.delete_dynamic_partition(name, key)
+
+    def clean():
+        instance.wipe()
+        for key in instance.get_dynamic_partitions("rounds"):
+            instance.delete_dynamic_partition("rounds", key)
+
+    clean()
     yield instance
+    clean()  # leave the shared database as we found it
     instance.dispose()
