@@ -179,15 +179,19 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
         preflight(svc, live)
         reference, _ = load_policy(Path(live.export_dir), dtype=torch.float32)  # deployed weights, upcast
         reference.eval()
+    resume = s.checkpoints_root / ".in-round" / f"{rkey}.pt"
     res = train_round(model, opt, trajs, np.asarray(batch["advantages"]), batch["plan"], s.recipe, state,
-                      pad_id, round_seed(s, rkey), on_step=on_step, progress=progress, reference_model=reference)
+                      pad_id, round_seed(s, rkey), on_step=on_step, progress=progress, reference_model=reference,
+                      resume_path=resume)
     out = s.checkpoints_root / rkey
     save_checkpoint(out, model, tokenizer, opt, state)
+    resume.unlink(missing_ok=True)  # the round's checkpoint is complete
     _put_json(svc.blobs, f"rounds/{rkey}/train_steps.json", res.steps)
     svc.registry.update_round(rkey, mismatch_abs_logp=res.mismatch_abs_logp, trained_from=live.policy_version)
     done = [m for m in res.steps if not m.get("skipped")]
     return {
         "checkpoint_dir": str(out), "trained_from": live.policy_version, "global_step": state.global_step,
+        "resumed_from_step": res.resumed_from_step,
         "steps_taken": len(done), "steps_skipped": res.skipped_steps,
         "mismatch_abs_logp": res.mismatch_abs_logp,
         "final_loss": done[-1]["loss"] if done else float("nan"),

@@ -297,3 +297,42 @@ def test_settings_reject_nonsense_combinations():
         DeploySettings(top_k=20, num_top_logprobs=8)
     with pytest.raises(ValidationError, match="icepop_low"):
         Recipe(icepop_low=2.0, icepop_high=1.0)
+
+
+def test_round_killed_mid_training_resumes_to_identical_weights(tmp_path):
+    recipe = Recipe(steps_per_round=4, batch_size=2, learning_rate=1e-2, checkpoint_every=1, correction="tis")
+    trajs = _trajs_with_heads(8, seed=3)
+    adv = compute_advantages([t.reward for t in trajs], "loo")
+    plan = [[0, 1], [2, 3], [4, 5], [6, 7]]
+
+    def fresh():
+        m = _tiny_model()
+        st = TrainerState()
+        return m, build_optimizer(m, recipe, st), st
+
+    m_a, o_a, s_a = fresh()
+    train_round(m_a, o_a, trajs, adv, plan, recipe, s_a, 0, 0, progress=False)
+
+    class Killed(Exception):
+        pass
+
+    def die_after_third(step, metrics):
+        if step == 3:
+            raise Killed
+
+    ckpt = tmp_path / "in-round.pt"
+    m_b, o_b, s_b = fresh()
+    with pytest.raises(Killed):
+        train_round(m_b, o_b, trajs, adv, plan, recipe, s_b, 0, 0, progress=False, on_step=die_after_third,
+                    resume_path=ckpt)
+    assert ckpt.exists()
+    m_c, o_c, s_c = fresh()  # the retried run starts again from theta_k
+    res = train_round(m_c, o_c, trajs, adv, plan, recipe, s_c, 0, 0, progress=False, resume_path=ckpt)
+    assert res.resumed_from_step == 2 and len(res.steps) == 4 and s_c.global_step == 4
+    for (n, p), q in zip(m_a.named_parameters(), m_c.parameters()):
+        torch.testing.assert_close(p, q, atol=0, rtol=0, msg=n)
+    # a checkpoint of another plan is ignored, not applied
+    m_d, o_d, s_d = fresh()
+    res = train_round(m_d, o_d, trajs, adv, [[1, 0], [2, 3], [4, 5], [6, 7]], recipe, s_d, 0, 0, progress=False,
+                      resume_path=ckpt)
+    assert res.resumed_from_step == 0

@@ -35,6 +35,7 @@ class Recipe(BaseModel):
     icepop_low: float = Field(0.5, ge=0)
     icepop_high: float = Field(2.0, gt=0)
     logprob_chunk: int = Field(1024, ge=1, description="tokens per chunk of the vocab projection")
+    checkpoint_every: int = Field(4, ge=0, description="in-round checkpoint every N steps (0 = off)")
     max_policy_lag: Literal[0, 1] = 0
     replay: Literal["recorded", "retokenized"] = "recorded"
     seed: int = 0

@@ -6,8 +6,11 @@ reused by every step (it is the IS/KL reference and the mismatch diagnostic's an
 
 from __future__ import annotations
 
+import json
+import os
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Callable
 
 import numpy as np
@@ -28,6 +31,7 @@ class RoundResult:
     skipped_steps: int = 0
     mismatch_abs_logp: float = float("nan")  # mean |log pi_k - log mu| over the round's tokens
     advantages: np.ndarray | None = None
+    resumed_from_step: int = 0
 
 
 def build_optimizer(model, recipe: Recipe, state: TrainerState) -> torch.optim.Optimizer:
@@ -72,6 +76,45 @@ def head_entropy(lp_all: torch.Tensor, b: PackedBatch) -> float:
     head = lp_all[:, 1:1 + K].detach().masked_fill(~b.head_mask, float("-inf"))
     logq = head - torch.logsumexp(head, -1, keepdim=True)
     return float(-(logq.exp() * logq.masked_fill(~b.head_mask, 0)).sum(-1).mean())
+
+
+def _plan_fingerprint(plan: list[list[int]], adv: np.ndarray) -> str:
+    import hashlib
+
+    return hashlib.sha256(json.dumps([plan, np.round(adv, 12).tolist()]).encode()).hexdigest()[:16]
+
+
+def _save_in_round(path: Path, fingerprint: str, next_step: int, model, optimizer, state: TrainerState,
+                   result: RoundResult) -> None:
+    """Atomically persist everything needed to continue at ``next_step`` (weights, Adam, RNG)."""
+    payload = {
+        "fingerprint": fingerprint, "next_step": next_step, "model": model.state_dict(),
+        "optimizer": optimizer.state_dict(), "global_step": state.global_step,
+        "baseline": dict(vars(state.baseline)), "rng": torch.get_rng_state(), "steps": result.steps,
+        "skipped": result.skipped_steps,
+    }
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.tmp")
+    torch.save(payload, tmp)
+    os.replace(tmp, path)
+
+
+def _resume(path: Path, fingerprint: str, model, optimizer, state: TrainerState, result: RoundResult) -> int:
+    if not path.exists():
+        return 0
+    raw = torch.load(path, map_location="cpu", weights_only=False)
+    if raw["fingerprint"] != fingerprint:  # a different dataset/plan: start the round afresh
+        return 0
+    model.load_state_dict(raw["model"])
+    optimizer.load_state_dict(raw["optimizer"])
+    state.global_step = raw["global_step"]
+    for k, v in raw["baseline"].items():
+        setattr(state.baseline, k, v)
+    torch.set_rng_state(raw["rng"])
+    result.steps = list(raw["steps"])
+    result.skipped_steps = raw["skipped"]
+    result.resumed_from_step = raw["next_step"]
+    return int(raw["next_step"])
 
 
 def train_step(model, optimizer, b: PackedBatch, old_all: torch.Tensor, ref_all: torch.Tensor | None,
@@ -139,10 +182,14 @@ def train_round(
     on_step: Callable[[int, dict[str, float]], None] | None = None,
     progress: bool = True,
     reference_model=None,
+    resume_path: Path | None = None,
 ) -> RoundResult:
     """S Adam steps, minibatch s = trajs[plan[s]], with precomputed advantages ``adv_all``.
 
     ``reference_model`` (``ref_is`` only): the deployed weights, dequantised, run by the trainer.
+    ``resume_path``: in-round checkpoint file, written atomically every ``recipe.checkpoint_every``
+    steps; when it exists (same plan), training resumes after its last step and ends with the same
+    weights as an uninterrupted run. pi_k is always recomputed from the round-start weights.
     """
     torch.manual_seed(round_seed)
     adv_all = np.asarray(adv_all, dtype=np.float64)
@@ -160,9 +207,15 @@ def train_round(
     all_old = torch.cat([support_renormalised(o, b) for o, b in zip(old_all, batches)])
     all_mu = torch.cat([b.logp_mu for b in batches])
     result = RoundResult(mismatch_abs_logp=float((all_old - all_mu).abs().mean()), advantages=adv_all)
+    fingerprint = _plan_fingerprint(plan, adv_all)
+    start = _resume(resume_path, fingerprint, model, optimizer, state, result) if resume_path else 0
 
     model.train()
     for s, b in enumerate(tqdm(batches, desc="train", disable=not progress, leave=False)):
+        if s < start:
+            continue
+        if resume_path is not None and recipe.checkpoint_every and s > start and s % recipe.checkpoint_every == 0:
+            _save_in_round(resume_path, fingerprint, s, model, optimizer, state, result)
         adv_mb = adv_all[plan[s]]
         base = {
             "adv_mean": float(adv_mb.mean()), "adv_std": float(adv_mb.std()),
