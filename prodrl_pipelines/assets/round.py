@@ -1,17 +1,16 @@
 """One prod-RL round as a chain of partitioned assets; each calls one core step in `rounds`."""
 
 
-from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset
+from dagster import AssetExecutionContext, MaterializeResult, MetadataValue
 
 from prodrl_pipelines import rounds
-from prodrl_pipelines.assets.partitions import rounds_partitions
+from prodrl_pipelines.assets.partitions import round_asset
 from prodrl_pipelines.plots import markdown_image, mismatch_history_png, reward_curve_png
 from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, StoreResource, services
 
-GROUP = "prod_rl_round"
 
 
-@asset(partitions_def=rounds_partitions, group_name=GROUP, kinds={"parquet"})
+@round_asset(kinds={"parquet"})
 def recorded_trajectories(context: AssetExecutionContext, settings: ProdRLSettings, store: StoreResource) -> MaterializeResult:
     """S*B valid, rewarded trajectories from the live policy (within max_policy_lag), each used once;
     bad records are quarantined and counted."""
@@ -25,14 +24,14 @@ def recorded_trajectories(context: AssetExecutionContext, settings: ProdRLSettin
     })
 
 
-@asset(partitions_def=rounds_partitions, group_name=GROUP, deps=[recorded_trajectories])
+@round_asset(deps=[recorded_trajectories])
 def training_batch(context: AssetExecutionContext, settings: ProdRLSettings, store: StoreResource) -> MaterializeResult:
     """Advantages (recipe baseline) and the S minibatches of B trajectories."""
     stats = rounds.build_batch(services(settings, store), context.partition_key)
     return MaterializeResult(metadata=stats)
 
 
-@asset(partitions_def=rounds_partitions, group_name=GROUP, deps=[training_batch], kinds={"pytorch"})
+@round_asset(deps=[training_batch], kinds={"pytorch"})
 def trained_checkpoint(context: AssetExecutionContext, settings: ProdRLSettings, store: StoreResource,
                        mlflow: MlflowResource) -> MaterializeResult:
     """theta_{k+1}: S Adam steps from the live checkpoint theta_k (Adam state carried over)."""
@@ -58,7 +57,7 @@ def trained_checkpoint(context: AssetExecutionContext, settings: ProdRLSettings,
     })
 
 
-@asset(partitions_def=rounds_partitions, group_name=GROUP, deps=[trained_checkpoint], kinds={"safetensors"})
+@round_asset(deps=[trained_checkpoint], kinds={"safetensors"})
 def exported_policy(context: AssetExecutionContext, settings: ProdRLSettings, store: StoreResource,
                     mlflow: MlflowResource) -> MaterializeResult:
     """The deployable export of theta_{k+1}, registered as the `challenger` model version."""
@@ -74,7 +73,7 @@ def exported_policy(context: AssetExecutionContext, settings: ProdRLSettings, st
     return MaterializeResult(metadata={**stats, "model_version": version, "export_dir": MetadataValue.path(stats["export_dir"])})
 
 
-@asset(partitions_def=rounds_partitions, group_name=GROUP, deps=[exported_policy])
+@round_asset(deps=[exported_policy])
 def heldout_eval(context: AssetExecutionContext, settings: ProdRLSettings, store: StoreResource,
                  mlflow: MlflowResource) -> MaterializeResult:
     """Held-out reward of the candidate export and of the live deployment on the same tasks."""
@@ -101,7 +100,7 @@ def heldout_eval(context: AssetExecutionContext, settings: ProdRLSettings, store
     })
 
 
-@asset(partitions_def=rounds_partitions, group_name=GROUP, deps=[heldout_eval])
+@round_asset(deps=[heldout_eval])
 def deployment(context: AssetExecutionContext, settings: ProdRLSettings, store: StoreResource,
                mlflow: MlflowResource) -> MaterializeResult:
     """Redeploy: the candidate becomes the live policy and the registry `champion`.
