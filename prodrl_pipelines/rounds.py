@@ -157,7 +157,10 @@ def build_batch(svc: Services, rkey: str) -> dict:
 
 
 # --- 3. trained_checkpoint ------------------------------------------------------------------
-def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None = None, progress: bool = True) -> dict:
+def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None = None, progress: bool = True,
+          rank: int = 0, world_size: int = 1, grad_sync=None, out_dir: Path | None = None) -> dict:
+    """S Adam steps from the live checkpoint. With ``world_size > 1`` every rank trains its shard of
+    each minibatch (``grad_sync`` sums the gradients) and only rank 0 writes the outputs."""
     import torch
 
     from prodrl_pipelines.rl.advantages import BaselineState
@@ -179,15 +182,17 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
         preflight(svc, live)
         reference, _ = load_policy(Path(live.export_dir), dtype=torch.float32)  # deployed weights, upcast
         reference.eval()
-    resume = s.checkpoints_root / ".in-round" / f"{rkey}.pt"
+    resume = s.checkpoints_root / ".in-round" / f"{rkey}-rank{rank}.pt"
     res = train_round(model, opt, trajs, np.asarray(batch["advantages"]), batch["plan"], s.recipe, state,
                       pad_id, round_seed(s, rkey), on_step=on_step, progress=progress, reference_model=reference,
-                      resume_path=resume)
-    out = s.checkpoints_root / rkey
-    save_checkpoint(out, model, tokenizer, opt, state)
+                      resume_path=resume, rank=rank, world_size=world_size, grad_sync=grad_sync)
+    out = Path(out_dir) if out_dir is not None else s.checkpoints_root / rkey
+    if rank == 0:
+        save_checkpoint(out, model, tokenizer, opt, state)
+        _put_json(svc.blobs, f"rounds/{rkey}/train_steps.json", res.steps)
+        svc.registry.update_round(rkey, mismatch_abs_logp=res.mismatch_abs_logp, trained_from=live.policy_version,
+                                  train_processes=world_size)
     resume.unlink(missing_ok=True)  # the round's checkpoint is complete
-    _put_json(svc.blobs, f"rounds/{rkey}/train_steps.json", res.steps)
-    svc.registry.update_round(rkey, mismatch_abs_logp=res.mismatch_abs_logp, trained_from=live.policy_version)
     done = [m for m in res.steps if not m.get("skipped")]
     return {
         "checkpoint_dir": str(out), "trained_from": live.policy_version, "global_step": state.global_step,

@@ -1,10 +1,11 @@
 """One prod-RL round as a chain of partitioned assets; each calls one core step in `rounds`."""
 
 
-from dagster import AssetExecutionContext, MaterializeResult, MetadataValue
+from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, PipesSubprocessClient
 
 from prodrl_pipelines import rounds
 from prodrl_pipelines.assets.partitions import round_asset
+from prodrl_pipelines.ops.training import train_op
 from prodrl_pipelines.plots import markdown_image, mismatch_history_png, reward_curve_png
 from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, StoreResource, services
 
@@ -33,8 +34,9 @@ def training_batch(context: AssetExecutionContext, settings: ProdRLSettings, sto
 
 @round_asset(deps=[training_batch], kinds={"pytorch"})
 def trained_checkpoint(context: AssetExecutionContext, settings: ProdRLSettings, store: StoreResource,
-                       mlflow: MlflowResource) -> MaterializeResult:
-    """theta_{k+1}: S Adam steps from the live checkpoint theta_k (Adam state carried over)."""
+                       mlflow: MlflowResource, pipes: PipesSubprocessClient) -> MaterializeResult:
+    """theta_{k+1}: S Adam steps from the live checkpoint theta_k (Adam state carried over);
+    in-process, or `torchrun` with `train_processes` ranks through Dagster Pipes."""
     svc = services(settings, store, mlflow)
     rkey = context.partition_key
     run_id = svc.lineage.round_run(rkey, params={**svc.settings.recipe.model_dump(), **svc.settings.deploy.model_dump()})
@@ -42,7 +44,7 @@ def trained_checkpoint(context: AssetExecutionContext, settings: ProdRLSettings,
     def on_step(step: int, m: dict) -> None:
         svc.lineage.log_metrics(run_id, m, step)
 
-    stats = rounds.train(svc, rkey, on_step=on_step)
+    stats = train_op(context, svc, rkey, settings.train_processes, settings.fields(), store.root, pipes, on_step)
     steps = [m for m in stats.pop("steps") if not m.get("skipped")]
     history, starts = rounds.training_history(svc)
     png = mismatch_history_png(history, starts)

@@ -33,6 +33,7 @@ class ProdRLSettings(ConfigurableResource):
     icepop_low: float = _R["icepop_low"].default
     icepop_high: float = _R["icepop_high"].default
     max_policy_lag: int = _R["max_policy_lag"].default
+    replay: str = _R["replay"].default  # "recorded" | "retokenized" (lab baseline, DESIGN.md s.5)
     seed: int = _R["seed"].default
     # serving (recorded with each call)
     temperature: float = _D["temperature"].default
@@ -49,6 +50,12 @@ class ProdRLSettings(ConfigurableResource):
     lab_size: str = "demo"
     lab_seed: int = 0
     lab_sft_steps: int = -1  # -1: the lab size's default
+    # execution: >1 launches torchrun with this many ranks through Dagster Pipes
+    train_processes: int = 1
+
+    def fields(self) -> dict:
+        """Plain field values (to hand the same settings to a subprocess)."""
+        return {k: getattr(self, k) for k in type(self).model_fields}
 
     def settings(self) -> Settings:
         """Validate into the core settings; a bad value fails here, naming the setting."""
@@ -59,7 +66,7 @@ class ProdRLSettings(ConfigurableResource):
                 correction=self.correction, baseline=self.baseline, normalize_adv_std=self.normalize_adv_std,
                 kl_beta=self.kl_beta, max_policy_lag=self.max_policy_lag, seed=self.seed, tis_cap=self.tis_cap,
                 ppo_eps=self.ppo_eps, cis_lambda=self.cis_lambda, cis_kappa=self.cis_kappa,
-                icepop_low=self.icepop_low, icepop_high=self.icepop_high,
+                icepop_low=self.icepop_low, icepop_high=self.icepop_high, replay=self.replay,
             ),
             deploy=DeploySettings(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                   max_tokens=self.max_tokens, num_top_logprobs=self.num_top_logprobs,
@@ -93,14 +100,42 @@ class MlflowResource(ConfigurableResource):
 
 
 class StoreResource(ConfigurableResource):
-    """Where trajectories, rewards and round documents live (local directory by default)."""
+    """Where trajectories, rewards, round documents, checkpoints and exports live.
 
-    root: str = ""  # empty: <home>/store
+    Local directories by default; with ``s3_bucket`` set, everything goes to
+    ``s3://<s3_bucket>/<s3_prefix>/`` with the same key layout (checkpoints under ``checkpoints/``,
+    exports under ``exports/``). Credentials come from the boto3 default chain (env, profile, role).
+    """
+
+    root: str = ""  # local: empty means <home>/store
+    s3_bucket: str = ""  # empty: local directories
+    s3_prefix: str = ""
+    s3_endpoint_url: str = ""  # empty: AWS; else an S3-compatible server (MinIO, moto, ...)
+    s3_region: str = ""  # empty: the boto3 default (AWS_REGION / profile), else us-east-1
+
+    @property
+    def on_s3(self) -> bool:
+        return bool(self.s3_bucket)
 
     def blobs(self, settings: Settings):
+        if self.on_s3:
+            from prodrl_pipelines.trajectories.s3 import S3BlobStore
+
+            return S3BlobStore(self.s3_bucket, self.s3_prefix, endpoint_url=self.s3_endpoint_url or None,
+                               region=self.s3_region or None)
         from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
 
         return LocalBlobStore(self.root or settings.store_root)
+
+    def checkpoint_store(self, settings: Settings, kind: str = "checkpoints"):
+        """``kind`` "checkpoints" (trained) or "exports" (deployable): a ``CheckpointStore``."""
+        from prodrl_pipelines.checkpoints import LocalCheckpointStore, S3CheckpointStore
+
+        if kind not in ("checkpoints", "exports"):
+            raise ValueError(f"kind must be 'checkpoints' or 'exports', got {kind!r}")
+        if self.on_s3:
+            return S3CheckpointStore(self.blobs(settings), kind)
+        return LocalCheckpointStore(settings.checkpoints_root if kind == "checkpoints" else settings.exports_root)
 
 
 def services(settings: ProdRLSettings, store: StoreResource, mlflow: MlflowResource | None = None) -> Services:
@@ -110,10 +145,13 @@ def services(settings: ProdRLSettings, store: StoreResource, mlflow: MlflowResou
 
 def make_resources(settings: dict, store_root: str = "", tracking_uri: str = "") -> dict:
     """Resources from plain values; ``settings`` holds ProdRLSettings fields (validated here)."""
+    from dagster import PipesSubprocessClient
+
     res = {
         "settings": ProdRLSettings(**settings),
         "store": StoreResource(root=store_root),
         "mlflow": MlflowResource(tracking_uri=tracking_uri),
+        "pipes": PipesSubprocessClient(),
     }
     res["settings"].settings()  # a bad setting fails at load time, naming the field
     return res

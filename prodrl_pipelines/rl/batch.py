@@ -108,11 +108,15 @@ class PackedBatch:
         return int(self.targets.numel())
 
 
-def pack_minibatch(trajs: list[Trajectory], advantages: np.ndarray, pad_id: int) -> PackedBatch:
-    """Pack B trajectories; tokens get weight 1/(B*T_i) so J = (1/B) sum_i (1/T_i) sum_t ..."""
+def pack_minibatch(trajs: list[Trajectory], advantages: np.ndarray, pad_id: int, total_batch: int | None = None) -> PackedBatch:
+    """Pack B trajectories; tokens get weight 1/(B*T_i) so J = (1/B) sum_i (1/T_i) sum_t ...
+
+    ``total_batch``: B of the whole minibatch when this process packs only its shard of it
+    (data parallel), so the ranks' partial objectives sum to the full one.
+    """
     if len(trajs) != len(advantages):
         raise ValueError("one advantage per trajectory is required")
-    B = len(trajs)
+    B = total_batch or len(trajs)
     seqs, gen_row, gen_pos, targets, temps, lmu, adv, weight, tidx = [], [], [], [], [], [], [], [], []
     heads: list[tuple[Call, int]] = []
     for i, (tr, a) in enumerate(zip(trajs, advantages)):

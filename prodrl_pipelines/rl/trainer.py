@@ -118,7 +118,7 @@ def _resume(path: Path, fingerprint: str, model, optimizer, state: TrainerState,
 
 
 def train_step(model, optimizer, b: PackedBatch, old_all: torch.Tensor, ref_all: torch.Tensor | None,
-               recipe: Recipe, cparams) -> dict[str, float]:
+               recipe: Recipe, cparams, grad_sync: Callable[[torch.nn.Module], None] | None = None) -> dict[str, float]:
     """One Adam step on one minibatch: loss = -J + beta * KL; returns the step's diagnostics."""
     t0 = time.perf_counter()
     lp_all = policy_logprobs(model, b, recipe.logprob_chunk)
@@ -128,6 +128,8 @@ def train_step(model, optimizer, b: PackedBatch, old_all: torch.Tensor, ref_all:
     loss = -objective + recipe.kl_beta * kl if recipe.kl_beta > 0 else -objective
     optimizer.zero_grad(set_to_none=True)
     loss.backward()
+    if grad_sync is not None:
+        grad_sync(model)
     grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip))
     optimizer.step()
     dt = time.perf_counter() - t0
@@ -183,6 +185,9 @@ def train_round(
     progress: bool = True,
     reference_model=None,
     resume_path: Path | None = None,
+    rank: int = 0,
+    world_size: int = 1,
+    grad_sync: Callable[[torch.nn.Module], None] | None = None,
 ) -> RoundResult:
     """S Adam steps, minibatch s = trajs[plan[s]], with precomputed advantages ``adv_all``.
 
@@ -190,10 +195,17 @@ def train_round(
     ``resume_path``: in-round checkpoint file, written atomically every ``recipe.checkpoint_every``
     steps; when it exists (same plan), training resumes after its last step and ends with the same
     weights as an uninterrupted run. pi_k is always recomputed from the round-start weights.
+    ``rank``/``world_size``/``grad_sync``: data parallel; this process packs trajectories
+    ``mb[rank::world_size]`` of every minibatch with the global B in the token weights, and
+    ``grad_sync`` must all-reduce (sum) the gradients, so every rank takes the same Adam step.
     """
     torch.manual_seed(round_seed)
     adv_all = np.asarray(adv_all, dtype=np.float64)
-    batches: list[PackedBatch] = [pack_minibatch([trajs[i] for i in mb], adv_all[mb], pad_id) for mb in plan]
+    if world_size > 1 and min(len(mb) for mb in plan) < world_size:
+        raise ValueError(f"batch_size={min(len(mb) for mb in plan)} is smaller than the {world_size} training processes")
+    shards = [mb[rank::world_size] for mb in plan]
+    batches: list[PackedBatch] = [pack_minibatch([trajs[i] for i in sh], adv_all[sh], pad_id, total_batch=len(mb))
+                                  for sh, mb in zip(shards, plan)]
 
     if recipe.needs_reference_model and reference_model is None:
         raise ValueError(f"correction {recipe.correction!r} needs the deployed weights as a reference model")
@@ -229,7 +241,7 @@ def train_round(
                 on_step(state.global_step, result.steps[-1])
             continue
         metrics = {**base, **train_step(model, optimizer, b, old_all[s], None if ref_all is None else ref_all[s],
-                                        recipe, cparams)}
+                                        recipe, cparams, grad_sync)}
         state.global_step += 1
         result.steps.append(metrics)
         if on_step is not None:

@@ -1,0 +1,86 @@
+"""Training worker launched by `torchrun` (through Dagster Pipes) for one round.
+
+    torchrun --nproc_per_node N -m prodrl_pipelines.ops.train_worker --round round-000007
+
+Each rank trains its shard of every minibatch; gradients are summed with torch.distributed
+(gloo on CPU, nccl on GPUs), so all ranks take the same Adam step and rank 0 writes the
+checkpoint. Settings come from the environment exactly as for the code location
+(PRODRL_SETTINGS_JSON, PRODRL_STORE_ROOT). Rank 0 reports metrics and the checkpoint path back
+to Dagster through Pipes when launched by a Pipes client, and runs standalone otherwise.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import os
+from pathlib import Path
+
+import torch
+import torch.distributed as dist
+
+
+def allreduce_grads(model: torch.nn.Module) -> None:
+    """Sum gradients over ranks into one flat buffer (a parameter without a gradient counts as 0:
+    e.g. an MoE expert that none of this rank's tokens reached)."""
+    params = list(model.parameters())
+    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
+    flat = torch.cat([g.reshape(-1) for g in grads])
+    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
+    offset = 0
+    for p, g in zip(params, grads):
+        n = g.numel()
+        p.grad = flat[offset:offset + n].view_as(p).clone()
+        offset += n
+
+
+def _services():
+    from prodrl_pipelines.resources.settings import ProdRLSettings, StoreResource
+    from prodrl_pipelines.rounds import Services
+
+    raw = json.loads(os.environ.get("PRODRL_SETTINGS_JSON", "{}") or "{}")
+    raw.setdefault("home", os.environ.get("PRODRL_HOME", ".prodrl"))
+    settings = ProdRLSettings(**raw).settings()
+    return Services(settings=settings, blobs=StoreResource(root=os.environ.get("PRODRL_STORE_ROOT", "")).blobs(settings))
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--round", required=True)
+    ap.add_argument("--out", help="checkpoint directory (default: the round's checkpoint)")
+    args = ap.parse_args(argv)
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    rank = int(os.environ.get("RANK", "0"))
+    if world > 1:
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    torch.set_num_threads(max(1, int(os.environ.get("PRODRL_THREADS_PER_RANK", "1"))))
+    pipes_ctx = contextlib.nullcontext(None)
+    if rank == 0 and os.environ.get("DAGSTER_PIPES_CONTEXT"):
+        from dagster_pipes import open_dagster_pipes
+
+        pipes_ctx = open_dagster_pipes()
+    from prodrl_pipelines.rounds import train
+
+    with pipes_ctx as pipes:
+        def on_step(step: int, m: dict) -> None:
+            if pipes is not None:
+                pipes.log.info(f"step {step}: " + json.dumps({k: round(v, 5) for k, v in m.items()}))
+
+        stats = train(_services(), args.round, on_step=on_step if rank == 0 else None, progress=False, rank=rank,
+                      world_size=world, grad_sync=allreduce_grads if world > 1 else None,
+                      out_dir=Path(args.out) if args.out else None)
+        if pipes is not None:
+            steps = stats.pop("steps")
+            pipes.report_asset_materialization(metadata={
+                **{k: v for k, v in stats.items() if isinstance(v, (int, float, str))}, "train_processes": world,
+                "steps_json": {"raw_value": json.dumps(steps), "type": "json"},
+            })
+    if world > 1:
+        dist.barrier()
+        dist.destroy_process_group()
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
