@@ -4,6 +4,7 @@ from dagster import Definitions, define_asset_job
 
 from prodrl_pipelines.assets.gate import deployment_gate
 from prodrl_pipelines.assets.lab import base_policy, lab_traffic_job
+from prodrl_pipelines.assets.monitoring import live_eval_job, live_eval_schedule, live_heldout_eval
 from prodrl_pipelines.assets.round import (
     deployment, exported_policy, heldout_eval, recorded_trajectories, trained_checkpoint, training_batch,
 )
@@ -19,10 +20,11 @@ def build_definitions(resources: dict | None = None) -> Definitions:
     """The code location; ``resources`` default to the environment (see `default_resources`)."""
     return Definitions(
         assets=[base_policy, recorded_trajectories, training_batch, trained_checkpoint, exported_policy,
-                heldout_eval, deployment],
+                heldout_eval, deployment, live_heldout_eval],
         asset_checks=[deployment_gate],
-        jobs=[round_job, bootstrap_job, lab_traffic_job],
+        jobs=[round_job, bootstrap_job, lab_traffic_job, live_eval_job],
         sensors=[data_volume_sensor],
+        schedules=[live_eval_schedule],
         resources=resources if resources is not None else default_resources(),
     )
 

@@ -19,7 +19,7 @@ import pyarrow as pa
 import pyarrow.parquet as pq
 
 from prodrl_pipelines.deployment import BASE_VERSION, DeploymentRegistry, LiveDeployment, round_index
-from prodrl_pipelines.gate import GateDecision, count_nonfinite, decide, mean_confidence_interval
+from prodrl_pipelines.gate import GateDecision, decide, mean_confidence_interval
 from prodrl_pipelines.settings import Settings
 from prodrl_pipelines.tracking import Lineage
 
@@ -113,6 +113,16 @@ def select_data(svc: Services, rkey: str) -> dict:
             f"{s.recipe.trajectories_per_round} trajectories per round exceed the available data: {e}"
         ) from e
     ds = sel.dataset
+    # >>> replay: retokenized baseline (DESIGN.md s.5; issue 5 item 6): rebuild the ids from the texts
+    replay_stats: dict = {"replay": s.recipe.replay}
+    if s.recipe.replay == "retokenized":
+        from transformers import AutoTokenizer
+
+        from prodrl_pipelines.trajectories.retokenize import retokenize_calls
+
+        ds, rstats = retokenize_calls(ds, AutoTokenizer.from_pretrained(live.checkpoint_dir))
+        replay_stats.update(rstats.as_dict())
+    # <<< replay
     _put_table(svc.blobs, f"rounds/{rkey}/dataset.parquet", ds)
     rewards = np.asarray(ds.group_by("trajectory_id").aggregate([("reward", "max")])["reward_max"])
     versions = sorted(set(ds["policy_version"].to_pylist()))
@@ -123,6 +133,7 @@ def select_data(svc: Services, rkey: str) -> dict:
         "eligible": sel.n_eligible, "quarantined": sel.n_quarantined,
         "quarantine_reasons": dict(sel.quarantine_counts),
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+        **replay_stats,  # replay mode and, when retokenized, the retokenize counts
     }
     svc.registry.update_round(rkey, num_trajectories=len(rewards), data_reward_mean=stats["reward_mean"],
                               quarantined=sel.n_quarantined)
@@ -216,13 +227,76 @@ def training_history(svc: Services) -> tuple[list[dict], list[int]]:
 
 
 # --- 4. exported_policy -----------------------------------------------------------------------
-def export(svc: Services, rkey: str) -> dict:
-    from prodrl_pipelines.quant.bf16 import export_bf16
+SMOKE_PROMPTS = 4
 
-    src = svc.settings.checkpoints_root / rkey
+
+def _calibration_prompts(svc: Services, rkey: str | None, n: int = 64) -> list[list[int]]:
+    """Recorded prompts of the round (its selected traffic), else lab training-task prompts (round 0)."""
+    key = f"rounds/{rkey}/dataset.parquet" if rkey else None
+    if key and svc.blobs.exists(key):
+        seen, out = set(), []
+        for p in _get_table(svc.blobs, key)["prompt_token_ids"].to_pylist():
+            if tuple(p) not in seen:
+                seen.add(tuple(p))
+                out.append([int(t) for t in p])
+            if len(out) == n:
+                break
+        return out
+    from transformers import AutoTokenizer
+
+    from prodrl_pipelines.lab.arithmetic import generate_tasks, initial_messages
+    from prodrl_pipelines.lab.episodes import render_prompt
+
+    tok = AutoTokenizer.from_pretrained(svc.settings.checkpoints_root / BASE_VERSION)
+    return [render_prompt(tok, initial_messages(t))[1] for t in generate_tasks(n, seed=svc.settings.recipe.seed)]
+
+
+def export_smoke(settings: Settings, export_dir: Path) -> dict:
+    """The export's own smoke generation: loaded as deployed (LocalEngine), a few held-out prompts."""
+    from transformers import AutoTokenizer
+
+    from prodrl_pipelines.lab.arithmetic import heldout_tasks, initial_messages
+    from prodrl_pipelines.lab.episodes import render_prompt, stop_token_ids
+    from prodrl_pipelines.quant.export import smoke_generate
+
+    try:
+        tok = AutoTokenizer.from_pretrained(export_dir)
+        prompts = [render_prompt(tok, initial_messages(t))[1] for t in heldout_tasks(SMOKE_PROMPTS)]
+        params = settings.deploy.sampling(stop_token_ids=stop_token_ids(tok))
+        return {"samples": smoke_generate(export_dir, prompts, params, seed=settings.eval.eval_seed), "error": ""}
+    except Exception as e:  # noqa: BLE001 - reported; heldout_eval and the gate judge it
+        return {"samples": [], "error": f"{type(e).__name__}: {e}"}
+
+
+def export(svc: Services, rkey: str) -> dict:
+    """The deployable export of the round's checkpoint (scheme: ``deploy.export_scheme``), smoke-tested.
+
+    Non-finite weights are refused: the round is then decided (gate failed, not deployed, reasons
+    naming the tensors) so the loop moves on from the live policy, and this step fails visibly.
+    """
+    from dataclasses import asdict as _asdict
+
+    from prodrl_pipelines.quant.export import ExportError, NonFiniteWeightsError, export_policy
+
+    s = svc.settings
+    src = s.checkpoints_root / rkey
     if not (src / "config.json").exists():
         raise RoundError(f"trained checkpoint of {rkey} is missing at {src}: materialise trained_checkpoint")
-    return export_bf16(src, svc.settings.exports_root / rkey)
+    scheme = s.deploy.export_scheme
+    calib = _calibration_prompts(svc, rkey) if scheme == "nvfp4-w4a4" else None
+    try:
+        stats = export_policy(src, s.exports_root / rkey, scheme, calibration_prompts=calib)
+    except NonFiniteWeightsError as e:
+        d = GateDecision(passed=False, reasons=[f"export refused: {e}"])
+        svc.registry.record_decision(rkey, {**_asdict(d), "deployed": False, "stage": "export"})
+        svc.registry.update_round(rkey, gate_passed=False, gate_reasons=d.reasons, deployed=False)
+        raise RoundError(f"{rkey}: {e}") from e
+    except ExportError as e:  # permanent for this checkpoint: no retries
+        raise RoundError(f"{rkey}: {e}") from e
+    stats["smoke"] = export_smoke(s, Path(stats["export_dir"]))
+    svc.registry.update_round(rkey, export_scheme=scheme, export_bytes=stats["export_bytes"],
+                              export_max_rel_error=stats["max_rel_fro_error"])
+    return stats
 
 
 # --- 5. heldout_eval ----------------------------------------------------------------------------
@@ -267,13 +341,11 @@ def evaluate(svc: Services, rkey: str) -> dict:
 
 # --- 6. deployment_gate -----------------------------------------------------------------------
 def gate(svc: Services, rkey: str) -> GateDecision:
-    from safetensors.torch import load_file
+    from prodrl_pipelines.quant.export import export_nonfinite
 
     s = svc.settings
     ev = _get_json(svc.blobs, f"rounds/{rkey}/heldout.json")
-    nonfinite: dict[str, int] = {}
-    for f in sorted((s.exports_root / rkey).glob("*.safetensors")):
-        nonfinite.update(count_nonfinite(load_file(f)))
+    nonfinite = export_nonfinite(s.exports_root / rkey)  # packed NVFP4 weights checked dequantized
     cand = ev["candidate"]
     live = ev["live"]
     smoke_ok = cand is not None and not ev["smoke_error"]
@@ -306,7 +378,7 @@ def deploy(svc: Services, rkey: str, model_version: str | None = None) -> LiveDe
 def bootstrap_base_policy(svc: Services, progress: bool = True) -> dict:
     """Build the lab base policy, export it, evaluate it and make it the live deployment."""
     from prodrl_pipelines.lab.warmstart import build_base_policy
-    from prodrl_pipelines.quant.bf16 import export_bf16
+    from prodrl_pipelines.quant.export import export_policy
 
     s = svc.settings
     ckpt = s.checkpoints_root / BASE_VERSION
@@ -315,7 +387,9 @@ def bootstrap_base_policy(svc: Services, progress: bool = True) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
         build_base_policy(tmp, size=s.lab.size, seed=s.lab.seed, sft_steps=s.lab.sft_steps)
         tmp.rename(ckpt)
-    exp = export_bf16(ckpt, s.exports_root / BASE_VERSION)
+    scheme = s.deploy.export_scheme
+    exp = export_policy(ckpt, s.exports_root / BASE_VERSION, scheme,
+                        calibration_prompts=_calibration_prompts(svc, None) if scheme == "nvfp4-w4a4" else None)
     ev = evaluate_policy(s, s.exports_root / BASE_VERSION, BASE_VERSION)
     svc.registry.record_eval(BASE_VERSION, ev)
     dep = LiveDeployment(BASE_VERSION, str(ckpt), str(s.exports_root / BASE_VERSION))
@@ -346,3 +420,12 @@ def next_round_decision(svc: Services, existing_rounds: list[str], in_flight: bo
         return None, f"{n}/{need} eligible rewarded trajectories from {live.policy_version}"
     nxt = round_key((round_index(latest) if latest else 0) + 1)
     return nxt, f"{n} eligible trajectories >= S*B = {need}"
+
+
+# --- monitoring -----------------------------------------------------------------------------
+def evaluate_live(svc: Services) -> dict:
+    """Held-out reward of the live deployment now (a point of the drift time series)."""
+    live = svc.live()
+    ev = evaluate_policy(svc.settings, Path(live.export_dir), live.policy_version)
+    return {"policy_version": live.policy_version, "heldout_reward": ev["mean"], "heldout_ci95": ev["ci95"],
+            "num_tasks": len(ev["rewards"])}

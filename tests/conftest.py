@@ -15,13 +15,23 @@ os.environ.setdefault("MLFLOW_ENABLE_ARTIFACTS_PROGRESS_BAR", "false")
 
 @pytest.fixture(scope="session")
 def pg_url() -> str:
+    """The test database, in a schema of this test session's own (concurrent runs don't collide)."""
     import psycopg2
 
+    libpq = PG_URL.replace("postgresql+psycopg2://", "postgresql://")
     try:
-        psycopg2.connect(PG_URL.replace("postgresql+psycopg2://", "postgresql://"), connect_timeout=3).close()
+        conn = psycopg2.connect(libpq, connect_timeout=3)
     except Exception as e:  # a hard failure: these tests must run against PostgreSQL
         pytest.fail(f"PostgreSQL not reachable at {PG_URL} ({e}); set PRODRL_TEST_PG_URL (see README)")
-    return PG_URL
+    schema = f"prodrl_test_{os.getpid()}"
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}")
+    sep = "&" if "?" in PG_URL else "?"
+    yield f"{PG_URL}{sep}options=-csearch_path%3D{schema}"
+    with conn.cursor() as cur:
+        cur.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+    conn.close()
 
 
 @pytest.fixture

@@ -12,7 +12,8 @@ def test_code_location_contents():
     graph = defs.resolve_asset_graph()
     keys = {k.to_user_string() for k in graph.get_all_asset_keys()}
     assert keys == {"base_policy", "recorded_trajectories", "training_batch", "trained_checkpoint",
-                    "exported_policy", "heldout_eval", "deployment"}
+                    "exported_policy", "heldout_eval", "deployment", "live_heldout_eval"}
+    assert defs.resolve_schedule_def("live_eval_schedule").cron_schedule == "0 */6 * * *"
     check = AssetCheckKey(AssetKey("heldout_eval"), "deployment_gate")
     assert check in graph.asset_check_keys
     assert graph.get_check_spec(check).blocking

@@ -5,7 +5,7 @@ import json
 import numpy as np
 import pytest
 import torch
-from dagster import AssetCheckKey, AssetKey, DagsterEventType, build_sensor_context, materialize
+from dagster import AssetCheckKey, AssetKey, build_sensor_context, materialize
 from safetensors.torch import load_file, save_file
 
 from prodrl_pipelines.assets.gate import deployment_gate
@@ -83,7 +83,7 @@ def test_two_rounds_on_postgres(tmp_path, pg_instance):
     # Idempotent sensor: round 1 done but no new data from the new live policy.
     assert "0/8 eligible" in tick(instance, defs, res).skip_message
 
-    # --- round 2: a deliberately broken candidate (NaN weights) is blocked by the gate
+    # --- round 2: a deliberately broken candidate (NaN weights): the export refuses it, naming the tensor
     simulate_traffic(svc, 8)
     req = request_round(instance, defs, res)
     assert req.partition_key == "round-000002"
@@ -96,17 +96,25 @@ def test_two_rounds_on_postgres(tmp_path, pg_instance):
     save_file(sd, ckpt, metadata={"format": "pt"})
     second = materialize([*ROUND_ASSETS, deployment_gate], selection=ROUND_ASSETS[3:], instance=instance,
                          partition_key="round-000002", resources=res, raise_on_error=False)
-    evals = [e for e in second.all_events if e.event_type == DagsterEventType.ASSET_CHECK_EVALUATION]
-    assert len(evals) == 1 and not evals[0].event_specific_data.passed
-    assert "non-finite weights" in evals[0].event_specific_data.description
+    assert not second.success
+    failures = second.get_step_failure_events()
+    assert [e.step_key for e in failures] == ["exported_policy"]
+    err = failures[0].event_specific_data.error
+    assert "non-finite weights" in err.to_string() and name in err.to_string()
+    assert not (svc.settings.exports_root / "round-000002").exists()  # nothing half-written
     assert "deployment" not in {e.event_specific_data.materialization.asset_key.path[-1]
                                 for e in second.get_asset_materialization_events()}
-    # Live deployment and champion untouched; the candidate is the challenger, tagged with the reasons.
+    # Live deployment and champion untouched; no candidate registered; the round is decided (rejected).
     assert svc.registry.live().policy_version == "round-000001"
-    assert lineage.alias_version(CHAMPION) == "2" and lineage.alias_version(CHALLENGER) == "3"
-    mv = lineage.client.get_model_version(lineage.model_name, "3")
-    assert mv.tags["gate"] == "failed" and "non-finite" in mv.tags["gate_reasons"]
-    assert svc.registry.decision("round-000002")["deployed"] is False
+    assert lineage.alias_version(CHAMPION) == lineage.alias_version(CHALLENGER) == "2"
+    decision = svc.registry.decision("round-000002")
+    assert decision["deployed"] is False and not decision["passed"] and name in decision["reasons"][0]
+
+    # Scheduled evaluation of the live deployment: one point of the time series, in Dagster and MLflow.
+    ev = defs.resolve_job_def("live_eval").execute_in_process(instance=instance)
+    point = ev.asset_materializations_for_node("live_heldout_eval")[0].metadata
+    assert point["policy_version"].value == "round-000001"
+    assert point["heldout_reward"].value == pytest.approx(summary["heldout_reward"])  # same tasks, same seed
 
     # Round 3 trains from the live checkpoint (round 1), not from the rejected one.
     simulate_traffic(svc, 8)
