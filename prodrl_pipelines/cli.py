@@ -164,6 +164,9 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--runs-dir", default="runs")
     d.add_argument("--settings", help="JSON file of ProdRLSettings overrides")
     d.set_defaults(fn=cmd_demo)
+    from prodrl_pipelines.engines.server import add_serve_parser
+
+    add_serve_parser(sub)  # prodrl serve: the local engine behind vLLM's OpenAI-compatible API
     args = p.parse_args(argv)
     from prodrl_pipelines.preflight import PreflightError
 

@@ -1,0 +1,399 @@
+"""vLLM's OpenAI-compatible wire format: requests, logprob formatting and parsing (DESIGN.md s.7).
+
+Shared by ``prodrl serve`` (which formats), the vLLM client and the recorder (which parse). The
+field names and quirks follow vLLM's OpenAI server (``vllm/entrypoints/openai``, 2025-2026):
+
+* ``return_token_ids: true`` adds ``prompt_token_ids`` and ``token_ids``: per choice for
+  ``/v1/completions``; for ``/v1/chat/completions`` ``prompt_token_ids`` is top-level and
+  ``token_ids`` per choice. When streaming, ``prompt_token_ids`` comes in the first chunk only and
+  ``token_ids`` holds each chunk's delta.
+* Per generated position vLLM keeps an ordered dict ``{sampled id: lp, top-1 id: lp, ..., top-N}``
+  (the sampled token first; a sampled token that is also in the top-N appears once, at the front).
+  Completions return, per position, the first ``N + 1`` entries of that dict as
+  ``top_logprobs: {token string: logprob}``; chat returns the first ``N`` entries as
+  ``logprobs.content[i].top_logprobs: [{token, logprob, bytes}]``. So a chat head can miss the N-th
+  most likely token when the sampled token is not among the top N (``reconstruct_head``).
+* Logprobs are clamped to ``-9999.0`` (JSON has no -inf): with ``--logprobs-mode
+  processed_logprobs`` tokens outside the top-k/top-p support carry that value.
+* Token strings are ``tokenizer.decode([id])``, or ``"token_id:<id>"`` with
+  ``return_tokens_as_token_ids: true`` -- the only way to get exact ids of the top-N tokens, so the
+  client and the recorder always ask for it.
+* Errors are ``{"error": {"message", "type", "param", "code"}}``.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field
+
+__all__ = [
+    "LOGPROB_FLOOR",
+    "TOKEN_ID_PREFIX",
+    "CompletionRequest",
+    "ChatCompletionRequest",
+    "ProtocolError",
+    "error_body",
+    "token_id_string",
+    "parse_token_id",
+    "position_entries",
+    "completion_logprobs",
+    "chat_logprobs",
+    "parse_completion_logprobs",
+    "parse_chat_logprobs",
+    "reconstruct_head",
+    "head_support_complete",
+    "sse",
+    "SSE_DONE",
+    "iter_sse_data",
+]
+
+# vLLM's JSON stand-in for -inf in logprobs (same value as engines.local.TOP_LOGPROB_FLOOR).
+LOGPROB_FLOOR = -9999.0
+TOKEN_ID_PREFIX = "token_id:"
+# A head whose probabilities sum to at least 1 - this is taken to hold the whole support.
+COMPLETE_MASS_TOL = 1e-6
+
+
+class ProtocolError(ValueError):
+    """A response or request that does not follow the wire format; ``status`` is the HTTP code to answer."""
+
+    def __init__(self, message: str, status: int = 400, param: str | None = None) -> None:
+        super().__init__(message)
+        self.status = status
+        self.param = param
+
+
+_ERROR_TYPES = {400: "BadRequestError", 401: "Unauthorized", 404: "NotFoundError", 422: "UnprocessableEntity",
+                500: "InternalServerError", 502: "BadGateway", 503: "ServiceUnavailable", 504: "GatewayTimeout"}
+
+
+def error_body(message: str, code: int = 400, param: str | None = None, type_: str | None = None) -> dict:
+    """vLLM's error response body."""
+    return {"error": {"message": message, "type": type_ or _ERROR_TYPES.get(code, "Error"),
+                      "param": param, "code": code}}
+
+
+# ----------------------------------------------------------------------------- requests
+
+
+class _Base(BaseModel):
+    # Like vLLM's OpenAIBaseModel: unknown fields are accepted (and ignored).
+    model_config = ConfigDict(extra="allow")
+
+
+class StreamOptions(_Base):
+    include_usage: bool | None = True
+    continuous_usage_stats: bool | None = False
+
+
+class _SamplingFields(_Base):
+    model: str | None = None
+    temperature: float | None = None
+    top_p: float | None = None
+    top_k: int | None = None
+    min_p: float | None = None
+    seed: int | None = None
+    n: int = 1
+    stop: str | list[str] | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    logit_bias: dict[str, float] | None = None
+    allowed_token_ids: list[int] | None = None
+    bad_words: list[str] | None = None
+    use_beam_search: bool = False
+    include_stop_str_in_output: bool = False
+    skip_special_tokens: bool = True
+    return_token_ids: bool | None = None
+    return_tokens_as_token_ids: bool | None = None
+    prompt_logprobs: int | None = None
+
+
+class CompletionRequest(_SamplingFields):
+    """``POST /v1/completions``: ``prompt`` is text, token ids, or a list of either."""
+
+    prompt: str | list[int] | list[list[int]] | list[str] | None = None
+    max_tokens: int | None = 16
+    logprobs: int | None = None
+    echo: bool = False
+    suffix: str | None = None
+    best_of: int | None = None
+    add_special_tokens: bool = True
+
+
+class ChatMessage(_Base):
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatCompletionRequest(_SamplingFields):
+    """``POST /v1/chat/completions``: messages rendered with the tokenizer's chat template."""
+
+    messages: list[ChatMessage] = Field(min_length=1)
+    max_tokens: int | None = None
+    max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = 0
+    add_generation_prompt: bool = True
+    continue_final_message: bool = False
+    add_special_tokens: bool = False
+    chat_template_kwargs: dict[str, Any] | None = None
+    return_prompt_text: bool | None = None
+    response_format: dict[str, Any] | None = None
+
+
+def message_content(content: str | list[dict[str, Any]] | None) -> str:
+    """Text of a chat message content (vLLM's "string" content format: text parts joined by newlines)."""
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content
+    parts = []
+    for part in content:
+        if part.get("type") != "text":
+            raise ProtocolError(f"content part of type {part.get('type')!r} is not supported (text only)",
+                                param="messages")
+        parts.append(str(part.get("text", "")))
+    return "\n".join(parts)
+
+
+# ----------------------------------------------------------------------------- token strings
+
+
+def token_id_string(token_id: int) -> str:
+    return f"{TOKEN_ID_PREFIX}{int(token_id)}"
+
+
+def parse_token_id(token: str) -> int:
+    """The id in a ``"token_id:<id>"`` string; ``ProtocolError`` for anything else."""
+    if not isinstance(token, str) or not token.startswith(TOKEN_ID_PREFIX):
+        raise ProtocolError(f"expected a {TOKEN_ID_PREFIX!r} token string (return_tokens_as_token_ids), got {token!r}",
+                            status=502)
+    try:
+        return int(token[len(TOKEN_ID_PREFIX):])
+    except ValueError:
+        raise ProtocolError(f"malformed token id string {token!r}", status=502) from None
+
+
+def _clamp(lp: float) -> float:
+    return max(float(lp), LOGPROB_FLOOR)
+
+
+# ----------------------------------------------------------------------------- formatting (server side)
+
+
+def position_entries(sampled_id: int, sampled_lp: float, head_ids: Sequence[int], head_lps: Sequence[float],
+                     n: int) -> list[tuple[int, float]]:
+    """vLLM's per-position logprob dict as an ordered list: the sampled token, then the top ``n``
+    (a top token equal to the sampled one is not repeated)."""
+    out = [(int(sampled_id), float(sampled_lp))]
+    seen = {int(sampled_id)}
+    for tid, lp in zip(list(head_ids)[: max(n, 0)], head_lps):
+        tid = int(tid)
+        if tid not in seen:
+            seen.add(tid)
+            out.append((tid, float(lp)))
+    return out
+
+
+def completion_logprobs(
+    token_ids: Sequence[int],
+    positions: Sequence[Sequence[tuple[int, float]]],
+    n: int,
+    token_str: Callable[[int], str],
+    initial_text_offset: int = 0,
+) -> dict:
+    """``choices[i].logprobs`` of ``/v1/completions`` (``CompletionLogProbs``), vLLM's layout:
+    ``tokens``, ``token_logprobs``, ``top_logprobs`` (dicts of the first n + 1 entries of each
+    position, sampled token first) and ``text_offset``."""
+    tokens, token_logprobs, tops, offsets = [], [], [], []
+    last_len = 0
+    for tid, entries in zip(token_ids, positions):
+        tok = token_str(int(tid))
+        sampled_lp = dict(entries).get(int(tid))
+        tokens.append(tok)
+        token_logprobs.append(None if sampled_lp is None else _clamp(sampled_lp))
+        top: dict[str, float] = {}
+        for i, (eid, lp) in enumerate(entries):
+            if n >= i:
+                top[token_str(eid)] = _clamp(lp)
+        tops.append(top)
+        offsets.append(initial_text_offset if not offsets else offsets[-1] + last_len)
+        last_len = len(tok)
+    return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": tops}
+
+
+def _utf8(s: str) -> list[int]:
+    return list(s.encode("utf-8", errors="replace"))
+
+
+def chat_logprobs(
+    token_ids: Sequence[int],
+    positions: Sequence[Sequence[tuple[int, float]]],
+    n: int,
+    token_str: Callable[[int], str],
+    decoded: Callable[[int], str],
+) -> dict:
+    """``choices[i].logprobs`` of ``/v1/chat/completions``: ``{"content": [{token, logprob, bytes,
+    top_logprobs: [{token, logprob, bytes}] (first n entries, sampled token first)}]}``.
+
+    As in vLLM, the entry's ``bytes`` are the UTF-8 of the decoded token even when ``token`` is a
+    ``token_id:`` string, while the top entries' ``bytes`` encode their ``token`` string.
+    """
+    content = []
+    for tid, entries in zip(token_ids, positions):
+        lp = dict(entries).get(int(tid))
+        tops = []
+        for i, (eid, elp) in enumerate(entries):
+            if n == -1 or i < n:
+                s = token_str(eid)
+                tops.append({"token": s, "logprob": _clamp(elp), "bytes": _utf8(s)})
+        content.append({"token": token_str(int(tid)), "logprob": LOGPROB_FLOOR if lp is None else _clamp(lp),
+                        "bytes": _utf8(decoded(int(tid))), "top_logprobs": tops})
+    return {"content": content}
+
+
+# ----------------------------------------------------------------------------- parsing (client / recorder)
+
+
+def reconstruct_head(
+    sampled_id: int,
+    sampled_lp: float,
+    rest: Sequence[tuple[int, float]],
+    k: int,
+    n_requested: int | None = None,
+) -> tuple[list[int], list[float]]:
+    """The top-``k`` head (ids, logprobs, descending) of one position from vLLM's entry list.
+
+    ``rest`` is the position's entries after the sampled token, in vLLM's order (the top tokens by
+    rank, without the sampled one). For completions, ``n_requested`` (the ``logprobs`` asked for)
+    tells whether the sampled token was in the top n: then ``rest`` has n - 1 entries and the
+    sampled token goes back to its rank, found by its logprob (after any exactly equal logprobs;
+    only the order among exact ties can differ from the engine's). Chat truncates the list at n, so
+    its head is exact for k <= n - 1 only (``parse_chat_logprobs``).
+    """
+    rest = [(int(t), float(lp)) for t, lp in rest if int(t) != int(sampled_id)]
+    if n_requested is not None and len(rest) >= n_requested:
+        merged = rest
+    else:
+        pos = sum(1 for _, lp in rest if lp >= sampled_lp)
+        merged = rest[:pos] + [(int(sampled_id), float(sampled_lp))] + rest[pos:]
+    if len(merged) < k:
+        raise ProtocolError(f"logprob head has {len(merged)} entries, fewer than the {k} requested", status=502)
+    merged = merged[:k]
+    return [t for t, _ in merged], [lp for _, lp in merged]
+
+
+def _entries_from_dict(top: dict) -> list[tuple[int, float]]:
+    return [(parse_token_id(tok), float(lp)) for tok, lp in top.items()]
+
+
+def parse_completion_logprobs(
+    logprobs: dict | None, token_ids: Sequence[int], n_requested: int, k: int
+) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """(sampled logprobs, head ids, head logprobs) from a completions ``logprobs`` object that was
+    requested with ``logprobs=n_requested`` and ``return_tokens_as_token_ids``; heads of size k <= n."""
+    if not isinstance(logprobs, dict):
+        raise ProtocolError("the upstream answer has no logprobs", status=502)
+    tops = logprobs.get("top_logprobs")
+    lps = logprobs.get("token_logprobs")
+    if not isinstance(tops, list) or not isinstance(lps, list) or len(tops) != len(token_ids) or len(lps) != len(token_ids):
+        raise ProtocolError(f"logprobs cover {len(tops) if isinstance(tops, list) else 'no'} positions for "
+                            f"{len(token_ids)} generated tokens", status=502)
+    sampled, head_ids, head_lps = [], [], []
+    for tid, lp, top in zip(token_ids, lps, tops):
+        if lp is None or not isinstance(top, dict):
+            raise ProtocolError("a generated position has no logprobs", status=502)
+        entries = _entries_from_dict(top)
+        if entries and entries[0][0] == int(tid):
+            rest = entries[1:]
+        else:  # not vLLM's order; treat the entries as a ranked list
+            rest = sorted(((t, v) for t, v in entries if t != int(tid)), key=lambda e: -e[1])
+        ids, vals = reconstruct_head(int(tid), float(lp), rest, k, n_requested)
+        sampled.append(float(lp))
+        head_ids.append(ids)
+        head_lps.append(vals)
+    return sampled, head_ids, head_lps
+
+
+def parse_chat_logprobs(
+    logprobs: dict | None, token_ids: Sequence[int], k: int
+) -> tuple[list[float], list[list[int]], list[list[float]]]:
+    """Like ``parse_completion_logprobs`` for a chat ``logprobs.content`` list. The list holds the
+    first n entries of vLLM's dict (sampled first), so asking ``top_logprobs = k + 1`` gives an
+    exact top-k head."""
+    content = logprobs.get("content") if isinstance(logprobs, dict) else None
+    if not isinstance(content, list) or len(content) != len(token_ids):
+        raise ProtocolError(f"chat logprobs cover {len(content) if isinstance(content, list) else 'no'} positions "
+                            f"for {len(token_ids)} generated tokens", status=502)
+    sampled, head_ids, head_lps = [], [], []
+    for tid, item in zip(token_ids, content):
+        if not isinstance(item, dict) or item.get("logprob") is None:
+            raise ProtocolError("a generated position has no logprob", status=502)
+        lp = float(item["logprob"])
+        entries = [(parse_token_id(e["token"]), float(e["logprob"])) for e in item.get("top_logprobs") or []]
+        rest = entries[1:] if entries and entries[0][0] == int(tid) else sorted(
+            ((t, v) for t, v in entries if t != int(tid)), key=lambda e: -e[1])
+        ids, vals = reconstruct_head(int(tid), lp, rest, k)
+        sampled.append(lp)
+        head_ids.append(ids)
+        head_lps.append(vals)
+    return sampled, head_ids, head_lps
+
+
+def head_support_complete(top_k: int, k: int, head_lps: Iterable[Sequence[float]]) -> bool:
+    """Whether the recorded heads hold the whole sampling support at every position.
+
+    True when top-k sampling is on with ``top_k <= k`` (vLLM keeps exactly the top_k tokens; only
+    exact logit ties at the threshold could add more), otherwise position by position: the head
+    holds a floored (-9999, i.e. -inf) entry, so the support is smaller than the head, or the head's
+    probabilities sum to at least ``1 - 1e-6`` (a tail below that is taken as empty). The local
+    engine decides from the full distribution (support size <= k); the two agree except for such
+    ties and tails.
+    """
+    if 0 < int(top_k) <= int(k):
+        return True
+    for row in head_lps:
+        if any(v <= LOGPROB_FLOOR for v in row):
+            continue
+        if sum(math.exp(v) for v in row) >= 1.0 - COMPLETE_MASS_TOL:
+            continue
+        return False
+    return True
+
+
+# ----------------------------------------------------------------------------- server-sent events
+
+SSE_DONE = b"data: [DONE]\n\n"
+
+
+def sse(obj: Any) -> bytes:
+    return b"data: " + json.dumps(obj, separators=(",", ":")).encode() + b"\n\n"
+
+
+def iter_sse_data(lines: Iterable[str]):
+    """Yield the ``data:`` payloads of an SSE stream (strings; ``"[DONE]"`` included), skipping
+    comments and other fields."""
+    buf: list[str] = []
+    for line in lines:
+        if line == "":
+            if buf:
+                yield "\n".join(buf)
+                buf = []
+            continue
+        if line.startswith(":"):
+            continue
+        if line.startswith("data:"):
+            data = line[5:]
+            buf.append(data[1:] if data.startswith(" ") else data)
+    if buf:
+        yield "\n".join(buf)
+
