@@ -167,6 +167,9 @@ def main(argv: list[str] | None = None) -> int:
     from prodrl_pipelines.engines.server import add_serve_parser
 
     add_serve_parser(sub)  # prodrl serve: the local engine behind vLLM's OpenAI-compatible API
+    from prodrl_pipelines.recorder.service import add_record_parser
+
+    add_record_parser(sub)  # prodrl record: the recording proxy (WAL, Parquet parts, feedback)
     args = p.parse_args(argv)
     from prodrl_pipelines.preflight import PreflightError
 

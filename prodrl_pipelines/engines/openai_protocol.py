@@ -45,6 +45,7 @@ __all__ = [
     "parse_completion_logprobs",
     "parse_chat_logprobs",
     "reconstruct_head",
+    "narrow_entries",
     "head_support_complete",
     "sse",
     "SSE_DONE",
@@ -290,6 +291,26 @@ def reconstruct_head(
         raise ProtocolError(f"logprob head has {len(merged)} entries, fewer than the {k} requested", status=502)
     merged = merged[:k]
     return [t for t, _ in merged], [lp for _, lp in merged]
+
+
+def narrow_entries(entries: Sequence[tuple[Any, float]], n_from: int | None, n_to: int) -> list[tuple[Any, float]]:
+    """vLLM's per-position entries for ``logprobs = n_to`` from those returned for ``n_from >= n_to``.
+
+    ``entries`` is the position's list in vLLM's order (sampled token first; keys compared by
+    equality, e.g. ``token_id:`` strings). ``n_from`` is the completions request's n (its dict then
+    tells whether the sampled token was in the top n); ``None`` for a chat list (cut at n entries).
+    The result is ``[sampled] + (top n_to without the sampled token)``: a completions dict for
+    n_to is all of it, a chat list its first n_to entries.
+    """
+    if not entries:
+        return list(entries)
+    s, rest = entries[0], [e for e in entries[1:] if e[0] != entries[0][0]]
+    if n_from is not None and len(rest) >= n_from:
+        ranked = rest
+    else:
+        pos = sum(1 for _, lp in rest if lp >= s[1])
+        ranked = rest[:pos] + [s] + rest[pos:]
+    return [s] + [e for e in ranked[: max(n_to, 0)] if e[0] != s[0]]
 
 
 def _entries_from_dict(top: dict) -> list[tuple[int, float]]:

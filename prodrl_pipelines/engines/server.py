@@ -673,8 +673,7 @@ async def chat_completions(request: Request) -> Response:
         "prompt_logprobs": None, "prompt_token_ids": ids if req.return_token_ids else None,
         "kv_transfer_params": None,
     }
-    if req.return_prompt_text:
-        body["prompt_text"] = text
+    body["prompt_text"] = text if req.return_prompt_text else None
     return JSONResponse(body)
 
 
@@ -683,12 +682,12 @@ async def _chat_stream(state, req, plan, choices, rid, created, model, tstr, pro
 
     def chunk(choice: dict, **top) -> bytes:
         return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [choice], "usage": None, **top})
+                    "choices": [choice], "usage": None, "prompt_token_ids": None, "prompt_text": None, **top})
 
     first = True
     for i, c in enumerate(choices):
         extra = {}
-        if first and req.return_token_ids:
+        if first and req.return_token_ids:  # vLLM: in the first chunk only
             extra["prompt_token_ids"] = ids
         if first and req.return_prompt_text:
             extra["prompt_text"] = prompt_text

@@ -1,0 +1,393 @@
+"""Durable ingest of recorded calls and rewards: WAL first, then atomic Parquet parts.
+
+``Ingestor`` is the recorder's storage engine (no HTTP here):
+
+* ``commit_call`` / ``commit_skip`` / ``commit_reward`` queue an entry for the write-ahead log and
+  return a ``concurrent.futures.Future`` that resolves once the entry is fsynced. The caller
+  answers its client only then, so an acknowledged record survives a crash (``kill -9``) of the
+  process. A writer thread appends the queued entries in groups: one ``write`` + ``fdatasync`` per
+  group, however many requests are waiting.
+* Call indices are assigned at commit time, in commit order per trajectory (0, 1, 2, ...). An
+  unrecordable call still takes its index (a ``skip`` entry): the trajectory really had that call,
+  so its recorded calls show the gap and validation quarantines it (``bad_call_index``) instead of
+  training on an episode with a missing turn. Skips are kept as small JSON parts under
+  ``_recorder/skipped/`` so indices stay right across restarts.
+* The writer seals the current segment when it holds ``flush_rows`` entries or is older than
+  ``flush_interval_s``; a flusher thread writes the sealed entries through ``TrajectoryStore``
+  (``write_calls`` / ``write_rewards``: atomic part files) and then deletes the segment. A failed
+  flush is retried (never dropped) and counted.
+* ``recover`` (on start) replays every segment left by a previous process: entries whose call id
+  (trajectory_id, call_index) or reward identity (trajectory_id, source, created_at, reward) is
+  already in the store -- a crash between writing a part and deleting its segment -- are skipped,
+  the rest are written, then the segments are deleted. It also rebuilds the per-trajectory next
+  call index and the set of known trajectories from the store (a scan of the key columns of every
+  call part; fine for the volumes of one deployment, a compacted index would be the next step).
+"""
+
+from __future__ import annotations
+
+import json
+import queue
+import threading
+import time
+from collections import Counter
+from concurrent.futures import Future
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import pyarrow as pa
+
+from prodrl_pipelines.recorder.wal import WriteAheadLog, encode_entry
+from prodrl_pipelines.trajectories.schema import CALL_SCHEMA, call_id
+from prodrl_pipelines.trajectories.store import SchemaMismatchError, TrajectoryStore, to_table, uuid7
+
+__all__ = ["Ingestor", "Stats", "SKIPPED_PREFIX", "REJECTED_PREFIX", "now_us"]
+
+SKIPPED_PREFIX = "_recorder/skipped/"
+REJECTED_PREFIX = "_recorder/rejected/"
+
+
+class Stats:
+    """Thread-safe named counters (``inc``) and a snapshot (``as_dict``)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._c: Counter[str] = Counter()
+
+    def inc(self, name: str, n: int = 1) -> None:
+        with self._lock:
+            self._c[name] += n
+
+    def get(self, name: str) -> int:
+        with self._lock:
+            return self._c[name]
+
+    def as_dict(self) -> dict[str, int]:
+        with self._lock:
+            return dict(sorted(self._c.items()))
+
+
+_clock_lock = threading.Lock()
+_last_us = [0]
+
+
+def now_us() -> int:
+    """Wall-clock microseconds since the epoch, strictly increasing within the process."""
+    t = time.time_ns() // 1000
+    with _clock_lock:
+        t = max(t, _last_us[0] + 1)
+        _last_us[0] = t
+    return t
+
+
+@dataclass
+class _Pending:
+    entry: dict
+    future: Future
+
+
+@dataclass
+class _Sealed:
+    path: Path | None
+    entries: list[dict]
+    done: list[threading.Event] = field(default_factory=list)
+
+
+def _reward_key(tid: str, source: Any, created_us: int, reward: float) -> tuple:
+    return (tid, source, int(created_us), float(reward))
+
+
+class Ingestor:
+    """WAL-backed, exactly-once ingest of calls, skips and rewards into a ``TrajectoryStore``."""
+
+    def __init__(
+        self,
+        store: TrajectoryStore,
+        wal_dir: str | Path,
+        *,
+        flush_rows: int = 1024,
+        flush_interval_s: float = 2.0,
+        stats: Stats | None = None,
+    ) -> None:
+        self.store = store
+        self.wal = WriteAheadLog(wal_dir)
+        self.flush_rows = max(int(flush_rows), 1)
+        self.flush_interval_s = float(flush_interval_s)
+        self.stats = stats or Stats()
+        self._lock = threading.Lock()  # call-index state
+        self._next_index: dict[str, int] = {}
+        self._cond = threading.Condition()
+        self._queue: list[_Pending] = []
+        self._flush_waiters: list[threading.Event] = []
+        self._stopping = False
+        self._flushq: queue.Queue[_Sealed | None] = queue.Queue()
+        self._writer: threading.Thread | None = None
+        self._flusher: threading.Thread | None = None
+        self._recovered = False
+
+    # ------------------------------------------------------------------ state
+
+    def known(self, trajectory_id: str) -> bool:
+        """True when the trajectory has at least one committed call (recorded or skipped)."""
+        with self._lock:
+            return trajectory_id in self._next_index
+
+    def next_index(self, trajectory_id: str) -> int:
+        with self._lock:
+            return self._next_index.get(trajectory_id, 0)
+
+    def _see(self, tid: str, index: int) -> None:
+        if index + 1 > self._next_index.get(tid, 0):
+            self._next_index[tid] = index + 1
+
+    # ------------------------------------------------------------------ recovery
+
+    def recover(self) -> dict[str, int]:
+        """Replay the WAL into the store (exactly once) and rebuild the index state; call before
+        ``start``. Returns counts (also added to ``stats``)."""
+        counts = Counter()
+        stored_calls: set[str] = set()
+        calls = self.store.read_calls(columns=["trajectory_id", "call_index"], dedupe=False)
+        for tid, ci in zip(calls.column("trajectory_id").to_pylist(), calls.column("call_index").to_pylist()):
+            stored_calls.add(call_id(tid, ci))
+            self._see(tid, int(ci))
+        rewards = self.store.read_rewards(latest=False)
+        stored_rewards = set()
+        if rewards.num_rows:
+            created = rewards.column("created_at").cast(pa.int64()).to_pylist()
+            for tid, r, src, c in zip(rewards.column("trajectory_id").to_pylist(), rewards.column("reward").to_pylist(),
+                                      rewards.column("source").to_pylist(), created):
+                if r is not None and c is not None:
+                    stored_rewards.add(_reward_key(tid, src, c, r))
+        stored_skips: set[str] = set()
+        for key in self.store.blobs.list(SKIPPED_PREFIX):
+            for s in json.loads(self.store.blobs.get_bytes(key)):
+                stored_skips.add(call_id(s["trajectory_id"], s["call_index"]))
+                self._see(s["trajectory_id"], int(s["call_index"]))
+
+        new_calls, new_rewards, new_skips = [], [], []
+        segments = self.wal.segments()
+        for path in segments:
+            seg = self.wal.read_segment(path)
+            if seg.torn:
+                counts["wal_torn_tails"] += 1
+            for e in seg.entries:
+                kind = e.get("kind")
+                if kind == "call":
+                    row = e["row"]
+                    cid = call_id(row["trajectory_id"], row["call_index"])
+                    if cid in stored_calls:
+                        counts["replay_duplicates"] += 1
+                        continue
+                    stored_calls.add(cid)
+                    new_calls.append(row)
+                    self._see(row["trajectory_id"], int(row["call_index"]))
+                elif kind == "skip":
+                    cid = call_id(e["trajectory_id"], e["call_index"])
+                    if cid in stored_skips:
+                        counts["replay_duplicates"] += 1
+                        continue
+                    stored_skips.add(cid)
+                    new_skips.append(e)
+                    self._see(e["trajectory_id"], int(e["call_index"]))
+                elif kind == "reward":
+                    row = e["row"]
+                    k = _reward_key(row["trajectory_id"], row["source"], row["created_at"], row["reward"])
+                    if k in stored_rewards:
+                        counts["replay_duplicates"] += 1
+                        continue
+                    stored_rewards.add(k)
+                    new_rewards.append(row)
+        if new_calls or new_rewards or new_skips:
+            self._write(new_calls, new_rewards, new_skips)
+        counts["replayed_calls"] += len(new_calls)
+        counts["replayed_rewards"] += len(new_rewards)
+        counts["replayed_skips"] += len(new_skips)
+        counts["replayed_segments"] += len(segments)
+        for path in segments:
+            self.wal.delete(path)
+        for k, v in counts.items():
+            self.stats.inc(k, v)
+        self._recovered = True
+        return dict(counts)
+
+    # ------------------------------------------------------------------ lifecycle
+
+    def start(self) -> None:
+        if not self._recovered:
+            self.recover()
+        self.wal.open()
+        self._stopping = False
+        self._writer = threading.Thread(target=self._write_loop, name="recorder-wal", daemon=True)
+        self._flusher = threading.Thread(target=self._flush_loop, name="recorder-flush", daemon=True)
+        self._writer.start()
+        self._flusher.start()
+
+    def stop(self, timeout: float = 60.0) -> None:
+        """Flush everything committed so far to Parquet, then stop the threads."""
+        if self._writer is None:
+            return
+        with self._cond:
+            self._stopping = True
+            self._cond.notify_all()
+        self._writer.join(timeout)
+        self._flushq.put(None)
+        assert self._flusher is not None
+        self._flusher.join(timeout)
+        self.wal.close()
+        for path in self.wal.segments():  # the last, empty segment
+            if not self.wal.read_segment(path).entries:
+                self.wal.delete(path)
+        self._writer = self._flusher = None
+
+    def flush(self, timeout: float = 60.0) -> bool:
+        """Seal the current segment and wait until everything committed before is in Parquet."""
+        ev = threading.Event()
+        with self._cond:
+            if self._writer is None:
+                return True
+            self._flush_waiters.append(ev)
+            self._cond.notify_all()
+        return ev.wait(timeout)
+
+    # ------------------------------------------------------------------ commits
+
+    def _submit(self, entry: dict) -> Future:
+        fut: Future = Future()
+        with self._cond:
+            if self._stopping or self._writer is None:
+                fut.set_exception(RuntimeError("the recorder is not accepting records (stopped)"))
+                return fut
+            self._queue.append(_Pending(entry, fut))
+            self._cond.notify()
+        return fut
+
+    def commit_call(self, trajectory_id: str, row: dict) -> tuple[int, Future]:
+        """Assign the call's index, queue its row; ``row`` gets trajectory_id, call_index and
+        created_at (microseconds). Returns (call_index, durable future)."""
+        with self._lock:
+            index = self._next_index.get(trajectory_id, 0)
+            self._next_index[trajectory_id] = index + 1
+            row["trajectory_id"] = trajectory_id
+            row["call_index"] = index
+            row["created_at"] = now_us()
+            fut = self._submit({"kind": "call", "row": row})
+        return index, fut
+
+    def commit_skip(self, trajectory_id: str, reason: str) -> tuple[int, Future]:
+        """An answered but unrecordable call: it takes an index, no row is stored."""
+        with self._lock:
+            index = self._next_index.get(trajectory_id, 0)
+            self._next_index[trajectory_id] = index + 1
+            fut = self._submit({"kind": "skip", "trajectory_id": trajectory_id, "call_index": index,
+                                "reason": reason, "created_at": now_us()})
+        return index, fut
+
+    def commit_reward(self, trajectory_id: str, reward: float, source: str) -> tuple[int, Future]:
+        created = now_us()
+        row = {"trajectory_id": trajectory_id, "reward": float(reward), "source": source, "created_at": created}
+        return created, self._submit({"kind": "reward", "row": row})
+
+    # ------------------------------------------------------------------ threads
+
+    def _write_loop(self) -> None:
+        pending: list[dict] = []
+        since = 0.0
+        while True:
+            with self._cond:
+                while not (self._queue or self._stopping or self._flush_waiters):
+                    wait = None
+                    if pending and self.flush_interval_s > 0:
+                        wait = max(since + self.flush_interval_s - time.monotonic(), 0.0)
+                        if wait == 0.0:
+                            break
+                    self._cond.wait(wait)
+                batch, self._queue = self._queue, []
+                waiters, self._flush_waiters = self._flush_waiters, []
+                stopping = self._stopping
+            if batch:
+                try:
+                    self.wal.append(encode_entry(p.entry) for p in batch)
+                except Exception as exc:  # nothing acknowledged; callers answer 503
+                    self.stats.inc("wal_errors")
+                    for p in batch:
+                        p.future.set_exception(exc)
+                else:
+                    if not pending:
+                        since = time.monotonic()
+                    pending.extend(p.entry for p in batch)
+                    self.stats.inc("wal_appends", len(batch))
+                    self.stats.inc("wal_fsyncs")
+                    for p in batch:
+                        p.future.set_result(True)
+            due = bool(pending) and (len(pending) >= self.flush_rows
+                                     or time.monotonic() - since >= self.flush_interval_s)
+            if pending and (due or waiters or stopping):
+                sealed = self.wal.rotate()
+                self._flushq.put(_Sealed(sealed, pending, waiters))
+                pending, waiters = [], []
+            if waiters:  # nothing pending: already flushed, but wait for earlier segments in the queue
+                self._flushq.put(_Sealed(None, [], waiters))
+            if stopping and not batch:
+                with self._cond:
+                    if not self._queue:
+                        return
+
+    def _flush_loop(self) -> None:
+        while True:
+            item = self._flushq.get()
+            if item is None:
+                return
+            delay = 0.05
+            while True:
+                try:
+                    self._flush_sealed(item)
+                    break
+                except Exception:
+                    self.stats.inc("flush_errors")
+                    time.sleep(delay)
+                    delay = min(delay * 2, 5.0)
+            for ev in item.done:
+                ev.set()
+
+    def _flush_sealed(self, item: _Sealed) -> None:
+        calls = [e["row"] for e in item.entries if e["kind"] == "call"]
+        rewards = [e["row"] for e in item.entries if e["kind"] == "reward"]
+        skips = [e for e in item.entries if e["kind"] == "skip"]
+        if not item.entries:
+            return
+        self._write(calls, rewards, skips)
+        if item.path is not None:
+            self.wal.delete(item.path)
+        self.stats.inc("flushed_calls", len(calls))
+        self.stats.inc("flushed_rewards", len(rewards))
+        self.stats.inc("flush_parts")
+
+    def _write(self, calls: list[dict], rewards: list[dict], skips: list[dict]) -> None:
+        if calls:
+            try:
+                self.store.write_calls(calls)
+            except SchemaMismatchError:
+                self._write_calls_one_by_one(calls)
+        if rewards:
+            self.store.write_rewards(rewards)
+        if skips:
+            payload = [{k: s[k] for k in ("trajectory_id", "call_index", "reason", "created_at")} for s in skips]
+            self.store.blobs.put_bytes(f"{SKIPPED_PREFIX}part-{uuid7()}.json", json.dumps(payload).encode())
+
+    def _write_calls_one_by_one(self, calls: list[dict]) -> None:
+        """A row that cannot be brought to CALL_SCHEMA is set aside (JSON, counted), the rest stored."""
+        good, bad = [], []
+        for row in calls:
+            try:
+                to_table([row], CALL_SCHEMA)
+                good.append(row)
+            except SchemaMismatchError as exc:
+                bad.append({"row": row, "error": str(exc)})
+        if good:
+            self.store.write_calls(good)
+        if bad:
+            self.store.blobs.put_bytes(f"{REJECTED_PREFIX}part-{uuid7()}.json", json.dumps(bad).encode())
+            self.stats.inc("rejected_rows", len(bad))
+

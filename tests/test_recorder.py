@@ -1,0 +1,558 @@
+"""Recorder: proxying, stripping, trajectory grouping, feedback, auth, bad input, WAL replay, kill -9."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import pyarrow as pa
+import pytest
+import torch
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+from starlette.routing import Route
+
+from prodrl_pipelines.engines.local import LocalEngine
+from prodrl_pipelines.engines.openai_protocol import (
+    completion_logprobs,
+    error_body,
+    iter_sse_data,
+    position_entries,
+    token_id_string,
+)
+from prodrl_pipelines.engines.server import BackgroundServer, build_app
+from prodrl_pipelines.engines.types import SamplingParams
+from prodrl_pipelines.lab.episodes import render_prompt
+from prodrl_pipelines.lab.warmstart import build_base_policy
+from prodrl_pipelines.recorder.ingest import SKIPPED_PREFIX, Ingestor
+from prodrl_pipelines.recorder.service import RecorderConfig, build_recorder_app
+from prodrl_pipelines.recorder.wal import WriteAheadLog, encode_entry
+from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
+from prodrl_pipelines.trajectories.store import TrajectoryStore
+
+EOS = 2
+TOKEN = "rec-token"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+PROMPT = [1, 116, 5, 24, 17, 25, 35, 2, 5, 1, 121, 5]
+REPO = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _one_thread():
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory):
+    return build_base_policy(tmp_path_factory.mktemp("rec") / "base", size="tiny", sft_steps=5, progress=False)
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    return LocalEngine.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="module")
+def upstream(engine, model_dir):
+    app = build_app(engine, model_dir=model_dir, served_model_name="v0", max_logprobs=20, batch_wait_ms=1)
+    with BackgroundServer(app) as srv:
+        yield srv
+
+
+@pytest.fixture
+def direct(upstream):
+    with httpx.Client(base_url=upstream.url, timeout=60) as c:
+        yield c
+
+
+class Running:
+    def __init__(self, srv: BackgroundServer, app) -> None:
+        self.srv, self.rec = srv, app.state.recorder
+        self.http = httpx.Client(base_url=srv.url, timeout=60, headers=AUTH)
+
+    def store(self) -> TrajectoryStore:
+        assert self.rec.ingestor.flush(30)
+        return self.rec.store
+
+    def stats(self) -> dict:
+        return self.http.get("/stats").json()["counters"]
+
+    def stop(self) -> None:
+        self.http.close()
+        self.srv.stop()
+
+
+@pytest.fixture
+def start_recorder(tmp_path, model_dir):
+    started: list[Running] = []
+
+    def start(upstream_url: str, store_dir: Path | None = None, **kw) -> Running:
+        kw.setdefault("tokenizer_dir", str(model_dir))
+        cfg = RecorderConfig(upstream=upstream_url, store_dir=str(store_dir or tmp_path / "store"), token=TOKEN, **kw)
+        app = build_recorder_app(cfg)
+        r = Running(BackgroundServer(app).start(), app)
+        started.append(r)
+        return r
+
+    yield start
+    for r in started:
+        r.stop()
+
+
+def _same(a: dict, b: dict) -> None:
+    """Equal answers up to the response id and creation time."""
+    a, b = dict(a), dict(b)
+    for k in ("id", "created"):
+        a.pop(k, None), b.pop(k, None)
+    if a != b:
+        _print_diff(a, b)
+    assert a == b
+
+
+def _events(client: httpx.Client, path: str, body: dict, headers=None) -> tuple[list, list[str], httpx.Headers]:
+    with client.stream("POST", path, json={**body, "stream": True}, headers=headers) as r:
+        assert r.status_code == 200
+        lines = list(r.iter_lines())
+        hdrs = r.headers
+    data = list(iter_sse_data(lines))
+    assert data[-1] == "[DONE]"
+    return [json.loads(d) for d in data[:-1]], [line for line in lines if line.startswith(":")], hdrs
+
+
+# ----------------------------------------------------------------------------- proxying and recording
+
+
+def test_completion_answer_unchanged_and_record_equals_the_local_engine(upstream, direct, start_recorder, engine):
+    r = start_recorder(upstream.url)
+    body = {"prompt": PROMPT, "max_tokens": 8, "seed": 5}
+    resp = r.http.post("/v1/completions", json=body, headers={"X-Trajectory-Id": "t-1", "X-Task-Id": "task-9"})
+    assert resp.status_code == 200
+    assert resp.headers["x-trajectory-id"] == "t-1" and resp.headers["x-call-index"] == "0"
+    assert resp.headers["x-prodrl-recorded"] == "true"
+    _same(resp.json(), direct.post("/v1/completions", json=body).json())  # logprobs/ids stripped again
+    assert resp.json()["choices"][0]["logprobs"] is None and resp.json()["choices"][0]["token_ids"] is None
+
+    rows = r.store().read_calls().to_pylist()
+    assert len(rows) == 1
+    row = rows[0]
+    want = engine.generate([PROMPT], SamplingParams(max_tokens=8, num_top_logprobs=20, stop_token_ids=(EOS,)),
+                           seed=5)[0]
+    assert row["trajectory_id"] == "t-1" and row["call_index"] == 0 and row["task_id"] == "task-9"
+    assert row["policy_version"] == "v0"  # the upstream's model name
+    assert row["prompt_token_ids"] == PROMPT and row["output_token_ids"] == want.output_token_ids
+    assert row["output_logprobs"] == pytest.approx(want.output_logprobs, abs=1e-6)
+    assert row["top_token_ids"] == want.top_token_ids
+    assert [x for r_ in row["top_logprobs"] for x in r_] == pytest.approx(
+        [x for r_ in want.top_logprobs for x in r_], abs=1e-6)
+    assert row["support_complete"] is False and row["support_complete"] == want.support_complete
+    assert (row["temperature"], row["top_p"], row["top_k"]) == (1.0, 1.0, 0)
+    assert row["prompt_text"] == engine.tokenizer.decode(PROMPT)
+    assert row["output_text"] == resp.json()["choices"][0]["text"]
+
+
+@pytest.mark.parametrize("as_ids", [False, True])
+def test_what_the_client_asked_for_is_passed_through_exactly(upstream, direct, start_recorder, as_ids):
+    r = start_recorder(upstream.url)
+    body = {"prompt": PROMPT, "max_tokens": 6, "seed": 7, "logprobs": 3, "return_token_ids": True,
+            "top_k": 40, "return_tokens_as_token_ids": as_ids}
+    _same(r.http.post("/v1/completions", json=body).json(), direct.post("/v1/completions", json=body).json())
+    chat = {"messages": [{"role": "user", "content": "4+4="}], "max_tokens": 6, "seed": 2, "logprobs": True,
+            "top_logprobs": 2, "return_tokens_as_token_ids": as_ids}
+    _same(r.http.post("/v1/chat/completions", json=chat).json(), direct.post("/v1/chat/completions", json=chat).json())
+    row = r.store().read_calls().to_pylist()[0]
+    assert row["top_k"] == 40 and row["support_complete"] is False  # 40 > K = 20
+
+
+def test_streams_are_passed_through_and_recorded(upstream, direct, start_recorder, engine):
+    r = start_recorder(upstream.url)
+    chat = {"messages": [{"role": "user", "content": "9+1="}], "max_tokens": 7, "seed": 4,
+            "stream_options": {"include_usage": True}}
+    got, comments, hdrs = _events(r.http, "/v1/chat/completions", chat, {"X-Trajectory-Id": "s-1"})
+    want, _, _ = _events(direct, "/v1/chat/completions", chat)
+    assert [{k: v for k, v in c.items() if k not in ("id", "created")} for c in got] == \
+        [{k: v for k, v in c.items() if k not in ("id", "created")} for c in want]
+    assert hdrs["x-trajectory-id"] == "s-1"
+    assert comments == [": prodrl trajectory_id=s-1 call_index=0 recorded=true"]
+    comp = {"prompt": PROMPT, "max_tokens": 5, "seed": 8, "logprobs": 1}
+    got, comments, _ = _events(r.http, "/v1/completions", comp, {"X-Trajectory-Id": "s-1"})
+    want, _, _ = _events(direct, "/v1/completions", comp)
+    assert [c["choices"] for c in got] == [c["choices"] for c in want]
+    assert comments == [": prodrl trajectory_id=s-1 call_index=1 recorded=true"]
+
+    rows = sorted(r.store().read_calls().to_pylist(), key=lambda x: x["call_index"])
+    text, ids = render_prompt(engine.tokenizer, chat["messages"])
+    assert rows[0]["prompt_token_ids"] == ids and rows[0]["prompt_text"] == text
+    p = SamplingParams(max_tokens=7, num_top_logprobs=20, stop_token_ids=(EOS,))
+    rec = engine.generate([ids], p, seed=4)[0]
+    assert rows[0]["output_token_ids"] == rec.output_token_ids
+    assert rows[0]["top_token_ids"] == [h[:19] for h in rec.top_token_ids]  # chat head: K + 1 asked, 19 kept
+    assert rows[0]["output_logprobs"] == pytest.approx(rec.output_logprobs, abs=1e-6)
+    p5 = SamplingParams(max_tokens=5, num_top_logprobs=20, stop_token_ids=(EOS,))
+    assert rows[1]["output_token_ids"] == engine.generate([PROMPT], p5, seed=8)[0].output_token_ids
+
+
+def test_trajectories_group_calls_in_order(upstream, start_recorder):
+    r = start_recorder(upstream.url, policy_version="round-7")
+    body = {"prompt": PROMPT, "max_tokens": 2}
+    idx = [r.http.post("/v1/completions", json=body, headers={"X-Trajectory-Id": "multi"}).headers["x-call-index"]
+           for _ in range(3)]
+    assert idx == ["0", "1", "2"]
+    fresh = r.http.post("/v1/completions", json=body, headers={"X-Policy-Version": "canary"})
+    tid = fresh.headers["x-trajectory-id"]
+    assert len(tid) == 32 and fresh.headers["x-call-index"] == "0"
+    assert r.http.post("/v1/completions", json=body, headers={"X-Trajectory-Id": "bad id!"}).status_code == 400
+    rows = r.store().read_calls().to_pylist()
+    by = {(x["trajectory_id"], x["call_index"]): x["policy_version"] for x in rows}
+    assert by == {("multi", 0): "round-7", ("multi", 1): "round-7", ("multi", 2): "round-7", (tid, 0): "canary"}
+
+
+def test_feedback(upstream, start_recorder):
+    r = start_recorder(upstream.url)
+    r.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, headers={"X-Trajectory-Id": "fb"})
+    ok = r.http.post("/v1/feedback", json={"trajectory_id": "fb", "reward": 0.5, "source": "grader"})
+    assert ok.status_code == 200 and ok.json()["reward"] == 0.5
+    assert r.http.post("/v1/feedback", json={"trajectory_id": "nope", "reward": 1}).status_code == 404
+    for raw in (b'{"trajectory_id": "fb", "reward": NaN}', b'{"trajectory_id": "fb", "reward": Infinity}',
+                b'{"trajectory_id": "fb"}', b'{"trajectory_id": "fb", "reward": true}',
+                b'{"trajectory_id": "fb", "reward": "1"}', b'{"reward": 1}', b'{"trajectory_id": "fb", "reward": 1, "source": 3}'):
+        assert r.http.post("/v1/feedback", content=raw).status_code == 422, raw
+    assert r.http.post("/v1/feedback", content=b"{oops").status_code == 400
+    rewards = r.store().read_rewards(latest=False).to_pylist()
+    assert [(x["trajectory_id"], x["reward"], x["source"]) for x in rewards] == [("fb", 0.5, "grader")]
+    s = r.stats()
+    assert s["rewards_recorded"] == 1 and s["feedback_unknown_trajectory"] == 1 and s["feedback_invalid"] == 7
+
+
+def test_every_route_needs_the_bearer_token(upstream, start_recorder):
+    r = start_recorder(upstream.url)
+    with httpx.Client(base_url=r.srv.url, timeout=30) as anon:
+        for method, path in (("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("GET", "/v1/models"),
+                             ("POST", "/v1/feedback"), ("GET", "/stats"), ("GET", "/metrics"), ("GET", "/health")):
+            for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": TOKEN}):
+                resp = anon.request(method, path, json={"prompt": PROMPT, "max_tokens": 2}, headers=headers)
+                assert resp.status_code == 401, (method, path, headers)
+    s = r.stats()
+    assert s["unauthorized"] == 21 and "requests" not in s and "recorded_calls" not in s
+    assert r.store().read_calls().num_rows == 0
+    assert r.http.get("/v1/models").json()["data"][0]["id"] == "v0"
+    assert r.http.get("/health").status_code == 200
+    assert "prodrl_recorder_unauthorized 21" in r.http.get("/metrics").text
+
+
+def test_malformed_json_and_upstream_errors_pass_through(upstream, start_recorder):
+    r = start_recorder(upstream.url)
+    for raw in (b"{nope", b"[1]"):
+        resp = r.http.post("/v1/completions", content=raw, headers={"X-Trajectory-Id": "e"})
+        assert resp.status_code == 400 and resp.json()["error"]["code"] == 400
+    too_many = r.http.post("/v1/completions", json={"prompt": PROMPT, "logprobs": 25}, headers={"X-Trajectory-Id": "e"})
+    assert too_many.status_code == 400 and "max allowed: 20" in too_many.json()["error"]["message"]
+    ok = r.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}, headers={"X-Trajectory-Id": "e"})
+    assert ok.status_code == 200 and ok.headers["x-call-index"] == "0"  # errors took no index
+    s = r.stats()
+    assert s["bad_requests"] == 2 and s["upstream_errors"] == 1 and s["recorded_calls"] == 1
+
+
+# ----------------------------------------------------------------------------- a scriptable fake upstream
+
+
+class FakeUpstream:
+    """A vLLM-shaped /v1/completions whose failure modes the tests switch on."""
+
+    def __init__(self) -> None:
+        self.mode = "ok"
+        self.delay = 0.0
+        self.app = Starlette(routes=[Route("/v1/completions", self.completions, methods=["POST"]),
+                                     Route("/v1/models", self.models, methods=["GET"])])
+
+    async def models(self, request: Request):
+        return JSONResponse({"object": "list", "data": [{"id": "fake-v3", "object": "model"}]})
+
+    async def completions(self, request: Request):
+        body = await request.json()
+        if self.delay:
+            await asyncio.sleep(self.delay)
+        if self.mode == "error":
+            return JSONResponse(error_body("upstream says no", 400), status_code=400)
+        prompt = body["prompt"]
+        n_lp = body.get("logprobs")
+        seed = body.get("seed") or 0
+        choices = []
+        for c in range(body.get("n") or 1):
+            ids = [(seed + 7 * t + 3 * c + len(prompt)) % 40 + 3 for t in range(body.get("max_tokens", 4))]
+            positions = [position_entries(t, -1.0, [(t + j) % 40 + 3 for j in range(25)],
+                                          [-1.0 - 0.1 * j for j in range(25)], n_lp or 0) for t in ids]
+            lp = None
+            if n_lp is not None and self.mode != "no_logprobs":
+                as_ids = body.get("return_tokens_as_token_ids")
+                lp = completion_logprobs(ids, positions, n_lp, token_id_string if as_ids else str)
+            rti = body.get("return_token_ids") and self.mode != "no_ids"
+            choices.append({"index": c, "text": "x" * len(ids), "logprobs": lp, "finish_reason": "length",
+                            "stop_reason": None, "token_ids": ids if rti else None,
+                            "prompt_token_ids": prompt if rti else None})
+        return JSONResponse({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "fake-v3",
+                             "choices": choices, "usage": None})
+
+
+@pytest.fixture
+def fake():
+    f = FakeUpstream()
+    with BackgroundServer(f.app) as srv:
+        f.url = srv.url
+        yield f
+
+
+def test_unrecordable_calls_are_answered_counted_and_never_stored(fake, start_recorder, tmp_path):
+    r = start_recorder(fake.url, tokenizer_dir=None)
+    H = {"X-Trajectory-Id": "u"}
+    body = {"prompt": [5, 6, 7], "max_tokens": 3}
+    for mode, want_index in (("no_ids", "0"), ("no_logprobs", "1"), ("ok", "2")):
+        fake.mode = mode
+        resp = r.http.post("/v1/completions", json=body, headers=H)
+        assert resp.status_code == 200 and resp.headers["x-call-index"] == want_index
+        assert resp.json()["choices"][0]["text"] == "xxx"
+        assert resp.headers["x-prodrl-recorded"] == ("true" if mode == "ok" else "false")
+    two = r.http.post("/v1/completions", json={**body, "n": 2}, headers=H)
+    assert len(two.json()["choices"]) == 2 and two.headers["x-prodrl-recorded"] == "false"
+    pen = r.http.post("/v1/completions", json={**body, "presence_penalty": 0.3}, headers=H)
+    assert pen.headers["x-prodrl-recorded"] == "false"
+    s = r.stats()
+    assert s["unrecordable.upstream_missing_token_ids"] == 1 and s["unrecordable.upstream_missing_logprobs"] == 1
+    assert s["unrecordable.n>1"] == 1 and s["unrecordable.unsupported:presence_penalty"] == 1
+    assert s["unrecordable_calls"] == 4 and s["recorded_calls"] == 1
+    store = r.store()
+    rows = store.read_calls().to_pylist()
+    assert [(x["call_index"], x["policy_version"]) for x in rows] == [(2, "fake-v3")]
+    skipped = [s_ for k in store.blobs.list(SKIPPED_PREFIX) for s_ in json.loads(store.blobs.get_bytes(k))]
+    assert sorted(x["call_index"] for x in skipped) == [0, 1, 3, 4]
+    r.stop()
+    again = start_recorder(fake.url, tokenizer_dir=None)  # a restart keeps the trajectory's next index
+    assert again.http.post("/v1/completions", json=body, headers=H).headers["x-call-index"] == "5"
+
+
+def test_upstream_timeout_is_a_504_and_the_service_keeps_serving(fake, start_recorder):
+    r = start_recorder(fake.url, upstream_timeout_s=0.3, tokenizer_dir=None)
+    body = {"prompt": [5, 6], "max_tokens": 2}
+    fake.delay = 2.0
+    slow = r.http.post("/v1/completions", json=body, headers={"X-Trajectory-Id": "to"})
+    assert slow.status_code == 504 and slow.json()["error"]["code"] == 504
+    fake.delay = 0.0
+    fake.mode = "error"
+    err = r.http.post("/v1/completions", json=body, headers={"X-Trajectory-Id": "to"})
+    assert err.status_code == 400 and err.json()["error"]["message"] == "upstream says no"
+    fake.mode = "ok"
+    ok = r.http.post("/v1/completions", json=body, headers={"X-Trajectory-Id": "to"})
+    assert ok.status_code == 200 and ok.headers["x-call-index"] == "0"
+    s = r.stats()
+    assert s["upstream_timeouts"] == 1 and s["upstream_errors"] == 1
+    down = start_recorder("http://127.0.0.1:9", tokenizer_dir=None, store_dir=r.rec.cfg.store_dir + "-2")
+    assert down.http.post("/v1/completions", json=body).status_code == 502
+
+
+# ----------------------------------------------------------------------------- durability
+
+
+def _call_row(tid: str, index: int, version: str = "v0") -> dict:
+    return {"trajectory_id": tid, "call_index": index, "task_id": None, "policy_version": version,
+            "prompt_token_ids": [1, 2], "output_token_ids": [3], "output_logprobs": [-0.5],
+            "top_token_ids": [[3, 4]], "top_logprobs": [[-0.5, -1.0]], "support_complete": False,
+            "temperature": 1.0, "top_p": 1.0, "top_k": 0, "prompt_text": "p", "output_text": "o",
+            "created_at": 1_700_000_000_000_000 + index}
+
+
+def test_wal_frames_detect_a_torn_tail(tmp_path):
+    wal = WriteAheadLog(tmp_path / "wal")
+    first = wal.open()
+    wal.append([encode_entry({"kind": "x", "i": i}) for i in range(3)])
+    sealed = wal.rotate()
+    assert sealed == first and wal.current != first
+    wal.close()
+    with open(first, "ab") as f:
+        f.write(encode_entry({"kind": "x", "i": 3})[:-5])  # a write cut short by a crash
+    seg = WriteAheadLog.read_segment(first)
+    assert [e["i"] for e in seg.entries] == [0, 1, 2] and seg.torn
+    data = bytearray(first.read_bytes())
+    data[25] ^= 0xFF  # corrupt the first payload: nothing after it is trusted
+    first.write_bytes(bytes(data))
+    assert WriteAheadLog.read_segment(first).entries == []
+
+
+def test_replay_writes_every_logged_record_exactly_once(tmp_path):
+    store = TrajectoryStore(LocalBlobStore(tmp_path / "store"))
+    store.write_calls([_call_row("a", 0), _call_row("a", 1)])  # flushed before the crash ...
+    store.write_rewards([{"trajectory_id": "a", "reward": 1.0, "source": "s", "created_at": 1_700_000_000_000_123}])
+    wal = WriteAheadLog(tmp_path / "wal")
+    wal.open()
+    wal.append([encode_entry({"kind": "call", "row": _call_row("a", 0)}),  # ... but its segment not yet deleted
+                encode_entry({"kind": "call", "row": _call_row("a", 1)}),
+                encode_entry({"kind": "reward", "row": {"trajectory_id": "a", "reward": 1.0, "source": "s",
+                                                        "created_at": 1_700_000_000_000_123}})])
+    wal.rotate()
+    wal.append([encode_entry({"kind": "call", "row": _call_row("a", 2)}),
+                encode_entry({"kind": "skip", "trajectory_id": "b", "call_index": 0, "reason": "n>1",
+                              "created_at": 1}),
+                encode_entry({"kind": "call", "row": _call_row("b", 1, "v1")}),
+                encode_entry({"kind": "reward", "row": {"trajectory_id": "b", "reward": -1.0, "source": "s",
+                                                        "created_at": 1_700_000_000_000_999}})])
+    wal.close()
+    with open(wal.segments()[-1], "ab") as f:
+        f.write(b"0000004a deadbeef {\"kind\":")  # torn tail: ignored
+    ing = Ingestor(store, tmp_path / "wal")
+    counts = ing.recover()
+    assert counts["replayed_calls"] == 2 and counts["replayed_rewards"] == 1 and counts["replayed_skips"] == 1
+    assert counts["replay_duplicates"] == 3 and counts["wal_torn_tails"] == 1
+    assert WriteAheadLog(tmp_path / "wal").segments() == []
+    calls = store.read_calls(dedupe=False)
+    keys = Counter(zip(calls.column("trajectory_id").to_pylist(), calls.column("call_index").to_pylist()))
+    assert keys == {("a", 0): 1, ("a", 1): 1, ("a", 2): 1, ("b", 1): 1}
+    assert sorted(store.read_rewards(latest=False).column("reward").to_pylist()) == [-1.0, 1.0]
+    assert ing.next_index("a") == 3 and ing.next_index("b") == 2 and ing.known("b") and not ing.known("c")
+    # a second recovery finds nothing left to do
+    assert Ingestor(store, tmp_path / "wal").recover()["replayed_calls"] == 0
+
+
+def test_flushes_by_count_and_by_time(tmp_path):
+    store = TrajectoryStore(LocalBlobStore(tmp_path / "store"))
+    ing = Ingestor(store, tmp_path / "wal", flush_rows=3, flush_interval_s=3600)
+    ing.start()
+    futs = [ing.commit_call("c", {k: v for k, v in _call_row("c", 0).items()
+                                  if k not in ("trajectory_id", "call_index", "created_at")})[1] for _ in range(3)]
+    for f in futs:
+        f.result(10)
+    deadline = time.monotonic() + 20
+    while store.read_calls().num_rows < 3 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert store.read_calls().column("call_index").to_pylist() == [0, 1, 2]
+    ing.stop()
+    timed = Ingestor(store, tmp_path / "wal", flush_rows=10_000, flush_interval_s=0.05)
+    timed.start()
+    timed.commit_reward("c", 2.0, "s")[1].result(10)
+    deadline = time.monotonic() + 20
+    while store.read_rewards().num_rows < 1 and time.monotonic() < deadline:
+        time.sleep(0.02)
+    assert store.read_rewards().column("reward").to_pylist() == [2.0]
+    timed.stop()
+    assert WriteAheadLog(tmp_path / "wal").segments() == []
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _spawn_recorder(upstream_url: str, store: Path, port: int) -> subprocess.Popen:
+    env = {**os.environ, "PRODRL_RECORDER_TOKEN": TOKEN}
+    cmd = [sys.executable, "-m", "prodrl_pipelines.cli", "record", "--upstream", upstream_url, "--store", str(store),
+           "--port", str(port), "--flush-rows", "25", "--flush-interval", "0.1"]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"the recorder exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(f"http://127.0.0.1:{port}/health", headers=AUTH, timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError("the recorder did not come up")
+
+
+def test_sigkill_under_load_loses_no_acknowledged_record(fake, tmp_path):
+    """kill -9 while 8 clients record calls and rewards; after a restart every acknowledged call and
+    reward is in the store exactly once."""
+    store_dir = tmp_path / "store"
+    port = _free_port()
+    proc = _spawn_recorder(fake.url, store_dir, port)
+    acked_calls: set[tuple[str, int]] = set()
+    acked_rewards: set[tuple[str, int]] = set()
+    lock = threading.Lock()
+    stop = threading.Event()
+
+    def client(w: int) -> None:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=10) as c:
+            i = 0
+            while not stop.is_set():
+                tid = f"w{w}-{i}"
+                try:
+                    for call in range(2):
+                        resp = c.post("/v1/completions", json={"prompt": [w, i, call], "max_tokens": 3, "seed": i},
+                                      headers={"X-Trajectory-Id": tid})
+                        if resp.status_code != 200:
+                            return
+                        with lock:
+                            acked_calls.add((tid, int(resp.headers["x-call-index"])))
+                    fb = c.post("/v1/feedback", json={"trajectory_id": tid, "reward": float(i % 3)})
+                    if fb.status_code != 200:
+                        return
+                    with lock:
+                        acked_rewards.add((tid, fb.json()["created_at_us"]))
+                except httpx.HTTPError:
+                    return  # the recorder is gone
+                i += 1
+
+    with ThreadPoolExecutor(8) as pool:
+        workers = [pool.submit(client, w) for w in range(8)]
+        deadline = time.monotonic() + 60
+        while len(acked_calls) < 150 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        stop.set()
+        for f in workers:
+            f.result(30)
+    assert len(acked_calls) >= 150 and acked_rewards
+
+    proc = _spawn_recorder(fake.url, store_dir, port)  # replays the WAL before it listens
+    try:
+        store = TrajectoryStore(LocalBlobStore(store_dir))
+        calls = store.read_calls(dedupe=False, columns=["trajectory_id", "call_index"])
+        counts = Counter(zip(calls.column("trajectory_id").to_pylist(), calls.column("call_index").to_pylist()))
+        assert all(counts[k] == 1 for k in acked_calls), "an acknowledged call is missing or duplicated"
+        assert max(counts.values()) == 1  # nothing at all twice
+        rewards = store.read_rewards(latest=False)
+        created = rewards.column("created_at").cast(pa.int64()).to_pylist()
+        rcount = Counter(zip(rewards.column("trajectory_id").to_pylist(), created))
+        assert all(rcount[k] == 1 for k in acked_rewards) and max(rcount.values()) == 1
+        stats = httpx.get(f"http://127.0.0.1:{port}/stats", headers=AUTH).json()["counters"]
+        assert stats["replayed_segments"] >= 1
+        print("after kill -9:", len(acked_calls), "acknowledged calls,", len(acked_rewards), "rewards;", stats)
+        # the restarted recorder continues every trajectory after its last index
+        tid = max(acked_calls)[0]
+        resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", headers={**AUTH, "X-Trajectory-Id": tid},
+                          json={"prompt": [1], "max_tokens": 2})
+        assert int(resp.headers["x-call-index"]) == max(i for t, i in counts if t == tid) + 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+
+
+def _print_diff(a, b, path=""):
+    """Print where two JSON values differ (pytest's diff of long nested answers is hard to read)."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        for k in set(a) | set(b):
+            _print_diff(a.get(k, "<missing>"), b.get(k, "<missing>"), f"{path}.{k}")
+    elif isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        for i, (x, y) in enumerate(zip(a, b)):
+            _print_diff(x, y, f"{path}[{i}]")
+    elif a != b:
+        print("DIFF", path, repr(a)[:300], repr(b)[:300])
