@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: setup demo test bench postgres clean
+.PHONY: setup demo test bench up clean
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need Python 3.11 as '$(PY)' (set PY=...)"; exit 1; }
@@ -25,6 +25,11 @@ demo: $(STAMP)
 test: $(STAMP)
 	bash scripts/ensure_postgres.sh
 	$(BIN)/python -m pytest -q
+
+# The production-shaped stack on loopback: S3 endpoint, MLflow server, Dagster webserver + daemon.
+up: $(STAMP)
+	bash scripts/ensure_postgres.sh
+	$(BIN)/prodrl up --home runs/stack
 
 bench: $(STAMP)
 	for b in bench/*.py; do $(BIN)/python $$b || exit 1; done

@@ -33,6 +33,7 @@ class Services:
     settings: Settings
     blobs: object
     lineage: Lineage | None = None
+    exports_store: object | None = None  # CheckpointStore where deployable exports are published
 
     @property
     def registry(self) -> DeploymentRegistry:
@@ -53,6 +54,14 @@ class Services:
         if not (Path(live.checkpoint_dir) / "config.json").exists():
             raise RoundError(f"live checkpoint {live.policy_version} is missing at {live.checkpoint_dir}")
         return live
+
+
+def publish_export(svc: Services, name: str, export_dir: Path) -> str:
+    """Publish an export to the exports store; returns the URI a model version registers as its
+    source (``s3://...`` on S3, ``file://...`` locally; MLflow servers refuse local paths)."""
+    if svc.exports_store is None:
+        return Path(export_dir).resolve().as_uri()
+    return svc.exports_store.publish(Path(export_dir), name)
 
 
 def round_seed(settings: Settings, rkey: str) -> int:

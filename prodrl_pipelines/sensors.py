@@ -1,6 +1,8 @@
 """Data-volume sensor: starts round k+1 when round k finished and S*B eligible trajectories exist."""
 
 
+import os
+
 from dagster import (
     DagsterRunStatus, DefaultSensorStatus, RunRequest, RunsFilter, SensorEvaluationContext, SensorResult,
     SkipReason, define_asset_job, sensor, AssetSelection,
@@ -22,7 +24,8 @@ IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunSt
              DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
 
 
-@sensor(job=round_job, minimum_interval_seconds=30, default_status=DefaultSensorStatus.RUNNING)
+@sensor(job=round_job, minimum_interval_seconds=int(os.environ.get("PRODRL_SENSOR_INTERVAL_S", "30")),
+        default_status=DefaultSensorStatus.RUNNING)
 def data_volume_sensor(context: SensorEvaluationContext, settings: ProdRLSettings, store: StoreResource):
     """Adds the next `rounds` partition and requests its run in one tick (run_key = partition key)."""
     existing = context.instance.get_dynamic_partitions(rounds_partitions.name)

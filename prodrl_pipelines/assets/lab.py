@@ -19,7 +19,8 @@ def base_policy(context: AssetExecutionContext, settings: ProdRLSettings, store:
     from pathlib import Path
 
     run_id = svc.lineage.round_run(BASE_VERSION, params=svc.settings.lab.model_dump())
-    version = svc.lineage.register_candidate(Path(stats["export"]["export_dir"]).as_uri(), run_id, BASE_VERSION,
+    source = rounds.publish_export(svc, BASE_VERSION, Path(stats["export"]["export_dir"]))
+    version = svc.lineage.register_candidate(source, run_id, BASE_VERSION,
                                              {"format": "bf16", "gate": "base", "heldout_reward": f"{stats['heldout_reward']:.4f}"})
     svc.lineage.log_metrics(run_id, {"heldout_reward": stats["heldout_reward"]}, 0)
     svc.lineage.promote(version)

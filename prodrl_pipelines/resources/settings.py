@@ -42,6 +42,7 @@ class ProdRLSettings(ConfigurableResource):
     max_tokens: int = _D["max_tokens"].default
     num_top_logprobs: int = _D["num_top_logprobs"].default
     record_extra_draw: bool = _D["record_extra_draw"].default
+    export_scheme: str = _D["export_scheme"].default  # "nvfp4-w4a16" | "nvfp4-w4a4" | "bf16"
     # held-out evaluation and gate
     heldout_size: int = _E["heldout_size"].default
     gate_tolerance: float = _E["gate_tolerance"].default
@@ -70,7 +71,7 @@ class ProdRLSettings(ConfigurableResource):
             ),
             deploy=DeploySettings(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
                                   max_tokens=self.max_tokens, num_top_logprobs=self.num_top_logprobs,
-                                  record_extra_draw=self.record_extra_draw),
+                                  record_extra_draw=self.record_extra_draw, export_scheme=self.export_scheme),
             eval=EvalSettings(heldout_size=self.heldout_size, gate_tolerance=self.gate_tolerance, gate_z=self.gate_z),
             lab=LabSettings(size=self.lab_size, seed=self.lab_seed,
                             sft_steps=None if self.lab_sft_steps < 0 else self.lab_sft_steps),
@@ -92,10 +93,12 @@ class MlflowResource(ConfigurableResource):
     def lineage(self, settings: Settings) -> Lineage:
         if self._lineage is None:
             settings.home_path.mkdir(parents=True, exist_ok=True)
-            self._lineage = Lineage(
-                self.tracking_uri or settings.mlflow_uri, self.experiment, self.model_name,
-                artifact_location=self.artifact_location or settings.mlflow_artifacts,
-            )
+            uri = self.tracking_uri or settings.mlflow_uri
+            # a tracking server stores artifacts where it is configured to (e.g. S3); a local
+            # SQLite store keeps them under the settings home
+            default_artifacts = None if uri.startswith("http") else settings.mlflow_artifacts
+            self._lineage = Lineage(uri, self.experiment, self.model_name,
+                                    artifact_location=self.artifact_location or default_artifacts)
         return self._lineage
 
 
@@ -140,16 +143,18 @@ class StoreResource(ConfigurableResource):
 
 def services(settings: ProdRLSettings, store: StoreResource, mlflow: MlflowResource | None = None) -> Services:
     s = settings.settings()
-    return Services(settings=s, blobs=store.blobs(s), lineage=mlflow.lineage(s) if mlflow is not None else None)
+    return Services(settings=s, blobs=store.blobs(s), lineage=mlflow.lineage(s) if mlflow is not None else None,
+                    exports_store=store.checkpoint_store(s, "exports") if store.on_s3 else None)
 
 
-def make_resources(settings: dict, store_root: str = "", tracking_uri: str = "") -> dict:
-    """Resources from plain values; ``settings`` holds ProdRLSettings fields (validated here)."""
+def make_resources(settings: dict, store_root: str = "", tracking_uri: str = "", s3: dict | None = None) -> dict:
+    """Resources from plain values; ``settings`` holds ProdRLSettings fields (validated here);
+    ``s3`` optional StoreResource S3 fields (s3_bucket, s3_prefix, s3_endpoint_url, s3_region)."""
     from dagster import PipesSubprocessClient
 
     res = {
         "settings": ProdRLSettings(**settings),
-        "store": StoreResource(root=store_root),
+        "store": StoreResource(root=store_root, **(s3 or {})),
         "mlflow": MlflowResource(tracking_uri=tracking_uri),
         "pipes": PipesSubprocessClient(),
     }
@@ -159,10 +164,12 @@ def make_resources(settings: dict, store_root: str = "", tracking_uri: str = "")
 
 def default_resources() -> dict:
     """Resources from the environment: PRODRL_HOME (default ./.prodrl), PRODRL_SETTINGS_JSON (a JSON
-    object of ProdRLSettings fields), PRODRL_STORE_ROOT and MLFLOW_TRACKING_URI."""
+    object of ProdRLSettings fields), PRODRL_STORE_ROOT, MLFLOW_TRACKING_URI, and for S3
+    PRODRL_S3_BUCKET / PRODRL_S3_PREFIX / PRODRL_S3_ENDPOINT_URL / PRODRL_S3_REGION."""
     import json
 
     overrides = json.loads(os.environ.get("PRODRL_SETTINGS_JSON", "{}") or "{}")
     overrides.setdefault("home", os.environ.get("PRODRL_HOME", ".prodrl"))
+    s3 = {f"s3_{k}": os.environ.get(f"PRODRL_S3_{k.upper()}", "") for k in ("bucket", "prefix", "endpoint_url", "region")}
     return make_resources(overrides, os.environ.get("PRODRL_STORE_ROOT", ""),
-                          os.environ.get("MLFLOW_TRACKING_URI", ""))
+                          os.environ.get("MLFLOW_TRACKING_URI", ""), s3)
