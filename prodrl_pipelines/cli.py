@@ -155,6 +155,15 @@ def cmd_demo(args) -> int:
     return 0
 
 
+def cmd_up(args) -> int:
+    from prodrl_pipelines.devstack import up
+
+    settings = dict(DEMO_SETTINGS)
+    if args.settings:
+        settings.update(json.loads(Path(args.settings).read_text()))
+    return up(Path(args.home), args.pg_url, settings)
+
+
 def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="prodrl", description=__doc__)
     sub = p.add_subparsers(dest="cmd", required=True)
@@ -164,6 +173,12 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--runs-dir", default="runs")
     d.add_argument("--settings", help="JSON file of ProdRLSettings overrides")
     d.set_defaults(fn=cmd_demo)
+    u = sub.add_parser("up", help="start S3 endpoint, MLflow server, Dagster webserver + daemon (PostgreSQL)")
+    u.add_argument("--home", default="runs/stack")
+    u.add_argument("--pg-url", default=os.environ.get("DAGSTER_PG_URL",
+                                                      "postgresql+psycopg2://postgres@127.0.0.1:5432/test"))
+    u.add_argument("--settings", help="JSON file of ProdRLSettings overrides")
+    u.set_defaults(fn=cmd_up)
     from prodrl_pipelines.engines.server import add_serve_parser
 
     add_serve_parser(sub)  # prodrl serve: the local engine behind vLLM's OpenAI-compatible API
