@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
@@ -20,6 +21,8 @@ class DeploySettings(BaseModel):
     max_tokens: int = Field(8, ge=1)
     num_top_logprobs: int = Field(8, ge=1, le=20)
     record_extra_draw: bool = False
+    # what the deployment serves: NVFP4 weights (W4A16 data-free, W4A4 calibrated) or bf16
+    export_scheme: Literal["nvfp4-w4a16", "nvfp4-w4a4", "bf16"] = "nvfp4-w4a16"
 
     @model_validator(mode="after")
     def _head_covers_top_k(self) -> "DeploySettings":

@@ -62,17 +62,37 @@ def trained_checkpoint(context: AssetExecutionContext, settings: ProdRLSettings,
 @round_asset(deps=[trained_checkpoint], kinds={"safetensors"})
 def exported_policy(context: AssetExecutionContext, settings: ProdRLSettings, store: StoreResource,
                     mlflow: MlflowResource) -> MaterializeResult:
-    """The deployable export of theta_{k+1}, registered as the `challenger` model version."""
+    """The deployable export of theta_{k+1} (NVFP4 compressed-tensors by default), registered as the
+    `challenger` model version; non-finite weights are refused here, naming the tensor."""
+    from pathlib import Path
+
+    from prodrl_pipelines.quant.export import layer_error_markdown, layer_error_png
+
     svc = services(settings, store, mlflow)
     rkey = context.partition_key
     stats = rounds.export(svc, rkey)
     run_id = svc.lineage.round_run(rkey)
-    from pathlib import Path
-
-    version = svc.lineage.register_candidate(Path(stats["export_dir"]).as_uri(), run_id, rkey,
-                                             {"format": "bf16", "gate": "pending"})
+    png = layer_error_png(stats["layers"])
+    svc.lineage.log_bytes(run_id, png, "export_layer_error.png", "plots")
+    svc.lineage.log_metrics(run_id, {"export_compression_ratio": stats["compression_ratio"],
+                                     "export_max_rel_fro_error": stats["max_rel_fro_error"]}, 0)
+    version = svc.lineage.register_candidate(rounds.publish_export(svc, rkey, Path(stats["export_dir"])), run_id, rkey,
+                                             {"format": stats["format"], "scheme": stats["scheme"], "gate": "pending"})
     svc.registry.update_round(rkey, model_version=version, mlflow_run_id=run_id)
-    return MaterializeResult(metadata={**stats, "model_version": version, "export_dir": MetadataValue.path(stats["export_dir"])})
+    smoke = stats["smoke"]
+    smoke_md = "\n".join(f"- `{x['prompt'][-60:]!r}` -> `{x['output']!r}` (mean log mu {x['mean_logprob']:.3f})"
+                         for x in smoke["samples"]) or f"smoke generation failed: {smoke['error']}"
+    return MaterializeResult(metadata={
+        "scheme": stats["scheme"], "format": stats["format"], "model_version": version,
+        "export_dir": MetadataValue.path(stats["export_dir"]),
+        "source_bytes": stats["source_bytes"], "bf16_bytes": stats["bf16_bytes"], "export_bytes": stats["export_bytes"],
+        "compression_ratio": stats["compression_ratio"], "compression_ratio_vs_source": stats["compression_ratio_vs_source"],
+        "quantized_tensors": stats["quantized_tensors"], "max_rel_fro_error": stats["max_rel_fro_error"],
+        "mean_rel_fro_error": stats["mean_rel_fro_error"],
+        "layer_errors": MetadataValue.md(layer_error_markdown(stats["layers"])),
+        "layer_error_plot": MetadataValue.md(markdown_image(png, "relative Frobenius error per tensor")),
+        "smoke_generation": MetadataValue.md(smoke_md), "smoke_error": smoke["error"] or "none",
+    })
 
 
 @round_asset(deps=[exported_policy])

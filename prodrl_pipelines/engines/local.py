@@ -68,14 +68,20 @@ class LocalEngine:
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str | None = None,
     ) -> LocalEngine:
-        """Load an HF checkpoint directory (model + tokenizer).
+        """Load an HF checkpoint directory (model + tokenizer), or an NVFP4 (compressed-tensors) export
+        with its weights dequantized.
 
         ``dtype=None`` computes in fp32 on CPU and keeps the stored dtype elsewhere.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
+        from prodrl_pipelines.quant.nvfp4 import is_compressed_tensors_dir, load_nvfp4_model
+
         if dtype is None:
             dtype = torch.float32 if torch.device(device).type == "cpu" else "auto"
+        if is_compressed_tensors_dir(model_dir):
+            model, tokenizer = load_nvfp4_model(model_dir, dtype=dtype)
+            return cls(model, tokenizer, device=device)
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
         return cls(model, tokenizer, device=device)

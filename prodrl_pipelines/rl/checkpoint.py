@@ -73,12 +73,16 @@ def save_checkpoint(path: Path, model, tokenizer, optimizer: torch.optim.Optimiz
 
 
 def load_policy(path: Path, dtype: torch.dtype = torch.float32):
-    """Load model and tokenizer of a checkpoint/export directory, computing in ``dtype``."""
+    """Load model and tokenizer of a checkpoint/export directory (NVFP4 exports dequantized), computing in ``dtype``."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    from prodrl_pipelines.quant.nvfp4 import is_compressed_tensors_dir, load_nvfp4_model
 
     path = Path(path)
     if not (path / "config.json").exists():
         raise CheckpointError(f"no checkpoint at {path} (config.json missing)")
+    if is_compressed_tensors_dir(path):
+        return load_nvfp4_model(path, dtype=dtype)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer

@@ -1,0 +1,67 @@
+"""NVFP4 export throughput: our quantizer vs compressed-tensors' own pipeline on the same bf16 tensors,
+measured interleaved in one run (GB/s of bf16 weights in; target ratio >= 1, identical bytes).
+
+Both sides do the whole job from a bf16 weight to the stored tensors: global scale, FP8 block
+scales, FP4 codes, packing. compressed-tensors: ``generate_gparam`` -> ``calculate_qparams`` ->
+``NVFP4PackedCompressor.compress`` (its CPU path; its Triton kernels need a GPU). Ours:
+``quantize_nvfp4``. The bytes (packed codes, FP8 scales, global scale) are asserted identical.
+"""
+
+import statistics
+import time
+
+import torch
+from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
+from compressed_tensors.quantization import preset_name_to_scheme
+from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
+
+from prodrl_pipelines.quant.nvfp4 import quantize_nvfp4
+
+SCHEME = preset_name_to_scheme("NVFP4A16", ["Linear"])
+# One Qwen3-0.6B-sized decoder layer's Linear shapes ([out, in]): q, k, v, o, gate, up, down.
+SHAPES = [(2048, 1024), (1024, 1024), (1024, 1024), (1024, 2048), (3072, 1024), (3072, 1024), (1024, 3072)]
+REPS = 5
+
+
+def theirs(w):
+    g = generate_gparam(w.amin(), w.amax())
+    groups = w.unflatten(-1, (w.shape[1] // 16, 16))
+    s, zp = calculate_qparams(groups.amin(-1), groups.amax(-1), SCHEME.weights, global_scale=g)
+    out = NVFP4PackedCompressor.compress({"weight": w, "weight_scale": s, "weight_global_scale": g,
+                                          "weight_zero_point": zp}, SCHEME)
+    return out["weight_packed"], out["weight_scale"], out["weight_global_scale"]
+
+
+def ours(w):
+    q = quantize_nvfp4(w)
+    return q.packed, q.scale, q.global_scale
+
+
+def main() -> None:
+    torch.manual_seed(0)
+    weights = [(torch.randn(n, k) * 0.02).to(torch.bfloat16) for n, k in SHAPES]
+    gb = sum(w.numel() * 2 for w in weights) / 1e9
+    # identical bytes first
+    for w in weights:
+        a, b = ours(w), theirs(w)
+        assert torch.equal(a[0], b[0]), "packed codes differ"
+        assert torch.equal(a[1].view(torch.uint8), b[1].view(torch.uint8)), "FP8 scales differ"
+        assert torch.equal(a[2], b[2]), "global scales differ"
+    times = {"ours": [], "compressed-tensors": []}
+    for _ in range(REPS):  # interleaved, so load on the shared machine hits both alike
+        for name, fn in (("ours", ours), ("compressed-tensors", theirs)):
+            t0 = time.perf_counter()
+            for w in weights:
+                fn(w)
+            times[name].append(time.perf_counter() - t0)
+    med = {k: statistics.median(v) for k, v in times.items()}
+    print(f"{len(weights)} bf16 tensors, {gb * 1e3:.1f} MB in, torch threads {torch.get_num_threads()}, "
+          f"median of {REPS}; bytes identical")
+    for k, t in med.items():
+        print(f"  {k:20s} {t * 1e3:8.1f} ms  {gb / t:6.3f} GB/s")
+    ratio = med["compressed-tensors"] / med["ours"]
+    print(f"throughput ratio ours / compressed-tensors = {ratio:.2f}x (target >= 1)")
+
+
+if __name__ == "__main__":
+    main()

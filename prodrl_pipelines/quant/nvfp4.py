@@ -1,0 +1,321 @@
+"""NVFP4 weights in the compressed-tensors convention (the ``nvfp4-pack-quantized`` format vLLM loads).
+
+A weight ``W`` [N, K] (``nn.Linear`` layout, K = input dimension) becomes
+
+- ``weight_global_scale`` float32 [1]: ``g = 448 * 6 / amax(|W|)`` (FP8 max times FP4 max over the
+  tensor's absolute maximum; an all-zero tensor gets ``g = 1``). Layers that are fused at serving
+  time (q/k/v, gate/up, per-expert gate/up in MoE) share one ``g``: the minimum of theirs.
+- ``weight_scale`` float8_e4m3fn [N, K/16]: per block of 16 inputs ``s = fp8(g * (block_amax / 6))``,
+  clamped to 448; a scale that rounds to 0 is stored as 0.125 (FP8's eps in compressed-tensors).
+- ``weight_packed`` uint8 [N, K/2]: E2M1 codes of ``W / (s / g)`` (clamped to +-6, magnitudes
+  0, .5, 1, 1.5, 2, 3, 4, 6, round to nearest with ties to the even code; bit 3 is the sign, set for
+  negative inputs even when they round to 0), two per byte, the lower-index element in the low nibble.
+
+Dequantisation is ``code * (s / g)`` (``s / g`` first, in float32), exactly what compressed-tensors'
+``NVFP4PackedCompressor.decompress`` computes before its final cast, so the two match bit for bit.
+Every formula above mirrors compressed-tensors 0.20 (``generate_gparam``, ``calculate_qparams``,
+``cast_to_fp4``, ``pack_fp4_to_uint8``) including the arithmetic dtype: statistics are taken in the
+weight's own dtype (bf16 weights: bf16 ``amax / 6`` and ``2688 / amax``), the rest in float32. The
+library itself is only needed by the tests and benchmarks, never here.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from os import PathLike
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "FORMAT", "GROUP_SIZE", "FP4_MAX", "FP8_MAX", "ZERO_SCALE", "NVFP4Error", "NVFP4Tensor",
+    "global_scale", "block_scales", "fp4_codes", "pack_codes", "unpack_codes", "quantize_nvfp4",
+    "dequantize_nvfp4", "fused_group", "quantizable", "quantization_config", "is_compressed_tensors_dir",
+    "dequantize_state_dict", "build_model", "load_nvfp4_model", "read_safetensors_dir",
+]
+
+FORMAT = "nvfp4-pack-quantized"
+GROUP_SIZE = 16
+FP4_MAX = 6.0
+FP8_MAX = 448.0
+ZERO_SCALE = 0.125  # compressed-tensors `_get_dtype_eps(float8_e4m3fn)`: a zero block scale becomes this
+
+# |code| of |x| = how many of these thresholds |x| passes. Ties go to the even code (0.25->0, 0.75->1,
+# 1.25->1, 1.75->2, 2.5->2, 3.5->4, 5->4), as in compressed-tensors' `cast_to_fp4`: strict ">" where the
+# lower neighbour is even, ">=" where the upper one is.
+_THRESHOLDS = ((0.25, True), (0.75, False), (1.25, True), (1.75, False), (2.5, True), (3.5, False), (5.0, True))
+_F32 = torch.float32
+# code -> value; code 8 is -0.0 (a negative input that rounded to zero)
+_VALUES = torch.tensor([0.0, 0.5, 1.0, 1.5, 2.0, 3.0, 4.0, 6.0], dtype=_F32)
+_LUT = torch.cat([_VALUES, -_VALUES])
+
+
+class NVFP4Error(ValueError):
+    """A tensor or checkpoint that cannot be quantized/loaded; the message names the tensor."""
+
+
+@dataclass
+class NVFP4Tensor:
+    packed: Tensor  # uint8 [N, K/2]
+    scale: Tensor  # float8_e4m3fn [N, K/16]
+    global_scale: Tensor  # float32 [1]
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return int(self.packed.shape[0]), int(self.packed.shape[1]) * 2
+
+    def dequantize(self, dtype: torch.dtype = _F32) -> Tensor:
+        return dequantize_nvfp4(self.packed, self.scale, self.global_scale, dtype)
+
+
+def _stat_dtype(w: Tensor) -> torch.dtype:
+    return w.dtype if w.dtype in (torch.bfloat16, torch.float16, torch.float32) else _F32
+
+
+def _check(w: Tensor, name: str) -> None:
+    if w.ndim != 2:
+        raise NVFP4Error(f"{name}: NVFP4 quantizes 2-D [out, in] weights, got shape {tuple(w.shape)}")
+    if w.shape[1] % GROUP_SIZE:
+        raise NVFP4Error(f"{name}: input dimension {w.shape[1]} (shape {tuple(w.shape)}) is not divisible by "
+                         f"the NVFP4 block size {GROUP_SIZE}; add the layer to the ignore list")
+    if not w.is_floating_point():
+        raise NVFP4Error(f"{name}: expected a floating-point weight, got {w.dtype}")
+    if not bool(torch.isfinite(w).all()):
+        n = int((~torch.isfinite(w)).sum())
+        raise NVFP4Error(f"{name}: {n} non-finite (NaN/Inf) weights; refusing to export them")
+
+
+def global_scale(w: Tensor) -> Tensor:
+    """``448 * 6 / amax(|w|)`` as float32 [1] (``generate_gparam``); 1.0 where that is not finite."""
+    amax = w.abs().amax().to(_stat_dtype(w)).reshape(1)
+    amax = amax.clamp(min=torch.finfo(amax.dtype).tiny)
+    g = (FP8_MAX * FP4_MAX) / amax
+    return torch.nan_to_num(g, nan=1.0, posinf=1.0, neginf=1.0).to(_F32)
+
+
+def block_scales(w: Tensor, gscale: Tensor) -> Tensor:
+    """FP8 block scales [N, K/16] of ``w`` under global scale ``gscale`` (``calculate_qparams``)."""
+    n, k = w.shape
+    bamax = w.reshape(n, k // GROUP_SIZE, GROUP_SIZE).abs().amax(-1)
+    s = gscale.to(_F32) * (bamax / torch.tensor(FP4_MAX, dtype=bamax.dtype))
+    s = s.clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    return torch.where(s.to(_F32) == 0, torch.tensor(ZERO_SCALE, dtype=_F32), s.to(_F32)).to(torch.float8_e4m3fn)
+
+
+def fp4_codes(y: Tensor) -> Tensor:
+    """E2M1 codes (uint8, sign in bit 3) of float32 values ``y`` already divided by their scale.
+
+    Seven threshold comparisons accumulated in uint8 (~4x faster on CPU than ``torch.bucketize``)."""
+    a = y.abs()
+    code = torch.zeros(y.shape, dtype=torch.uint8, device=y.device)
+    for t, strict in _THRESHOLDS:
+        code += (a > t) if strict else (a >= t)
+    code |= (y < 0).to(torch.uint8) << 3
+    return code
+
+
+def pack_codes(codes: Tensor) -> Tensor:
+    """Two codes per byte along the last dimension, element 2i in the low nibble."""
+    return codes[..., 0::2] | (codes[..., 1::2] << 4)
+
+
+def unpack_codes(packed: Tensor) -> Tensor:
+    return torch.stack((packed & 0x0F, packed >> 4), dim=-1).flatten(-2)
+
+
+def quantize_nvfp4(w: Tensor, gscale: Tensor | None = None, name: str = "weight") -> NVFP4Tensor:
+    """Quantize one [N, K] weight (K divisible by 16, finite); ``gscale`` overrides the tensor's own
+    global scale (layers fused at serving time share one)."""
+    _check(w, name)
+    g = global_scale(w) if gscale is None else gscale.to(_F32).reshape(1)
+    s8 = block_scales(w, g)
+    n, k = w.shape
+    eff = s8.to(_F32) / g  # [N, K/16]
+    y = w.to(_F32).reshape(n, k // GROUP_SIZE, GROUP_SIZE) / eff.unsqueeze(-1)
+    packed = pack_codes(fp4_codes(y).reshape(n, k))
+    return NVFP4Tensor(packed=packed, scale=s8, global_scale=g.clone())
+
+
+def dequantize_nvfp4(packed: Tensor, scale: Tensor, gscale: Tensor, dtype: torch.dtype = _F32) -> Tensor:
+    """``code * (scale / global_scale)`` in float32, cast to ``dtype``."""
+    n, half = packed.shape
+    k = half * 2
+    if scale.shape != (n, k // GROUP_SIZE):
+        raise NVFP4Error(f"weight_scale shape {tuple(scale.shape)} does not match weight_packed {tuple(packed.shape)} "
+                         f"(expected {(n, k // GROUP_SIZE)})")
+    vals = _LUT.to(packed.device)[unpack_codes(packed).long()]
+    eff = scale.to(_F32) / gscale.to(_F32).reshape(1)
+    return (vals.reshape(n, k // GROUP_SIZE, GROUP_SIZE) * eff.unsqueeze(-1)).reshape(n, k).to(dtype)
+
+
+# --------------------------------------------------------------------------------- which tensors
+
+_FUSED = [
+    (re.compile(r"^(.*)\.(q_proj|k_proj|v_proj)\.weight$"), "qkv_proj"),
+    (re.compile(r"^(.*)\.(gate_proj|up_proj)\.weight$"), "gate_up_proj"),  # also experts.<e>.gate/up_proj
+]
+_SKIP = re.compile(
+    r"(^|\.)(lm_head|embed_tokens|embeddings?|wte|wpe|shared_expert_gate|router)$"  # heads, embeddings, routers
+    r"|(^|\.)mlp\.gate$"  # MoE router gate (Qwen*-MoE, Mixtral-style `.mlp.gate`)
+    r"|norm[^.]*$"  # every *norm module
+)
+
+
+def fused_group(name: str) -> str:
+    """The group of weights sharing one global scale (fused at serving time): ``name`` itself if none."""
+    for pat, fused in _FUSED:
+        m = pat.match(name)
+        if m:
+            return f"{m.group(1)}.{fused}"
+    return name
+
+
+def quantizable(name: str, t: Tensor) -> bool:
+    """Linear weights: 2-D ``*.weight`` floats, not lm_head, embeddings, norms or MoE router gates."""
+    if not name.endswith(".weight") or t.ndim != 2 or not t.is_floating_point():
+        return False
+    return _SKIP.search(name[: -len(".weight")]) is None
+
+
+def quantization_config(scheme: str, ignore: list[str]) -> dict:
+    """The ``quantization_config`` block of config.json vLLM reads (as compressed-tensors 0.20 writes it
+    for its presets NVFP4A16 = ``w4a16`` and NVFP4 = ``w4a4``)."""
+    if scheme not in ("w4a16", "w4a4"):
+        raise NVFP4Error(f"unknown NVFP4 scheme {scheme!r}; choose 'w4a16' or 'w4a4'")
+    weights = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": GROUP_SIZE,
+               "strategy": "tensor_group", "dynamic": False, "scale_dtype": "torch.float8_e4m3fn"}
+    acts = None
+    if scheme == "w4a4":
+        acts = {"num_bits": 4, "type": "float", "symmetric": True, "group_size": GROUP_SIZE,
+                "strategy": "tensor_group", "dynamic": "local", "scale_dtype": "torch.float8_e4m3fn",
+                "observer": "static_minmax"}
+    return {
+        "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights, "input_activations": acts,
+                                      "output_activations": None, "format": FORMAT}},
+        "quant_method": "compressed-tensors",
+        "kv_cache_scheme": None,
+        "format": FORMAT,
+        "quantization_status": "compressed",
+        "global_compression_ratio": None,
+        "ignore": list(ignore),
+        "moe_sparsity_config": None,
+    }
+
+
+# --------------------------------------------------------------------------------- loading
+
+def read_safetensors_dir(path: str | PathLike) -> dict[str, Tensor]:
+    """Every tensor of a (possibly sharded) safetensors checkpoint directory."""
+    from safetensors.torch import load_file
+
+    path = Path(path)
+    index = path / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted(set(weight_map.values()))
+        missing = [f for f in files if not (path / f).exists()]
+        if missing:
+            raise NVFP4Error(f"{path}: shard(s) {missing} listed in {index.name} are missing")
+    else:
+        files = sorted(f.name for f in path.glob("*.safetensors"))
+        weight_map = None
+    if not files:
+        raise NVFP4Error(f"{path}: no *.safetensors weights")
+    sd: dict[str, Tensor] = {}
+    for f in files:
+        sd.update(load_file(path / f))
+    if weight_map is not None:
+        absent = sorted(set(weight_map) - set(sd))
+        if absent:
+            raise NVFP4Error(f"{path}: tensors listed in the index are missing from the shards: {absent[:5]}")
+    return sd
+
+
+def is_compressed_tensors_dir(path: str | PathLike) -> bool:
+    cfg = Path(path) / "config.json"
+    if not cfg.exists():
+        return False
+    qc = json.loads(cfg.read_text()).get("quantization_config") or {}
+    return qc.get("quant_method") == "compressed-tensors"
+
+
+def dequantize_state_dict(sd: dict[str, Tensor], dtype: torch.dtype = _F32) -> dict[str, Tensor]:
+    """Packed NVFP4 triplets -> dense ``<prefix>.weight``; activation scales dropped; the rest cast."""
+    out: dict[str, Tensor] = {}
+    for key, t in sd.items():
+        if key.endswith(".weight_packed"):
+            prefix = key[: -len(".weight_packed")]
+            for part in ("weight_scale", "weight_global_scale"):
+                if f"{prefix}.{part}" not in sd:
+                    raise NVFP4Error(f"{prefix}: {prefix}.{part} is missing next to {key}")
+            out[f"{prefix}.weight"] = dequantize_nvfp4(t, sd[f"{prefix}.weight_scale"],
+                                                       sd[f"{prefix}.weight_global_scale"], dtype)
+        elif key.endswith((".weight_scale", ".weight_global_scale", ".input_global_scale")):
+            prefix = key.rsplit(".", 1)[0]
+            if f"{prefix}.weight_packed" not in sd:
+                raise NVFP4Error(f"{key} has no {prefix}.weight_packed")
+        else:
+            out[key] = t.to(dtype) if t.is_floating_point() else t
+    return out
+
+
+def build_model(config: dict, state_dict: dict[str, Tensor], dtype: torch.dtype = _F32, where: str = "checkpoint"):
+    """A transformers causal LM from a config.json dict (without quantization block) and a state dict in
+    the serialized (Hugging Face hub) layout, converted as ``from_pretrained`` converts it (e.g. per-expert
+    MoE tensors fused). A tensor the architecture needs but ``state_dict`` lacks is an error."""
+    import transformers
+    from transformers import AutoConfig
+
+    raw = {k: v for k, v in config.items() if k != "quantization_config"}
+    cfg = AutoConfig.for_model(raw.pop("model_type"), **raw)
+    archs = cfg.architectures or []
+    cls = getattr(transformers, archs[0], None) if archs else None
+    if cls is None:
+        cls = transformers.AutoModelForCausalLM._model_mapping[type(cfg)]
+    prev, bars = transformers.logging.get_verbosity(), transformers.logging.is_progress_bar_enabled()
+    transformers.logging.set_verbosity_error()
+    transformers.logging.disable_progress_bar()
+    try:
+        model, info = cls.from_pretrained(None, config=cfg, state_dict=state_dict, dtype=dtype,
+                                          output_loading_info=True)
+    except Exception as e:  # conversion errors (e.g. a missing expert) come out as RuntimeError
+        raise NVFP4Error(f"{where}: the weights do not load into {cls.__name__}: {e}") from e
+    finally:
+        transformers.logging.set_verbosity(prev)
+        if bars:
+            transformers.logging.enable_progress_bar()
+    missing = sorted(info.get("missing_keys") or [])
+    if missing:
+        raise NVFP4Error(f"{where}: tensors missing: {missing[:8]}")
+    return model.eval()
+
+
+def load_nvfp4_model(path: str | PathLike, dtype: torch.dtype | str = _F32, device: str | torch.device = "cpu"):
+    """(model, tokenizer) of a compressed-tensors NVFP4 export, weights dequantized to ``dtype``.
+
+    The model is built from config.json without its ``quantization_config`` (transformers would
+    otherwise hand it to its compressed-tensors quantizer) and filled with the dequantized weights;
+    a tensor the architecture needs but the export lacks is an error, not a random initialisation.
+    ``dtype="auto"`` uses the export's stored dtype (bf16).
+    """
+    from transformers import AutoTokenizer, GenerationConfig
+
+    path = Path(path)
+    if not (path / "config.json").exists():
+        raise NVFP4Error(f"no export at {path} (config.json missing)")
+    raw = json.loads((path / "config.json").read_text())
+    qc = raw.pop("quantization_config", None) or {}
+    if qc.get("quant_method") != "compressed-tensors" or qc.get("format") != FORMAT:
+        raise NVFP4Error(f"{path}: expected a compressed-tensors {FORMAT} export, got quant_method="
+                         f"{qc.get('quant_method')!r} format={qc.get('format')!r}")
+    if dtype == "auto":
+        dtype = getattr(torch, str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"))
+    model = build_model(raw, dequantize_state_dict(read_safetensors_dir(path), dtype), dtype, where=str(path))
+    if (path / "generation_config.json").exists():
+        model.generation_config = GenerationConfig.from_pretrained(path)
+    model = model.to(device).eval()
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    return model, tokenizer
