@@ -23,7 +23,7 @@ MATS = """query($key: AssetKeyInput!) { assetOrError(assetKey: $key) { ... on As
   assetMaterializations { partition } } } }"""
 
 
-def _wait(cond, what: str, stack: Stack, timeout_s: float = 240):
+def _wait(cond, what: str, stack: Stack, timeout_s: float = 480):
     t0 = time.time()
     while time.time() - t0 < timeout_s:
         v = cond()
