@@ -26,6 +26,7 @@ from __future__ import annotations
 import json
 import math
 from collections.abc import Callable, Iterable, Sequence
+from functools import lru_cache
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
@@ -169,6 +170,7 @@ def message_content(content: str | list[dict[str, Any]] | None) -> str:
 # ----------------------------------------------------------------------------- token strings
 
 
+@lru_cache(maxsize=1 << 20)
 def token_id_string(token_id: int) -> str:
     return f"{TOKEN_ID_PREFIX}{int(token_id)}"
 
@@ -215,20 +217,18 @@ def completion_logprobs(
     """``choices[i].logprobs`` of ``/v1/completions`` (``CompletionLogProbs``), vLLM's layout:
     ``tokens``, ``token_logprobs``, ``top_logprobs`` (dicts of the first n + 1 entries of each
     position, sampled token first) and ``text_offset``."""
-    tokens, token_logprobs, tops, offsets = [], [], [], []
-    last_len = 0
+    floor = LOGPROB_FLOOR
+    tokens = [token_str(int(t)) for t in token_ids]
+    token_logprobs, tops = [], []
     for tid, entries in zip(token_ids, positions):
-        tok = token_str(int(tid))
-        sampled_lp = dict(entries).get(int(tid))
-        tokens.append(tok)
-        token_logprobs.append(None if sampled_lp is None else _clamp(sampled_lp))
-        top: dict[str, float] = {}
-        for i, (eid, lp) in enumerate(entries):
-            if n >= i:
-                top[token_str(eid)] = _clamp(lp)
-        tops.append(top)
-        offsets.append(initial_text_offset if not offsets else offsets[-1] + last_len)
-        last_len = len(tok)
+        tid = int(tid)
+        lp = entries[0][1] if entries and entries[0][0] == tid else dict(entries).get(tid)
+        token_logprobs.append(None if lp is None else (lp if lp > floor else floor))
+        tops.append({token_str(e): (v if v > floor else floor) for e, v in entries[: max(n, 0) + 1]})
+    offsets, at = [], initial_text_offset
+    for tok in tokens:
+        offsets.append(at)
+        at += len(tok)
     return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": tops}
 
 
@@ -281,16 +281,24 @@ def reconstruct_head(
     only the order among exact ties can differ from the engine's). Chat truncates the list at n, so
     its head is exact for k <= n - 1 only (``parse_chat_logprobs``).
     """
-    rest = [(int(t), float(lp)) for t, lp in rest if int(t) != int(sampled_id)]
-    if n_requested is not None and len(rest) >= n_requested:
-        merged = rest
-    else:
-        pos = sum(1 for _, lp in rest if lp >= sampled_lp)
-        merged = rest[:pos] + [(int(sampled_id), float(sampled_lp))] + rest[pos:]
-    if len(merged) < k:
-        raise ProtocolError(f"logprob head has {len(merged)} entries, fewer than the {k} requested", status=502)
-    merged = merged[:k]
-    return [t for t, _ in merged], [lp for _, lp in merged]
+    sid = int(sampled_id)
+    ids = [int(t) for t, _ in rest]
+    lps = [float(lp) for _, lp in rest]
+    return _head(sid, float(sampled_lp), ids, lps, k, n_requested)
+
+
+def _head(sid: int, slp: float, ids: list[int], lps: list[float], k: int,
+          n_requested: int | None) -> tuple[list[int], list[float]]:
+    if sid in ids:  # not vLLM's layout (the sampled token repeated): drop the repeat
+        keep = [i for i, t in enumerate(ids) if t != sid]
+        ids, lps = [ids[i] for i in keep], [lps[i] for i in keep]
+    if n_requested is None or len(ids) < n_requested:
+        pos = sum(1 for lp in lps if lp >= slp)
+        ids = ids[:pos] + [sid] + ids[pos:]
+        lps = lps[:pos] + [slp] + lps[pos:]
+    if len(ids) < k:
+        raise ProtocolError(f"logprob head has {len(ids)} entries, fewer than the {k} requested", status=502)
+    return ids[:k], lps[:k]
 
 
 def narrow_entries(entries: Sequence[tuple[Any, float]], n_from: int | None, n_to: int) -> list[tuple[Any, float]]:
@@ -313,8 +321,17 @@ def narrow_entries(entries: Sequence[tuple[Any, float]], n_from: int | None, n_t
     return [s] + [e for e in ranked[: max(n_to, 0)] if e[0] != s[0]]
 
 
-def _entries_from_dict(top: dict) -> list[tuple[int, float]]:
-    return [(parse_token_id(tok), float(lp)) for tok, lp in top.items()]
+def _ids_of(keys) -> list[int]:
+    """Ids of ``token_id:<id>`` strings; ``ProtocolError`` if any key is something else."""
+    p, n = TOKEN_ID_PREFIX, len(TOKEN_ID_PREFIX)
+    try:
+        ids = [int(key[n:]) if key.startswith(p) else None for key in keys]
+    except (ValueError, AttributeError):
+        ids = [None]
+    if None in ids:
+        bad = next((key for key in keys if not (isinstance(key, str) and key.startswith(p))), keys)
+        raise ProtocolError(f"expected {p!r} token strings (return_tokens_as_token_ids), got {bad!r}", status=502)
+    return ids
 
 
 def parse_completion_logprobs(
@@ -333,15 +350,18 @@ def parse_completion_logprobs(
     for tid, lp, top in zip(token_ids, lps, tops):
         if lp is None or not isinstance(top, dict):
             raise ProtocolError("a generated position has no logprobs", status=502)
-        entries = _entries_from_dict(top)
-        if entries and entries[0][0] == int(tid):
-            rest = entries[1:]
+        ids = _ids_of(list(top))
+        vals = [float(v) for v in top.values()]
+        tid, lp = int(tid), float(lp)
+        if ids and ids[0] == tid:
+            ids, vals = ids[1:], vals[1:]
         else:  # not vLLM's order; treat the entries as a ranked list
-            rest = sorted(((t, v) for t, v in entries if t != int(tid)), key=lambda e: -e[1])
-        ids, vals = reconstruct_head(int(tid), float(lp), rest, k, n_requested)
-        sampled.append(float(lp))
-        head_ids.append(ids)
-        head_lps.append(vals)
+            order = sorted((i for i, t in enumerate(ids) if t != tid), key=lambda i: -vals[i])
+            ids, vals = [ids[i] for i in order], [vals[i] for i in order]
+        hi, hl = _head(tid, lp, ids, vals, k, n_requested)
+        sampled.append(lp)
+        head_ids.append(hi)
+        head_lps.append(hl)
     return sampled, head_ids, head_lps
 
 

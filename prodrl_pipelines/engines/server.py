@@ -8,8 +8,8 @@ redeploy a new checkpoint in place. Responses carry vLLM's fields (``prompt_toke
 logprobs are processed logprobs, as from ``vllm serve --logprobs-mode processed_logprobs``.
 Asking for more than ``--max-logprobs`` logprobs is a 400, as in vLLM.
 
-Batching: requests are queued; a loop collects them for ``--batch-wait-ms`` and calls
-``engine.generate`` once per group of equal sampling parameters (one engine thread, so reloads and
+Batching: requests are queued; a loop collects them (until 1 ms passes with no new request, or
+``--batch-wait-ms`` in all) and calls ``engine.generate`` once per group of equal sampling parameters (one engine thread, so reloads and
 batches never overlap). A request with a ``seed`` is generated on its own (each of its prompts
 separately): vLLM makes a seeded request's output independent of the other traffic, while the local
 engine draws one random stream per batch. So ``generate([p], params, seed)`` on the local engine
@@ -95,14 +95,17 @@ class BatcherStats:
 class EngineBatcher:
     """Collects concurrent generation requests and runs them through one engine thread.
 
-    ``engine`` is anything with ``generate(prompts, params, seed) -> list[CallRecord]``. Unseeded jobs
-    with equal ``SamplingParams`` that arrive within ``batch_wait_ms`` of each other share one
-    ``generate`` call (up to ``max_batch_size`` prompts); a seeded job always runs alone.
+    ``engine`` is anything with ``generate(prompts, params, seed) -> list[CallRecord]``. After the
+    first request of a batch the loop keeps collecting until ``quiet_gap_ms`` pass without a new
+    request, ``batch_wait_ms`` in all, or ``max_batch_size`` prompts; unseeded jobs with equal
+    ``SamplingParams`` then share one ``generate`` call, a seeded job always runs alone. Requests
+    that arrive while the engine is busy are all taken by the next batch.
     """
 
-    def __init__(self, engine, batch_wait_ms: float = 5.0, max_batch_size: int = 64) -> None:
+    def __init__(self, engine, batch_wait_ms: float = 10.0, max_batch_size: int = 64, quiet_gap_ms: float = 1.0) -> None:
         self.engine = engine
         self.batch_wait_s = max(float(batch_wait_ms), 0.0) / 1000.0
+        self.quiet_gap_s = max(float(quiet_gap_ms), 0.0) / 1000.0
         self.max_batch_size = max(int(max_batch_size), 1)
         self.stats = BatcherStats()
         self._executor: ThreadPoolExecutor | None = None
@@ -150,16 +153,30 @@ class EngineBatcher:
         while True:
             first = await self._queue.get()
             jobs = [first]
-            if self.batch_wait_s > 0 and first.seed is None:
-                await asyncio.sleep(self.batch_wait_s)
             size = len(first.prompts)
-            while size < self.max_batch_size:
-                try:
-                    job = self._queue.get_nowait()
-                except asyncio.QueueEmpty:
-                    break
-                jobs.append(job)
-                size += len(job.prompts)
+
+            def drain() -> int:
+                nonlocal size
+                got = 0
+                while size < self.max_batch_size:
+                    try:
+                        job = self._queue.get_nowait()
+                    except asyncio.QueueEmpty:
+                        break
+                    jobs.append(job)
+                    size += len(job.prompts)
+                    got += 1
+                return got
+
+            drain()
+            if self.batch_wait_s > 0 and first.seed is None:
+                # Keep collecting while requests keep coming: stop after a quiet gap with no new
+                # request, a full batch, or batch_wait in all.
+                deadline = loop.time() + self.batch_wait_s
+                while size < self.max_batch_size and loop.time() < deadline:
+                    await asyncio.sleep(min(self.quiet_gap_s, max(deadline - loop.time(), 0.0)))
+                    if drain() == 0:
+                        break
             groups: dict[Any, list[_Job]] = {}
             for job in jobs:
                 key = ("params", job.params) if job.seed is None else ("seeded", id(job))
@@ -257,8 +274,9 @@ def load_engine(model_dir: str | os.PathLike, device: str = "cpu"):
 
 class ServeState:
     def __init__(self, engine, info: ModelInfo, *, max_logprobs: int, api_key: str | None,
-                 batch_wait_ms: float, max_batch_size: int, generation_config: str, device: str) -> None:
-        self.batcher = EngineBatcher(engine, batch_wait_ms, max_batch_size)
+                 batch_wait_ms: float, max_batch_size: int, generation_config: str, device: str,
+                 batch_quiet_ms: float = 1.0) -> None:
+        self.batcher = EngineBatcher(engine, batch_wait_ms, max_batch_size, batch_quiet_ms)
         self.info = info
         self.tokens = _Tokens(getattr(engine, "tokenizer", None))
         self.max_logprobs = int(max_logprobs)
@@ -780,16 +798,18 @@ def build_app(
     served_model_name: str | None = None,
     max_logprobs: int = 20,
     api_key: str | None = None,
-    batch_wait_ms: float = 5.0,
+    batch_wait_ms: float = 10.0,
     max_batch_size: int = 64,
     generation_config: str = "auto",
     device: str = "cpu",
+    batch_quiet_ms: float = 1.0,
 ) -> Starlette:
     """The ASGI app serving ``engine`` (a ``LocalEngine`` or anything with its interface)."""
     name = served_model_name or (str(model_dir) if model_dir else "prodrl-local")
     info = ModelInfo.from_engine(engine, str(model_dir) if model_dir else None, name, generation_config)
     state = ServeState(engine, info, max_logprobs=max_logprobs, api_key=api_key, batch_wait_ms=batch_wait_ms,
-                       max_batch_size=max_batch_size, generation_config=generation_config, device=device)
+                       max_batch_size=max_batch_size, generation_config=generation_config, device=device,
+                       batch_quiet_ms=batch_quiet_ms)
 
     from contextlib import asynccontextmanager
 
@@ -867,7 +887,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None, help="model name in the API (default: model_dir)")
     s.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs/top_logprobs allowed (vLLM: 20)")
     s.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"), help="require this bearer token on /v1")
-    s.add_argument("--batch-wait-ms", type=float, default=5.0, help="how long to collect requests into a batch")
+    s.add_argument("--batch-wait-ms", type=float, default=10.0,
+                   help="longest wait to fill a batch (it closes earlier after 1 ms without a new request)")
+    s.add_argument("--batch-quiet-ms", type=float, default=1.0,
+                   help="close a batch after this long without a new request")
     s.add_argument("--max-batch-size", type=int, default=64, help="most prompts per engine call")
     s.add_argument("--generation-config", choices=["auto", "vllm"], default="auto",
                    help="auto: sampling defaults from generation_config.json (as vLLM); vllm: ignore them")
@@ -890,6 +913,7 @@ def cmd_serve(args) -> int:
     engine = load_engine(args.model_dir, args.device)
     app = build_app(engine, model_dir=args.model_dir, served_model_name=args.served_model_name,
                     max_logprobs=args.max_logprobs, api_key=args.api_key, batch_wait_ms=args.batch_wait_ms,
-                    max_batch_size=args.max_batch_size, generation_config=args.generation_config, device=args.device)
+                    max_batch_size=args.max_batch_size, generation_config=args.generation_config, device=args.device,
+                    batch_quiet_ms=args.batch_quiet_ms)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False)
     return 0

@@ -26,6 +26,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import queue
 import threading
@@ -84,7 +85,7 @@ def now_us() -> int:
 @dataclass
 class _Pending:
     entry: dict
-    future: Future
+    future: Future | asyncio.Future
 
 
 @dataclass
@@ -125,6 +126,12 @@ class Ingestor:
         self._writer: threading.Thread | None = None
         self._flusher: threading.Thread | None = None
         self._recovered = False
+        self._loop: asyncio.AbstractEventLoop | None = None
+
+    def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Commits made on ``loop``'s thread then return asyncio futures, and each fsynced group
+        wakes the loop once (one ``call_soon_threadsafe`` per group, not per record)."""
+        self._loop = loop
 
     # ------------------------------------------------------------------ state
 
@@ -253,8 +260,8 @@ class Ingestor:
 
     # ------------------------------------------------------------------ commits
 
-    def _submit(self, entry: dict) -> Future:
-        fut: Future = Future()
+    def _submit(self, entry: dict) -> Future | asyncio.Future:
+        fut = self._loop.create_future() if self._loop is not None else Future()
         with self._cond:
             if self._stopping or self._writer is None:
                 fut.set_exception(RuntimeError("the recorder is not accepting records (stopped)"))
@@ -311,16 +318,14 @@ class Ingestor:
                     self.wal.append(encode_entry(p.entry) for p in batch)
                 except Exception as exc:  # nothing acknowledged; callers answer 503
                     self.stats.inc("wal_errors")
-                    for p in batch:
-                        p.future.set_exception(exc)
+                    self._settle(batch, exc)
                 else:
                     if not pending:
                         since = time.monotonic()
                     pending.extend(p.entry for p in batch)
                     self.stats.inc("wal_appends", len(batch))
                     self.stats.inc("wal_fsyncs")
-                    for p in batch:
-                        p.future.set_result(True)
+                    self._settle(batch, None)
             due = bool(pending) and (len(pending) >= self.flush_rows
                                      or time.monotonic() - since >= self.flush_interval_s)
             if pending and (due or waiters or stopping):
@@ -333,6 +338,25 @@ class Ingestor:
                 with self._cond:
                     if not self._queue:
                         return
+
+    def _settle(self, batch: list[_Pending], exc: BaseException | None) -> None:
+        aio = [p.future for p in batch if isinstance(p.future, asyncio.Future)]
+        for p in batch:
+            if not isinstance(p.future, asyncio.Future):
+                if exc is None:
+                    p.future.set_result(True)
+                else:
+                    p.future.set_exception(exc)
+        if aio:
+            def settle() -> None:
+                for f in aio:
+                    if not f.done():
+                        f.set_result(True) if exc is None else f.set_exception(exc)
+
+            try:
+                aio[0].get_loop().call_soon_threadsafe(settle)
+            except RuntimeError:  # the loop is closed: nobody is waiting any more
+                pass
 
     def _flush_loop(self) -> None:
         while True:

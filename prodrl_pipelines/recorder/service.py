@@ -56,7 +56,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-import httpx
+import aiohttp
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
@@ -417,23 +417,28 @@ class Recorder:
         self.ingestor = Ingestor(self.store, wal_dir, flush_rows=config.flush_rows,
                                  flush_interval_s=config.flush_interval_s, stats=self.stats)
         self.tokens = TokenStrings(config.tokenizer_dir) if config.tokenizer_dir else None
-        self.http: httpx.AsyncClient | None = None
+        self.http: aiohttp.ClientSession | None = None
         k = config.top_logprobs
         self.chat_n = min(k + 1, config.upstream_max_logprobs)  # top_logprobs asked on chat
         self.chat_k = min(k, self.chat_n - 1) if self.chat_n > 1 else 1
 
     async def start(self) -> None:
         self.ingestor.recover()
+        self.ingestor.attach_loop(asyncio.get_running_loop())
         self.ingestor.start()
         headers = {"Authorization": f"Bearer {self.cfg.upstream_api_key}"} if self.cfg.upstream_api_key else {}
         t = self.cfg.upstream_timeout_s
-        self.http = httpx.AsyncClient(
-            base_url=self.cfg.upstream, headers=headers, timeout=httpx.Timeout(t, connect=min(t, 10.0)),
-            limits=httpx.Limits(max_connections=1024, max_keepalive_connections=256))
+        # aiohttp rather than httpx here: httpx's pool scans every connection per request, which cost
+        # ~10 ms of CPU per proxied call at concurrency 32 (bench/recorder_overhead.py).
+        self.http = aiohttp.ClientSession(
+            base_url=self.cfg.upstream + "/", headers=headers,
+            timeout=aiohttp.ClientTimeout(total=t, connect=min(t, 10.0)),
+            connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=30), auto_decompress=True)
+        self.stream_timeout = aiohttp.ClientTimeout(total=None, connect=min(t, 10.0), sock_read=t)
 
     async def stop(self) -> None:
         if self.http is not None:
-            await self.http.aclose()
+            await self.http.close()
         await asyncio.get_running_loop().run_in_executor(None, self.ingestor.stop)
 
     # ------------------------------------------------------------------ helpers
@@ -515,11 +520,11 @@ class Recorder:
         """Durably commit a recorded row or a skip; returns the call index."""
         if row is not None:
             index, fut = self.ingestor.commit_call(tid, row)
-            await asyncio.wrap_future(fut)
+            await fut
             self.stats.inc("recorded_calls")
         else:
             index, fut = self.ingestor.commit_skip(tid, reason or "unknown")
-            await asyncio.wrap_future(fut)
+            await fut
             self.stats.inc(f"unrecordable.{reason}")
             self.stats.inc("unrecordable_calls")
         return index
@@ -530,6 +535,9 @@ def _err(message: str, status: int, stats: Stats | None = None, counter: str | N
     if stats is not None and counter:
         stats.inc(counter)
     return JSONResponse(error_body(message, status), status_code=status, headers=headers)
+
+
+_JSON = {"Content-Type": "application/json"}
 
 
 def _dumps(obj) -> bytes:
@@ -583,17 +591,18 @@ async def _proxy(request: Request, kind: str) -> Response:
     if body.get("stream"):
         return await _proxy_stream(rec, kind, path, up, ask, reason, tid, pv, task_id)
     try:
-        resp = await rec.http.post(path, content=_dumps(up), headers={"content-type": "application/json"})
-    except httpx.TimeoutException:
+        async with rec.http.post(path.lstrip("/"), data=_dumps(up), headers=_JSON) as resp:
+            content = await resp.read()
+            status, ctype = resp.status, resp.headers.get("content-type")
+    except asyncio.TimeoutError:
         return _err("the upstream server timed out", 504, stats, "upstream_timeouts", headers)
-    except httpx.HTTPError as exc:
+    except aiohttp.ClientError as exc:
         return _err(f"the upstream server is unreachable: {exc}", 502, stats, "upstream_unreachable", headers)
-    if resp.status_code != 200:
+    if status != 200:
         stats.inc("upstream_errors")
-        return Response(resp.content, status_code=resp.status_code, headers=headers,
-                        media_type=resp.headers.get("content-type"))
+        return Response(content, status_code=status, headers=headers, media_type=ctype)
     try:
-        data = json.loads(resp.content)
+        data = json.loads(content)
     except ValueError:
         return _err("the upstream answer is not JSON", 502, stats, "upstream_bad_answers", headers)
     row = None
@@ -615,26 +624,27 @@ async def _proxy_stream(rec: Recorder, kind, path, up, ask, reason, tid, pv, tas
     stats = rec.stats
     headers = {"X-Trajectory-Id": tid}
     assert rec.http is not None
-    req = rec.http.build_request("POST", path, content=_dumps(up), headers={"content-type": "application/json"})
     try:
-        resp = await rec.http.send(req, stream=True)
-    except httpx.TimeoutException:
+        resp = await rec.http.post(path.lstrip("/"), data=_dumps(up), headers=_JSON, timeout=rec.stream_timeout)
+    except asyncio.TimeoutError:
         return _err("the upstream server timed out", 504, stats, "upstream_timeouts", headers)
-    except httpx.HTTPError as exc:
+    except aiohttp.ClientError as exc:
         return _err(f"the upstream server is unreachable: {exc}", 502, stats, "upstream_unreachable", headers)
-    if resp.status_code != 200:
-        content = await resp.aread()
-        await resp.aclose()
+    if resp.status != 200:
+        try:
+            content = await resp.read()
+        finally:
+            resp.release()
         stats.inc("upstream_errors")
-        return Response(content, status_code=resp.status_code, headers=headers,
-                        media_type=resp.headers.get("content-type"))
+        return Response(content, status_code=resp.status, headers=headers, media_type=resp.headers.get("content-type"))
     rewriter = Rewriter(kind, ask, rec.tokens, stats, _n_up(up, kind)) if reason is None else None
     acc = StreamAccumulator(kind)
 
     async def events():
         done = False
         try:
-            async for line in resp.aiter_lines():
+            async for raw in resp.content:
+                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
                 if not line.startswith("data:"):
                     continue
                 payload = line[5:].strip()
@@ -648,18 +658,18 @@ async def _proxy_stream(rec: Recorder, kind, path, up, ask, reason, tid, pv, tas
                     continue
                 acc.add(chunk)
                 yield sse(rewriter.rewrite(chunk) if rewriter is not None else chunk)
-        except httpx.TimeoutException:
+        except asyncio.TimeoutError:
             stats.inc("upstream_timeouts")
             yield sse(error_body("the upstream server timed out", 504))
             yield SSE_DONE
             return
-        except httpx.HTTPError as exc:
+        except aiohttp.ClientError as exc:
             stats.inc("upstream_unreachable")
             yield sse(error_body(f"the upstream stream failed: {exc}", 502))
             yield SSE_DONE
             return
         finally:
-            await resp.aclose()
+            resp.close()
         if not done or acc.error is not None:  # the upstream failed mid-stream: not a call
             stats.inc("upstream_errors")
             yield SSE_DONE
@@ -698,12 +708,12 @@ async def models(request: Request) -> Response:
     rec: Recorder = request.app.state.recorder
     assert rec.http is not None
     try:
-        resp = await rec.http.get("/v1/models")
-    except httpx.TimeoutException:
+        async with rec.http.get("v1/models") as resp:
+            return Response(await resp.read(), status_code=resp.status, media_type=resp.headers.get("content-type"))
+    except asyncio.TimeoutError:
         return _err("the upstream server timed out", 504, rec.stats, "upstream_timeouts")
-    except httpx.HTTPError as exc:
+    except aiohttp.ClientError as exc:
         return _err(f"the upstream server is unreachable: {exc}", 502, rec.stats, "upstream_unreachable")
-    return Response(resp.content, status_code=resp.status_code, media_type=resp.headers.get("content-type"))
 
 
 async def feedback(request: Request) -> Response:
@@ -725,7 +735,7 @@ async def feedback(request: Request) -> Response:
                     "feedback_unknown_trajectory")
     created, fut = rec.ingestor.commit_reward(tid, float(reward), source)
     try:
-        await asyncio.wrap_future(fut)
+        await fut
     except Exception as exc:
         return _err(f"the reward could not be recorded durably: {exc}", 503, stats, "commit_failures")
     stats.inc("rewards_recorded")

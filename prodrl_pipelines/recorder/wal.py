@@ -1,9 +1,12 @@
 """The recorder's write-ahead log: framed JSON entries in numbered segment files, fsynced in groups.
 
 Layout: ``<dir>/wal-<seq 16 digits>.log``. Each entry is framed as
-``<payload length, 8 hex> <crc32 of payload, 8 hex> <payload>\\n`` with a compact JSON payload, so a
-torn or corrupted tail (a crash in the middle of a write) is detected and ignored on replay: an entry
-counts only when its whole frame is on disk with a matching checksum. ``append`` writes a group of
+``<payload length, 8 hex> <crc32 of payload, 8 hex> <payload>\\n``, so a torn or corrupted tail (a
+crash in the middle of a write) is detected and ignored on replay: an entry counts only when its
+whole frame is on disk with a matching checksum. The payload is compact JSON, except for recorded
+calls: ``B`` + a JSON header line (the scalar fields and list lengths) + the token ids (int64) and
+logprobs (float64, exact) as little-endian binary arrays -- encoding a call's lists as JSON text
+cost ~0.17 ms per call, the arrays ~0.02 ms. ``append`` writes a group of
 entries with one ``write`` and one ``fdatasync``; an entry is acknowledged only after that returns.
 
 Segments are sealed by ``rotate`` (the ingest side flushes a sealed segment's entries to Parquet,
@@ -16,20 +19,84 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import zlib
+from array import array
+from itertools import chain
 from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-__all__ = ["WriteAheadLog", "SegmentRead", "encode_entry"]
+__all__ = ["WriteAheadLog", "SegmentRead", "encode_entry", "decode_payload"]
 
 _NAME = re.compile(r"^wal-(\d{16})\.log$")
 _HEADER = 18  # 8 hex + space + 8 hex + space
 
 
+_ID_LISTS = ("prompt_token_ids", "output_token_ids")
+_HEAD_FIELDS = ("top_token_ids", "top_logprobs")
+
+
+def _encode_call(row: dict) -> bytes | None:
+    """Binary payload of a call entry; None when the row does not have the usual shape."""
+    try:
+        out = row["output_token_ids"]
+        n_out = len(out)
+        heads_ids, heads_lps = row["top_token_ids"], row["top_logprobs"]
+        k = len(heads_ids[0]) if heads_ids else 0
+        if len(heads_ids) != n_out or len(heads_lps) != n_out or len(row["output_logprobs"]) != n_out:
+            return None
+        if any(len(h) != k for h in heads_ids) or any(len(h) != k for h in heads_lps):
+            return None
+        header = {key: v for key, v in row.items()
+                  if key not in _ID_LISTS and key not in _HEAD_FIELDS and key != "output_logprobs"}
+        header["_n"] = [len(row["prompt_token_ids"]), n_out, k]
+        ids = array("q", row["prompt_token_ids"])
+        ids.extend(out)
+        ids.extend(chain.from_iterable(heads_ids))
+        lps = array("d", row["output_logprobs"])
+        lps.extend(chain.from_iterable(heads_lps))
+    except (KeyError, TypeError, OverflowError):
+        return None
+    if sys.byteorder != "little":
+        ids.byteswap()
+        lps.byteswap()
+    return b"B" + json.dumps(header, separators=(",", ":")).encode() + b"\n" + ids.tobytes() + lps.tobytes()
+
+
+def _decode_call(payload: bytes) -> dict:
+    nl = payload.index(b"\n")
+    row = json.loads(payload[1:nl])
+    n_prompt, n_out, k = row.pop("_n")
+    n_ids = n_prompt + n_out + n_out * k
+    ids, lps = array("q"), array("d")
+    ids.frombytes(payload[nl + 1 : nl + 1 + 8 * n_ids])
+    lps.frombytes(payload[nl + 1 + 8 * n_ids :])
+    if sys.byteorder != "little":
+        ids.byteswap()
+        lps.byteswap()
+    if len(ids) != n_ids or len(lps) != n_out + n_out * k:
+        raise ValueError("call entry arrays have the wrong length")
+    ids_l, lps_l = ids.tolist(), lps.tolist()
+    row["prompt_token_ids"] = ids_l[:n_prompt]
+    row["output_token_ids"] = ids_l[n_prompt : n_prompt + n_out]
+    base = n_prompt + n_out
+    row["top_token_ids"] = [ids_l[base + i * k : base + (i + 1) * k] for i in range(n_out)]
+    row["output_logprobs"] = lps_l[:n_out]
+    row["top_logprobs"] = [lps_l[n_out + i * k : n_out + (i + 1) * k] for i in range(n_out)]
+    return {"kind": "call", "row": row}
+
+
 def encode_entry(entry: dict) -> bytes:
-    payload = json.dumps(entry, separators=(",", ":"), allow_nan=True).encode()
+    """One framed entry (see the module docstring)."""
+    payload = _encode_call(entry["row"]) if entry.get("kind") == "call" else None
+    if payload is None:
+        payload = json.dumps(entry, separators=(",", ":"), allow_nan=True).encode()
     return b"%08x %08x " % (len(payload), zlib.crc32(payload)) + payload + b"\n"
+
+
+def decode_payload(payload: bytes) -> dict:
+    return _decode_call(payload) if payload[:1] == b"B" else json.loads(payload)
 
 
 @dataclass
@@ -93,8 +160,8 @@ class WriteAheadLog:
             if zlib.crc32(payload) != crc:
                 break
             try:
-                entries.append(json.loads(payload))
-            except ValueError:
+                entries.append(decode_payload(payload))
+            except (ValueError, KeyError, TypeError):
                 break
             at = end + 1
         return SegmentRead(path, entries, at, at < len(data))
