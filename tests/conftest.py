@@ -55,3 +55,22 @@ def pg_instance(tmp_path, pg_url, monkeypatch):
     yield instance
     clean()  # leave the shared database as we found it
     instance.dispose()
+
+
+@pytest.fixture(scope="module")
+def one_torch_thread():
+    """One torch thread for modules whose servers and engines share the 2 cores with test threads."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(before)
+
+
+@pytest.fixture(scope="session")
+def tiny_policy_dir(tmp_path_factory):
+    """A tiny lab policy (tokenizer + Qwen3-MoE, 5 SFT steps), built once per session; read-only."""
+    from prodrl_pipelines.lab.warmstart import build_base_policy
+
+    return build_base_policy(tmp_path_factory.mktemp("tiny") / "base", size="tiny", sft_steps=5, progress=False)

@@ -49,13 +49,8 @@ _SMALL = dict(
 )
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    # Tiny models: on a shared 2-core machine, 2 OpenMP threads were measured ~20x slower than one.
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+# Tiny models: on a shared 2-core machine, 2 OpenMP threads were measured ~20x slower than one.
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")

@@ -18,7 +18,6 @@ from pathlib import Path
 import httpx
 import pyarrow as pa
 import pytest
-import torch
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse
@@ -35,7 +34,6 @@ from prodrl_pipelines.engines.openai_protocol import (
 from prodrl_pipelines.engines.server import BackgroundServer, build_app
 from prodrl_pipelines.engines.types import SamplingParams
 from prodrl_pipelines.lab.episodes import render_prompt
-from prodrl_pipelines.lab.warmstart import build_base_policy
 from prodrl_pipelines.recorder.ingest import SKIPPED_PREFIX, Ingestor
 from prodrl_pipelines.recorder.service import RecorderConfig, build_recorder_app
 from prodrl_pipelines.recorder.wal import WriteAheadLog, encode_entry
@@ -49,17 +47,12 @@ PROMPT = [1, 116, 5, 24, 17, 25, 35, 2, 5, 1, 121, 5]
 REPO = Path(__file__).resolve().parents[1]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_base_policy(tmp_path_factory.mktemp("rec") / "base", size="tiny", sft_steps=5, progress=False)
+def model_dir(tiny_policy_dir):
+    return tiny_policy_dir
 
 
 @pytest.fixture(scope="module")

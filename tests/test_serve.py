@@ -23,17 +23,12 @@ EOS = 2  # the lab tokenizer's <|im_end|>
 PROMPT = [1, 116, 5, 24, 17, 25, 35, 2, 5, 1, 121, 5]
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_base_policy(tmp_path_factory.mktemp("serve") / "base", size="tiny", sft_steps=5, progress=False)
+def model_dir(tiny_policy_dir):
+    return tiny_policy_dir
 
 
 @pytest.fixture(scope="module")

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import httpx
 import pytest
-import torch
 from starlette.applications import Starlette
 from starlette.responses import JSONResponse
 from starlette.routing import Route
@@ -29,17 +28,12 @@ from prodrl_pipelines.lab.warmstart import build_base_policy
 EOS = 2
 
 
-@pytest.fixture(scope="module", autouse=True)
-def _one_thread():
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory):
-    return build_base_policy(tmp_path_factory.mktemp("client") / "base", size="tiny", sft_steps=5, progress=False)
+def model_dir(tiny_policy_dir):
+    return tiny_policy_dir
 
 
 @pytest.fixture(scope="module")
