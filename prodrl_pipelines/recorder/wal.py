@@ -27,6 +27,8 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
+from prodrl_pipelines.trajectories.blobstore import fsync_dir
+
 __all__ = ["WriteAheadLog", "SegmentRead", "encode_entry", "decode_payload"]
 
 _NAME = re.compile(r"^wal-(\d{16})\.log$")
@@ -107,17 +109,6 @@ class SegmentRead:
     torn: bool  # bytes after the valid prefix (a torn or corrupt tail)
 
 
-def _fsync_dir(path: Path) -> None:
-    try:
-        fd = os.open(path, os.O_RDONLY)
-    except OSError:
-        return
-    try:
-        os.fsync(fd)
-    except OSError:
-        pass
-    finally:
-        os.close(fd)
 
 
 class WriteAheadLog:
@@ -181,7 +172,7 @@ class WriteAheadLog:
         path = self._path(seq)
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
         self._seq = seq
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)
         return path
 
     @property
@@ -219,4 +210,4 @@ class WriteAheadLog:
             path.unlink()
         except FileNotFoundError:
             pass
-        _fsync_dir(self.dir)
+        fsync_dir(self.dir)

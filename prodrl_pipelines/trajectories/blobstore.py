@@ -110,7 +110,7 @@ class LocalBlobStore(BlobStore):
             except FileNotFoundError:
                 pass
             raise
-        _fsync_dir(path.parent)
+        fsync_dir(path.parent)
 
     def get_bytes(self, key: str) -> bytes:
         path = self._path(key)
@@ -154,7 +154,7 @@ class LocalBlobStore(BlobStore):
         return self._path(key).as_uri()
 
 
-def _fsync_dir(path: Path) -> None:
+def fsync_dir(path: Path) -> None:
     """Persist a rename by fsyncing its directory (best effort: not all platforms allow it)."""
     try:
         fd = os.open(path, os.O_RDONLY)
