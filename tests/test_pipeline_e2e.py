@@ -156,3 +156,27 @@ def test_ref_is_without_deployed_export_fails_before_data(tmp_path):
     live = LiveDeployment("round-000000", str(tmp_path / "ckpt"), str(tmp_path / "no-export"))
     with pytest.raises(RoundError, match="correction='ref_is' needs the deployed export"):
         preflight(svc, live)
+
+
+def test_one_round_at_a_time(tmp_path, pg_instance):
+    from dagster import DagsterRun, DagsterRunStatus
+    from dagster._core.utils import make_new_run_id
+
+    from prodrl_pipelines.sensors import round_job
+
+    # the instance queues round runs behind a tag limit of 1 (dagster.yaml), and round runs carry the tag
+    limits = pg_instance.run_coordinator.get_run_queue_config().tag_concurrency_limits
+    assert {"key": "prodrl/round", "limit": 1} in limits
+    assert round_job.tags["prodrl/round"] == "train"
+
+    res = make_resources({**TINY, "home": str(tmp_path / "home")})
+    defs = build_definitions(res)
+    assert defs.resolve_job_def("bootstrap_lab").execute_in_process(instance=pg_instance).success
+    simulate_traffic(services(res["settings"], res["store"]), 8)
+    run = DagsterRun(job_name="prod_rl_round", run_id=make_new_run_id(), status=DagsterRunStatus.STARTED,
+                     tags={"prodrl/round": "train"})
+    pg_instance.add_run(run)
+    # enough data, but a round is running: the sensor waits instead of starting a second one
+    assert "in flight" in tick(pg_instance, defs, res).skip_message
+    pg_instance.report_run_canceled(run)  # a cancelled run frees the slot
+    assert tick(pg_instance, defs, res).run_requests[0].partition_key == "round-000001"
