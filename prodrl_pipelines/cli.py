@@ -63,6 +63,28 @@ def run_loop(home: Path, settings: dict, rounds: int, log=print, instance=None) 
             f"{svc.registry.round_summary('round-000000').get('heldout_reward', float('nan')):.3f}")
     from prodrl_pipelines.deployment import round_index
 
+    # >>> lab traffic over HTTP (issue 5 item 3): episodes -> prodrl record -> prodrl serve on loopback,
+    # kept up across rounds and restarted when the live version changes; PRODRL_LAB_TRAFFIC=in_process
+    # keeps the old in-process path.
+    from prodrl_pipelines.lab.http_traffic import TRAFFIC_ENV, LabDeployment
+
+    via = os.environ.get(TRAFFIC_ENV, "http")
+    lab_dep = LabDeployment(home / "logs" / "lab_traffic") if via == "http" else None
+    try:
+        return _run_rounds(defs, instance, res, svc, s, rounds, log, via, lab_dep)
+    finally:
+        if lab_dep is not None:
+            lab_dep.stop()
+
+
+def _run_rounds(defs, instance, res, svc, s, rounds: int, log, via: str, lab_dep) -> list[dict]:
+    from dagster import build_sensor_context
+
+    from prodrl_pipelines.deployment import round_index
+    from prodrl_pipelines.lab.traffic import simulate_traffic
+    from prodrl_pipelines.sensors import data_volume_sensor
+    # <<< lab traffic over HTTP
+
     for _ in range(rounds):
         t0 = time.time()
         existing = instance.get_dynamic_partitions("rounds")
@@ -79,8 +101,8 @@ def run_loop(home: Path, settings: dict, rounds: int, log=print, instance=None) 
                 break
             reason = getattr(result, "skip_message", str(result))
             live = svc.registry.live().policy_version
-            log(f"sensor: {reason} -> serving {s.recipe.trajectories_per_round} lab episodes from {live}")
-            simulate_traffic(svc, s.recipe.trajectories_per_round)
+            log(f"sensor: {reason} -> serving {s.recipe.trajectories_per_round} lab episodes from {live} ({via})")
+            simulate_traffic(svc, s.recipe.trajectories_per_round, via=via, deployment=lab_dep)
         else:
             raise RuntimeError(f"sensor never requested a round: {reason}")
         for req in result.dynamic_partitions_requests:
