@@ -43,12 +43,10 @@ def _use_home(home: Path, settings: dict) -> None:
 def run_loop(home: Path, settings: dict, rounds: int, log=print, instance=None) -> list[dict]:
     """Bootstrap (if needed), then per round: serve traffic, tick the sensor, run the round."""
     _use_home(home, settings)
-    from dagster import DagsterInstance, build_sensor_context
+    from dagster import DagsterInstance
 
     from prodrl_pipelines.definitions import build_definitions
-    from prodrl_pipelines.lab.traffic import simulate_traffic
     from prodrl_pipelines.resources.settings import make_resources, services
-    from prodrl_pipelines.sensors import data_volume_sensor
 
     res = make_resources({**settings, "home": str(home)})
     defs = build_definitions(res)
@@ -61,7 +59,6 @@ def run_loop(home: Path, settings: dict, rounds: int, log=print, instance=None) 
         defs.resolve_job_def("bootstrap_lab").execute_in_process(instance=instance, run_config=QUIET)
         log(f"  base policy ready in {time.time() - t0:.0f}s, held-out reward "
             f"{svc.registry.round_summary('round-000000').get('heldout_reward', float('nan')):.3f}")
-    from prodrl_pipelines.deployment import round_index
 
     # >>> lab traffic over HTTP (issue 5 item 3): episodes -> prodrl record -> prodrl serve on loopback,
     # kept up across rounds and restarted when the live version changes; PRODRL_LAB_TRAFFIC=in_process
