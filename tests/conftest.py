@@ -2,6 +2,11 @@
 
 import os
 import shutil
+import socket
+import subprocess
+import sys
+import time
+import uuid
 from pathlib import Path
 
 import pytest
@@ -74,3 +79,55 @@ def tiny_policy_dir(tmp_path_factory):
     from prodrl_pipelines.lab.warmstart import build_base_policy
 
     return build_base_policy(tmp_path_factory.mktemp("tiny") / "base", size="tiny", sft_steps=5, progress=False)
+
+
+@pytest.fixture(scope="session")
+def s3_endpoint():
+    """A moto S3 server on a free loopback port, with fake credentials in the environment."""
+    saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",
+                                            "AWS_EC2_METADATA_DISABLED", "AWS_SESSION_TOKEN", "AWS_PROFILE")}
+    os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1",
+                      AWS_EC2_METADATA_DISABLED="true")
+    os.environ.pop("AWS_SESSION_TOKEN", None)
+    os.environ.pop("AWS_PROFILE", None)
+    exe = shutil.which("moto_server") or str(Path(sys.executable).with_name("moto_server"))
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([exe, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
+                            stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        for _ in range(300):
+            if proc.poll() is not None:
+                pytest.fail(f"moto_server exited with {proc.returncode}")
+            try:
+                with socket.create_connection(("127.0.0.1", port), timeout=0.2):
+                    break
+            except OSError:
+                time.sleep(0.05)
+        else:
+            pytest.fail("moto_server did not start listening")
+        yield url
+    finally:
+        proc.terminate()
+        try:
+            proc.wait(timeout=10)
+        except subprocess.TimeoutExpired:
+            proc.kill()
+            proc.wait()
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+@pytest.fixture
+def bucket(s3_endpoint) -> str:
+    """A fresh bucket on the moto server."""
+    import boto3
+
+    name = f"test-{uuid.uuid4().hex[:12]}"
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=name)
+    return name

@@ -88,10 +88,35 @@ def test_http_traffic_records_what_the_engine_generates(tmp_path):
     assert sel["data_versions"] == [live.policy_version]
 
 
-def test_http_traffic_needs_a_local_store():
+def test_http_traffic_needs_a_store_the_recorder_can_write():
     class Svc:
         blobs = object()
 
-    with pytest.raises(RuntimeError, match="local trajectory store"):
+    with pytest.raises(RuntimeError, match="local or S3 trajectory store"):
         with served_deployment(Svc()):
             pass
+
+
+def test_http_traffic_lands_in_an_s3_store(tmp_path, s3_endpoint, bucket):
+    """An S3-backed ``svc``: the recorder writes its Parquet parts to the bucket (WAL on local disk)."""
+    res = make_resources({**TINY, "home": str(tmp_path / "home")},
+                         s3={"s3_bucket": bucket, "s3_prefix": "prodrl", "s3_endpoint_url": s3_endpoint,
+                             "s3_region": "us-east-1"})
+    svc = services(res["settings"], res["store"])
+    assert type(svc.blobs).__name__ == "S3BlobStore"
+    rounds.bootstrap_base_policy(svc, progress=False)
+    live = svc.live()
+
+    with served_deployment(svc, log_dir=tmp_path / "logs") as dep:
+        stats = simulate_traffic(svc, 8, via="http", deployment=dep)
+    assert stats["episodes"] == 8 and stats["policy_version"] == live.policy_version
+    assert not any((tmp_path / "home").rglob("*.parquet"))  # nothing written to local disk ...
+    assert (tmp_path / "logs" / "recorder_wal").is_dir()  # ... but the WAL
+    assert [k for k in svc.blobs.list("") if k.endswith(".parquet")]
+    calls = svc.store.read_calls().to_pylist()
+    assert len(calls) == stats["calls"] and {c["policy_version"] for c in calls} == {live.policy_version}
+    assert all(c["task_id"] for c in calls)
+    rewards = svc.store.read_rewards()
+    assert rewards.num_rows == 8 and set(rewards["source"].to_pylist()) == {"lab/arithmetic"}
+    sel = rounds.select_data(svc, "round-000001")
+    assert sel["num_trajectories"] == 8 and sel["quarantined"] == 0

@@ -384,8 +384,20 @@ def test_wal_frames_detect_a_torn_tail(tmp_path):
     assert WriteAheadLog.read_segment(first).entries == []
 
 
-def test_replay_writes_every_logged_record_exactly_once(tmp_path):
-    store = TrajectoryStore(LocalBlobStore(tmp_path / "store"))
+@pytest.fixture(params=["local", "s3"])
+def replay_blobs(request, tmp_path):
+    """The store the recorder writes to: a local directory or an S3 bucket (moto)."""
+    if request.param == "local":
+        return LocalBlobStore(tmp_path / "store")
+    from prodrl_pipelines.trajectories.s3 import S3BlobStore
+
+    return S3BlobStore(request.getfixturevalue("bucket"), "prod",
+                       endpoint_url=request.getfixturevalue("s3_endpoint"), region="us-east-1")
+
+
+def test_replay_writes_every_logged_record_exactly_once(tmp_path, replay_blobs):
+    """Start-up replay dedupes against the stored parts (by call id) through the BlobStore, local or S3."""
+    store = TrajectoryStore(replay_blobs)
     store.write_calls([_call_row("a", 0), _call_row("a", 1)])  # flushed before the crash ...
     store.write_rewards([{"trajectory_id": "a", "reward": 1.0, "source": "s", "created_at": 1_700_000_000_000_123}])
     wal = WriteAheadLog(tmp_path / "wal")
@@ -416,6 +428,23 @@ def test_replay_writes_every_logged_record_exactly_once(tmp_path):
     assert ing.next_index("a") == 3 and ing.next_index("b") == 2 and ing.known("b") and not ing.known("c")
     # a second recovery finds nothing left to do
     assert Ingestor(store, tmp_path / "wal").recover()["replayed_calls"] == 0
+
+
+def test_config_needs_exactly_one_store_and_a_local_wal_for_s3(tmp_path):
+    with pytest.raises(ValueError, match="exactly one trajectory store"):
+        RecorderConfig(upstream="http://x", store_dir="", token=TOKEN)
+    with pytest.raises(ValueError, match="exactly one trajectory store"):
+        RecorderConfig(upstream="http://x", store_dir=str(tmp_path), token=TOKEN, s3_bucket="b")
+    with pytest.raises(ValueError, match="--wal-dir"):
+        RecorderConfig(upstream="http://x", store_dir="", token=TOKEN, s3_bucket="b")
+    cfg = RecorderConfig(upstream="http://x", store_dir="", token=TOKEN, s3_bucket="b", s3_prefix="p",
+                         s3_endpoint_url="http://127.0.0.1:9", s3_region="us-east-1", wal_dir=str(tmp_path / "w"))
+    blobs = cfg.blob_store()
+    assert (blobs.bucket, blobs.prefix, blobs.endpoint_url, blobs.region) == ("b", "p", "http://127.0.0.1:9",
+                                                                                "us-east-1")
+    assert cfg.wal_path == str(tmp_path / "w")
+    local = RecorderConfig(upstream="http://x", store_dir=str(tmp_path / "s"), token=TOKEN)
+    assert local.blob_store().root == tmp_path / "s" and local.wal_path == str(tmp_path / "s" / "_recorder" / "wal")
 
 
 def test_flushes_by_count_and_by_time(tmp_path):

@@ -1,5 +1,6 @@
 """The production-shaped loop: webserver + daemon on PostgreSQL, MLflow server (PostgreSQL + S3),
-and the data-volume sensor starting two rounds by itself as traffic arrives."""
+and the data-volume sensor starting two rounds by itself as traffic arrives. The traffic goes through
+the recorder: lab episodes -> ``prodrl record`` (Parquet parts to the S3 store) -> ``prodrl serve``."""
 
 import os
 import time
@@ -9,6 +10,7 @@ from dagster_graphql import DagsterGraphQLClient
 from mlflow.tracking import MlflowClient
 
 from prodrl_pipelines.devstack import Stack
+from prodrl_pipelines.lab.http_traffic import LabDeployment
 from prodrl_pipelines.lab.traffic import simulate_traffic
 from prodrl_pipelines.resources.settings import make_resources, services
 
@@ -38,6 +40,7 @@ def test_daemon_starts_rounds_by_itself(tmp_path, pg_url, monkeypatch):
     for k, v in {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}.items():
         monkeypatch.setenv(k, v)
     home = tmp_path / "stack"
+    lab_dep = LabDeployment(tmp_path / "lab_traffic")  # one served deployment across both rounds
     with Stack(home=home, pg_url=PG_URL, settings=TINY, schema=f"stack_{os.getpid()}", sensor_interval_s=2) as st:
         try:
             gql = DagsterGraphQLClient("127.0.0.1", port_number=st.ports["dagster"])
@@ -52,11 +55,20 @@ def test_daemon_starts_rounds_by_itself(tmp_path, pg_url, monkeypatch):
                                  s3={"s3_bucket": st.bucket, "s3_prefix": "prodrl",
                                      "s3_endpoint_url": st.env["PRODRL_S3_ENDPOINT_URL"], "s3_region": "us-east-1"})
             svc = services(res["settings"], res["store"])
+            served = []
             for k in (1, 2):
-                simulate_traffic(svc, 8)  # rewarded traffic from the live policy: the sensor does the rest
+                # rewarded traffic from the live policy through the recorder: the sensor does the rest
+                stats = simulate_traffic(svc, 8, via="http", deployment=lab_dep)
+                served.append((stats["policy_version"], lab_dep.policy_version, [p.proc.pid for p in lab_dep._procs]))
                 _wait(lambda: [r for r in runs("prod_rl_round") if r["status"] == "SUCCESS"
                                and {"key": "dagster/partition", "value": f"round-{k:06d}"} in r["tags"]],
                       f"round {k}", st)
+            # round 1 deployed round-000001: the deployment restarted on it and round 2's traffic came from it
+            assert [v for v, _, _ in served] == ["round-000000", "round-000001"]
+            assert [v for _, v, _ in served] == ["round-000000", "round-000001"]
+            assert not set(served[0][2]) & set(served[1][2])  # serve + record restarted
+            calls = svc.store.read_calls(columns=["policy_version"])
+            assert set(calls.column("policy_version").to_pylist()) == {"round-000000", "round-000001"}
             # exactly one run per round (run_key = partition key), each through the queue
             rr = runs("prod_rl_round")
             assert len(rr) == 2 and all(r["status"] == "SUCCESS" for r in rr)
@@ -74,6 +86,7 @@ def test_daemon_starts_rounds_by_itself(tmp_path, pg_url, monkeypatch):
             assert run.info.artifact_uri.startswith("mlflow-artifacts:")  # served from S3 by the server
             assert "plots/reward_curve.png" in {a.path for a in ml.list_artifacts(run.info.run_id, "plots")}
         finally:
+            lab_dep.stop()
             st.stop()
             st.drop_schemas()
-    assert not st.procs
+    assert not st.procs and not lab_dep._procs

@@ -1,7 +1,9 @@
 """Lab traffic over loopback HTTP: episodes -> ``prodrl record`` -> ``prodrl serve`` (issue 5 item 3).
 
 ``served_deployment(svc)`` starts ``prodrl serve <live export>`` and ``prodrl record --upstream ...
---store <svc store root> --policy-version <live version>`` as subprocesses on free 127.0.0.1 ports,
+--store <svc store root> --policy-version <live version>`` (for an S3-backed ``svc``: ``--s3-bucket
+--s3-prefix --s3-endpoint-url --s3-region`` and a local ``--wal-dir``, ``LabDeployment.wal_dir``;
+credentials from the environment) as subprocesses on free 127.0.0.1 ports,
 waits for both to answer ``/health``, yields a ``LabDeployment`` and stops both on exit (the
 recorder flushes its WAL to Parquet parts on SIGTERM). ``LabDeployment.ensure(svc)`` restarts both
 when the live policy version changed since they started (a redeploy).
@@ -66,12 +68,33 @@ def _tail(path: Path, n: int = 30) -> str:
         return ""
 
 
-def _store_root(svc) -> Path:
-    root = getattr(svc.blobs, "root", None)
-    if root is None:
-        raise RuntimeError(f"lab traffic over HTTP needs a local trajectory store (the recorder writes files); "
-                           f"got {svc.blobs!r}: set {TRAFFIC_ENV}=in_process")
-    return Path(root)
+def _store_args(svc, wal_dir: Path) -> list[str]:
+    """The ``prodrl record`` flags naming ``svc``'s trajectory store: ``--store DIR`` for a local
+    store, the ``--s3-*`` flags (WAL in ``wal_dir`` on local disk) for an S3 one."""
+    from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
+    from prodrl_pipelines.trajectories.s3 import S3BlobStore
+
+    blobs = svc.blobs
+    if isinstance(blobs, LocalBlobStore):
+        return ["--store", str(blobs.root)]
+    if isinstance(blobs, S3BlobStore):
+        return ["--s3-bucket", blobs.bucket, "--s3-prefix", blobs.prefix,
+                "--s3-endpoint-url", blobs.endpoint_url or "", "--s3-region", blobs.region or "",
+                "--wal-dir", str(wal_dir)]
+    raise RuntimeError(f"lab traffic over HTTP needs a local or S3 trajectory store (what `prodrl record` can "
+                       f"write to); got {blobs!r}: set {TRAFFIC_ENV}=in_process")
+
+
+def _default_log_dir(svc) -> Path:
+    from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
+    from prodrl_pipelines.trajectories.s3 import S3BlobStore
+
+    if isinstance(svc.blobs, LocalBlobStore):
+        return Path(svc.blobs.root).parent / "logs" / "lab_traffic"
+    if isinstance(svc.blobs, S3BlobStore):
+        return svc.settings.home_path / "logs" / "lab_traffic"
+    _store_args(svc, Path())  # raises: a store the recorder cannot write to
+    raise AssertionError("unreachable")
 
 
 class _Proc:
@@ -154,8 +177,9 @@ class LabDeployment:
     """``prodrl serve`` + ``prodrl record`` subprocesses for the live policy (see the module doc)."""
 
     def __init__(self, log_dir: Path, *, threads: int = 1, max_batch_size: int = 256, flush_interval_s: float = 0.2,
-                 concurrency: int = 32, startup_timeout_s: float = 180.0) -> None:
+                 concurrency: int = 32, startup_timeout_s: float = 180.0, wal_dir: Path | None = None) -> None:
         self.log_dir = Path(log_dir)
+        self.wal_dir = Path(wal_dir) if wal_dir else self.log_dir / "recorder_wal"  # S3 stores: WAL on local disk
         self.threads, self.max_batch_size, self.flush_interval_s = threads, max_batch_size, flush_interval_s
         self.concurrency, self.startup_timeout_s = concurrency, startup_timeout_s
         self.token = secrets.token_hex(16)
@@ -172,8 +196,8 @@ class LabDeployment:
         return {"Authorization": f"Bearer {self.token}"}
 
     def start(self, svc) -> LabDeployment:
+        store_args = _store_args(svc, self.wal_dir)
         live = svc.live()
-        store_root = _store_root(svc)
         k = svc.settings.deploy.num_top_logprobs
         env = {**os.environ, "PRODRL_RECORDER_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
         env.pop("VLLM_API_KEY", None)
@@ -187,7 +211,7 @@ class LabDeployment:
                 "--max-batch-size", str(self.max_batch_size)], env, self.log_dir / "serve.log")
             self._procs.append(serve)
             rec = _Proc("prodrl record", exe + [
-                "record", "--upstream", f"http://127.0.0.1:{sp}", "--store", str(store_root), "--port", str(rp),
+                "record", "--upstream", f"http://127.0.0.1:{sp}", *store_args, "--port", str(rp),
                 "--policy-version", live.policy_version, "--tokenizer", str(live.export_dir),
                 "--top-logprobs", str(k), "--upstream-max-logprobs", str(max(k, 20)),
                 "--flush-interval", str(self.flush_interval_s)], env, self.log_dir / "record.log")
@@ -271,7 +295,7 @@ class LabDeployment:
 @contextmanager
 def served_deployment(svc, log_dir: str | os.PathLike | None = None, **kw):
     """Serve + record the live policy for the ``with`` block; yields the running ``LabDeployment``."""
-    dep = LabDeployment(Path(log_dir) if log_dir else _store_root(svc).parent / "logs" / "lab_traffic", **kw)
+    dep = LabDeployment(Path(log_dir) if log_dir else _default_log_dir(svc), **kw)
     try:
         yield dep.start(svc)
     finally:

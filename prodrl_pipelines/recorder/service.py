@@ -38,6 +38,11 @@ modifiers the trainer cannot reproduce (penalties, ``min_p``, ``logit_bias``, ``
 ``bad_words``, structured outputs...), and upstream answers without token ids or logprobs. Upstream
 errors pass through unchanged (counted, not recorded); an upstream timeout is a 504, an unreachable
 upstream a 502. One process (one uvicorn worker) per WAL directory.
+
+Store: ``--store DIR`` (Parquet parts under DIR, WAL in ``DIR/_recorder/wal``) or ``--s3-bucket``
+(``--s3-prefix``, ``--s3-endpoint-url``, ``--s3-region``): parts go to ``s3://bucket/prefix/`` with the
+local store's key layout while the WAL stays on local disk (``--wal-dir``, required then). Start-up
+replay reads the stored parts through the same ``BlobStore`` interface on both.
 """
 
 from __future__ import annotations
@@ -88,9 +93,9 @@ _TRAJ_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,256}$")
 @dataclass
 class RecorderConfig:
     upstream: str
-    store_dir: str
+    store_dir: str  # local store directory ("" when the store is on S3)
     token: str
-    wal_dir: str | None = None  # default: <store_dir>/_recorder/wal
+    wal_dir: str | None = None  # default: <store_dir>/_recorder/wal (required with an S3 store)
     top_logprobs: int = 20  # K recorded per generated position
     upstream_max_logprobs: int = 20  # the upstream's --max-logprobs
     policy_version: str | None = None
@@ -102,16 +107,38 @@ class RecorderConfig:
     default_temperature: float = 1.0
     default_top_p: float = 1.0
     default_top_k: int = 0
+    s3_bucket: str = ""  # set: Parquet parts go to s3://<s3_bucket>/<s3_prefix>/ (the WAL stays local)
+    s3_prefix: str = ""
+    s3_endpoint_url: str = ""  # empty: AWS; else an S3-compatible server (MinIO, moto, ...)
+    s3_region: str = ""
 
     def __post_init__(self) -> None:
         if not self.token:
             raise ValueError(f"the recorder needs a bearer token (set {TOKEN_ENV})")
+        if bool(self.store_dir) == bool(self.s3_bucket):
+            raise ValueError("the recorder needs exactly one trajectory store: a local directory (--store) "
+                             "or an S3 bucket (--s3-bucket)")
+        if self.s3_bucket and not self.wal_dir:
+            raise ValueError("with an S3 trajectory store the write-ahead log needs a local --wal-dir")
         if self.top_logprobs < 1 or self.top_logprobs > self.upstream_max_logprobs:
             raise ValueError(f"top_logprobs must be in [1, upstream_max_logprobs={self.upstream_max_logprobs}], "
                              f"got {self.top_logprobs}")
         self.upstream = self.upstream.rstrip("/")
         if self.upstream.endswith("/v1"):
             self.upstream = self.upstream[: -len("/v1")]
+
+    def blob_store(self):
+        """The ``BlobStore`` the Parquet parts go to (local directory or S3)."""
+        if self.s3_bucket:
+            from prodrl_pipelines.trajectories.s3 import S3BlobStore
+
+            return S3BlobStore(self.s3_bucket, self.s3_prefix, endpoint_url=self.s3_endpoint_url or None,
+                               region=self.s3_region or None)
+        return LocalBlobStore(self.store_dir)
+
+    @property
+    def wal_path(self) -> str:
+        return self.wal_dir or str(Path(self.store_dir) / "_recorder" / "wal")
 
 
 class TokenStrings:
@@ -412,9 +439,8 @@ class Recorder:
     def __init__(self, config: RecorderConfig) -> None:
         self.cfg = config
         self.stats = Stats()
-        self.store = TrajectoryStore(LocalBlobStore(config.store_dir))
-        wal_dir = config.wal_dir or str(Path(config.store_dir) / "_recorder" / "wal")
-        self.ingestor = Ingestor(self.store, wal_dir, flush_rows=config.flush_rows,
+        self.store = TrajectoryStore(config.blob_store())
+        self.ingestor = Ingestor(self.store, config.wal_path, flush_rows=config.flush_rows,
                                  flush_interval_s=config.flush_interval_s, stats=self.stats)
         self.tokens = TokenStrings(config.tokenizer_dir) if config.tokenizer_dir else None
         self.http: aiohttp.ClientSession | None = None
@@ -815,10 +841,16 @@ def add_record_parser(sub) -> argparse.ArgumentParser:
     r = sub.add_parser("record", help="recording proxy in front of a vLLM-compatible server",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     r.add_argument("--upstream", required=True, help="base URL of the vLLM-compatible server")
-    r.add_argument("--store", required=True, help="trajectory store directory")
+    r.add_argument("--store", default="", help="trajectory store directory (or --s3-bucket)")
+    r.add_argument("--s3-bucket", default="", help="trajectory store on S3: the bucket (instead of --store; "
+                   "needs --wal-dir; credentials from the boto3 default chain)")
+    r.add_argument("--s3-prefix", default="", help="key prefix of the S3 trajectory store")
+    r.add_argument("--s3-endpoint-url", default="", help="S3-compatible endpoint (MinIO, moto, ...); default AWS")
+    r.add_argument("--s3-region", default="", help="S3 region (default: the boto3 default, else us-east-1)")
     r.add_argument("--host", default="127.0.0.1")
     r.add_argument("--port", type=int, default=8100)
-    r.add_argument("--wal-dir", default=None, help="write-ahead log directory (default <store>/_recorder/wal)")
+    r.add_argument("--wal-dir", default=None, help="write-ahead log directory, on local disk "
+                   "(default <store>/_recorder/wal; required with --s3-bucket)")
     r.add_argument("--policy-version", default=None, help="policy version of the calls (default: upstream model)")
     r.add_argument("--tokenizer", default=None, help="the served model's tokenizer dir (token strings)")
     r.add_argument("--top-logprobs", type=int, default=20, help="K: head size recorded per position")
@@ -838,13 +870,19 @@ def cmd_record(args) -> int:
     if not token:
         print(f"prodrl record: set {TOKEN_ENV} to the bearer token clients must send", file=sys.stderr)
         return 2
-    cfg = RecorderConfig(
-        upstream=args.upstream, store_dir=args.store, token=token, wal_dir=args.wal_dir,
-        top_logprobs=args.top_logprobs, upstream_max_logprobs=args.upstream_max_logprobs,
-        policy_version=args.policy_version, tokenizer_dir=args.tokenizer,
-        upstream_api_key=os.environ.get(UPSTREAM_KEY_ENV), flush_rows=args.flush_rows,
-        flush_interval_s=args.flush_interval, upstream_timeout_s=args.upstream_timeout,
-    )
+    try:
+        cfg = RecorderConfig(
+            upstream=args.upstream, store_dir=args.store, token=token, wal_dir=args.wal_dir,
+            top_logprobs=args.top_logprobs, upstream_max_logprobs=args.upstream_max_logprobs,
+            policy_version=args.policy_version, tokenizer_dir=args.tokenizer,
+            upstream_api_key=os.environ.get(UPSTREAM_KEY_ENV), flush_rows=args.flush_rows,
+            flush_interval_s=args.flush_interval, upstream_timeout_s=args.upstream_timeout,
+            s3_bucket=args.s3_bucket, s3_prefix=args.s3_prefix, s3_endpoint_url=args.s3_endpoint_url,
+            s3_region=args.s3_region,
+        )
+    except ValueError as e:
+        print(f"prodrl record: {e}", file=sys.stderr)
+        return 2
     app = build_recorder_app(cfg)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=10)
