@@ -10,7 +10,6 @@ the demo all read one source of truth:
 
 from __future__ import annotations
 
-import json
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
 
@@ -38,15 +37,16 @@ class LiveDeployment:
 
 class DeploymentRegistry:
     def __init__(self, blobs):
+        from prodrl_pipelines.trajectories.store import TrajectoryStore
+
         self.blobs = blobs
+        self._docs = TrajectoryStore(blobs)  # its JSON documents: atomic, NaN-safe
 
     def _get(self, key: str, default=None):
-        if not self.blobs.exists(key):
-            return default
-        return json.loads(self.blobs.get_bytes(key))
+        return self._docs.get_json(key) if self.blobs.exists(key) else default
 
     def _put(self, key: str, obj) -> None:
-        self.blobs.put_bytes(key, json.dumps(obj, indent=1, sort_keys=True).encode())
+        self._docs.put_json(key, obj)
 
     def live(self) -> LiveDeployment | None:
         raw = self._get("deploy/live.json")

@@ -23,7 +23,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prodrl_pipelines.preflight import PreflightError, check_postgres
+from prodrl_pipelines.preflight import PreflightError, check_postgres, libpq_dsn
 
 REPO = Path(__file__).resolve().parents[1]
 BIN = Path(sys.executable).parent
@@ -120,27 +120,23 @@ class Stack:
         self._spawn("daemon", [str(BIN / "dagster-daemon"), "run", "-m", "prodrl_pipelines.definitions"])
         return self
 
-    def _create_schemas(self) -> None:
+    def _each_schema(self, sql: str) -> None:
+        """Run ``sql`` (with ``{s}`` for the schema name) for the Dagster and the MLflow schema."""
         import psycopg2
 
-        conn = psycopg2.connect(self.pg_url.replace("postgresql+psycopg2://", "postgresql://"))
+        conn = psycopg2.connect(libpq_dsn(self.pg_url))
         conn.autocommit = True
         with conn.cursor() as cur:
             for suffix in ("dagster", "mlflow"):
-                cur.execute(f"DROP SCHEMA IF EXISTS {self.schema}_{suffix} CASCADE; CREATE SCHEMA {self.schema}_{suffix}")
+                cur.execute(sql.format(s=f"{self.schema}_{suffix}"))
         conn.close()
+
+    def _create_schemas(self) -> None:
+        self._each_schema("DROP SCHEMA IF EXISTS {s} CASCADE; CREATE SCHEMA {s}")
 
     def drop_schemas(self) -> None:
-        if not self.schema:
-            return
-        import psycopg2
-
-        conn = psycopg2.connect(self.pg_url.replace("postgresql+psycopg2://", "postgresql://"))
-        conn.autocommit = True
-        with conn.cursor() as cur:
-            for suffix in ("dagster", "mlflow"):
-                cur.execute(f"DROP SCHEMA IF EXISTS {self.schema}_{suffix} CASCADE")
-        conn.close()
+        if self.schema:
+            self._each_schema("DROP SCHEMA IF EXISTS {s} CASCADE")
 
     def _spawn(self, name: str, cmd: list[str]) -> None:
         log = open(self.home / "logs" / f"{name}.log", "ab")

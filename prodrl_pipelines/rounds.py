@@ -84,14 +84,14 @@ def _get_table(blobs, key: str) -> pa.Table:
     return pq.read_table(io.BytesIO(blobs.get_bytes(key)))
 
 
-def _put_json(blobs, key: str, obj) -> None:
-    blobs.put_bytes(key, json.dumps(obj, indent=1).encode())
+def _get_json(svc: Services, key: str):
+    """A round document written by an upstream step (TrajectoryStore JSON), or a clear RoundError."""
+    from prodrl_pipelines.trajectories.blobstore import BlobNotFoundError
 
-
-def _get_json(blobs, key: str):
-    if not blobs.exists(key):
-        raise RoundError(f"{key} is missing: materialise the upstream asset of this round first")
-    return json.loads(blobs.get_bytes(key))
+    try:
+        return svc.store.get_json(key)
+    except BlobNotFoundError:
+        raise RoundError(f"{key} is missing: materialise the upstream asset of this round first") from None
 
 
 def preflight(svc: Services, live: LiveDeployment) -> None:
@@ -167,7 +167,7 @@ def build_batch(svc: Services, rkey: str) -> dict:
         "baseline_state": asdict(state.baseline),
         "recipe": s.recipe.model_dump(),
     }
-    _put_json(svc.blobs, f"rounds/{rkey}/batch.json", batch)
+    svc.store.put_json(f"rounds/{rkey}/batch.json", batch)
     nz = float(np.mean(adv != 0))
     return {
         "steps": len(plan), "batch_size": s.recipe.batch_size, "baseline": s.recipe.baseline,
@@ -189,7 +189,7 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
     from prodrl_pipelines.rl.trainer import build_optimizer, train_round
 
     s, live = svc.settings, svc.live()
-    batch = _get_json(svc.blobs, f"rounds/{rkey}/batch.json")
+    batch = _get_json(svc, f"rounds/{rkey}/batch.json")
     trajs = {t.trajectory_id: t for t in trajectories_from_table(_get_table(svc.blobs, f"rounds/{rkey}/dataset.parquet"))}
     trajs = [trajs[i] for i in batch["trajectory_ids"]]
     model, tokenizer = load_policy(Path(live.checkpoint_dir), dtype=torch.float32)
@@ -209,7 +209,7 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
     out = Path(out_dir) if out_dir is not None else s.checkpoints_root / rkey
     if rank == 0:
         save_checkpoint(out, model, tokenizer, opt, state)
-        _put_json(svc.blobs, f"rounds/{rkey}/train_steps.json", res.steps)
+        svc.store.put_json(f"rounds/{rkey}/train_steps.json", res.steps)
         svc.registry.update_round(rkey, mismatch_abs_logp=res.mismatch_abs_logp, trained_from=live.policy_version,
                                   train_processes=world_size)
     resume.unlink(missing_ok=True)  # the round's checkpoint is complete
@@ -231,7 +231,7 @@ def training_history(svc: Services) -> tuple[list[dict], list[int]]:
     steps, starts = [], []
     for key in sorted(k.split("/")[1] for k in svc.blobs.list("rounds/") if k.endswith("/train_steps.json")):
         starts.append(len(steps))
-        steps += [m for m in _get_json(svc.blobs, f"rounds/{key}/train_steps.json") if not m.get("skipped")]
+        steps += [m for m in _get_json(svc, f"rounds/{key}/train_steps.json") if not m.get("skipped")]
     return steps, starts
 
 
@@ -341,7 +341,7 @@ def evaluate(svc: Services, rkey: str) -> dict:
     if cand is not None:
         svc.registry.record_eval(rkey, cand)
     result = {"candidate": cand, "live": live_eval, "smoke_error": smoke_error, "live_version": live.policy_version}
-    _put_json(svc.blobs, f"rounds/{rkey}/heldout.json", result)
+    svc.store.put_json(f"rounds/{rkey}/heldout.json", result)
     if cand is not None:
         svc.registry.update_round(rkey, heldout_reward=cand["mean"], heldout_reward_ci=cand["ci95"],
                                   live_heldout_reward=live_eval["mean"])
@@ -353,7 +353,7 @@ def gate(svc: Services, rkey: str) -> GateDecision:
     from prodrl_pipelines.quant.export import export_nonfinite
 
     s = svc.settings
-    ev = _get_json(svc.blobs, f"rounds/{rkey}/heldout.json")
+    ev = _get_json(svc, f"rounds/{rkey}/heldout.json")
     nonfinite = export_nonfinite(s.exports_root / rkey)  # packed NVFP4 weights checked dequantized
     cand = ev["candidate"]
     live = ev["live"]

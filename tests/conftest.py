@@ -23,7 +23,9 @@ def pg_url() -> str:
     """The test database, in a schema of this test session's own (concurrent runs don't collide)."""
     import psycopg2
 
-    libpq = PG_URL.replace("postgresql+psycopg2://", "postgresql://")
+    from prodrl_pipelines.preflight import libpq_dsn
+
+    libpq = libpq_dsn(PG_URL)
     try:
         conn = psycopg2.connect(libpq, connect_timeout=3)
     except Exception as e:  # a hard failure: these tests must run against PostgreSQL
@@ -131,3 +133,17 @@ def bucket(s3_endpoint) -> str:
     name = f"test-{uuid.uuid4().hex[:12]}"
     boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=name)
     return name
+
+
+@pytest.fixture(scope="module")
+def model_dir(tiny_policy_dir):
+    """The tiny policy's directory (modules may override it)."""
+    return tiny_policy_dir
+
+
+@pytest.fixture(scope="module")
+def engine(model_dir):
+    """A LocalEngine on ``model_dir``, one per module (servers under test may swap its weights)."""
+    from prodrl_pipelines.engines.local import LocalEngine
+
+    return LocalEngine.from_pretrained(model_dir)

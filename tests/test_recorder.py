@@ -23,7 +23,6 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse
 from starlette.routing import Route
 
-from prodrl_pipelines.engines.local import LocalEngine
 from prodrl_pipelines.engines.openai_protocol import (
     completion_logprobs,
     error_body,
@@ -48,16 +47,6 @@ REPO = Path(__file__).resolve().parents[1]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_policy_dir):
-    return tiny_policy_dir
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir):
-    return LocalEngine.from_pretrained(model_dir)
 
 
 @pytest.fixture(scope="module")

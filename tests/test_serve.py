@@ -12,7 +12,6 @@ import httpx
 import pytest
 import torch
 
-from prodrl_pipelines.engines.local import LocalEngine
 from prodrl_pipelines.engines.openai_protocol import LOGPROB_FLOOR, iter_sse_data, parse_token_id
 from prodrl_pipelines.engines.server import BackgroundServer, build_app
 from prodrl_pipelines.engines.types import SamplingParams
@@ -24,16 +23,6 @@ PROMPT = [1, 116, 5, 24, 17, 25, 35, 2, 5, 1, 121, 5]
 
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_policy_dir):
-    return tiny_policy_dir
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir):
-    return LocalEngine.from_pretrained(model_dir)
 
 
 @pytest.fixture(scope="module")

@@ -32,16 +32,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tiny_policy_dir):
-    return tiny_policy_dir
-
-
-@pytest.fixture(scope="module")
-def engine(model_dir):
-    return LocalEngine.from_pretrained(model_dir)
-
-
-@pytest.fixture(scope="module")
 def server(engine, model_dir):
     app = build_app(engine, model_dir=model_dir, served_model_name="policy-v0", max_logprobs=20,
                     api_key="k3y", batch_wait_ms=2)
