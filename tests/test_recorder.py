@@ -188,6 +188,57 @@ def test_streams_are_passed_through_and_recorded(upstream, direct, start_recorde
     assert rows[1]["output_token_ids"] == engine.generate([PROMPT], p5, seed=8)[0].output_token_ids
 
 
+@pytest.mark.parametrize("kind,stream", [("completion", False), ("completion", True), ("chat", False), ("chat", True)])
+def test_recorded_extra_draw_equals_the_local_engine(upstream, direct, start_recorder, engine, kind, stream):
+    """``--record-extra-draw``: the recorder asks ``prodrl serve`` for the extra draw, records it as
+    ``extra_token_ids`` (equal to the local engine's for the same seed) and strips it from the answer."""
+    r = start_recorder(upstream.url, record_extra_draw=True)
+    if kind == "completion":
+        path, body, ids = "/v1/completions", {"prompt": PROMPT, "max_tokens": 9, "seed": 12, "top_k": 50}, PROMPT
+    else:
+        messages = [{"role": "user", "content": "8+5="}]
+        path, body = "/v1/chat/completions", {"messages": messages, "max_tokens": 9, "seed": 12, "top_k": 50}
+        ids = render_prompt(engine.tokenizer, messages)[1]
+    # what the upstream sampled: the same request with the extra draw, seeded
+    want_answer = direct.post(path, json={**body, "extra_draw": True}).json()
+    for c in want_answer["choices"]:
+        c.pop("extra_token_ids")
+    if stream:
+        got, comments, _ = _events(r.http, path, body, {"X-Trajectory-Id": "x"})
+        assert comments == [": prodrl trajectory_id=x call_index=0 recorded=true"]
+        assert all("extra_token_ids" not in ch for c in got for ch in c["choices"])  # stripped from every chunk
+    else:
+        resp = r.http.post(path, json=body, headers={"X-Trajectory-Id": "x"})
+        assert resp.headers["x-prodrl-recorded"] == "true"
+        _same(resp.json(), want_answer)  # the client's answer: nothing it did not ask for
+    want = engine.generate([ids], SamplingParams(max_tokens=9, top_k=50, num_top_logprobs=20, stop_token_ids=(EOS,),
+                                                 record_extra_draw=True), seed=12)[0]
+    row = r.store().read_calls().to_pylist()[0]
+    assert row["output_token_ids"] == want.output_token_ids
+    assert row["extra_token_ids"] == want.extra_token_ids and len(row["extra_token_ids"]) == len(want.output_token_ids)
+    assert r.stats()["extra_draw_recorded"] == 1 and r.http.get("/stats").json()["record_extra_draw"] is True
+
+
+def test_extra_draw_strip_rule(upstream, direct, start_recorder, engine):
+    """The client gets ``extra_token_ids`` only when it asked (``extra_draw``); what it asked for is
+    recorded too, with or without the recorder's flag; without either nothing is asked upstream."""
+    body = {"prompt": PROMPT, "max_tokens": 6, "seed": 3, "top_k": 30}
+    want = direct.post("/v1/completions", json={**body, "extra_draw": True}).json()["choices"][0]["extra_token_ids"]
+    plain = start_recorder(upstream.url)
+    got = plain.http.post("/v1/completions", json={**body, "extra_draw": True}, headers={"X-Trajectory-Id": "a"})
+    assert got.json()["choices"][0]["extra_token_ids"] == want
+    no = plain.http.post("/v1/completions", json=body, headers={"X-Trajectory-Id": "a"}).json()["choices"][0]
+    assert "extra_token_ids" not in no
+    _same(no, direct.post("/v1/completions", json=body).json()["choices"][0])  # no extra draw asked upstream
+    rows = sorted(plain.store().read_calls().to_pylist(), key=lambda x: x["call_index"])
+    assert [x["extra_token_ids"] for x in rows] == [want, None]
+    flagged = start_recorder(upstream.url, record_extra_draw=True, store_dir=Path(plain.rec.cfg.store_dir + "-2"))
+    asked = flagged.http.post("/v1/completions", json={**body, "extra_draw": True, "stream": False})
+    assert asked.json()["choices"][0]["extra_token_ids"] == want
+    chunks, _, _ = _events(flagged.http, "/v1/completions", {**body, "extra_draw": True})
+    assert sum((c["choices"][0]["extra_token_ids"] for c in chunks if c["choices"]), []) == want
+
+
 def test_trajectories_group_calls_in_order(upstream, start_recorder):
     r = start_recorder(upstream.url, policy_version="round-7")
     body = {"prompt": PROMPT, "max_tokens": 2}
@@ -257,6 +308,7 @@ class FakeUpstream:
 
     def __init__(self) -> None:
         self.mode = "ok"
+        self.extra = None  # None: ignores ``extra_draw`` (like vLLM); else the extra_token_ids it returns
         self.delay = 0.0
         self.app = Starlette(routes=[Route("/v1/completions", self.completions, methods=["POST"]),
                                      Route("/v1/models", self.models, methods=["GET"])])
@@ -286,6 +338,8 @@ class FakeUpstream:
             choices.append({"index": c, "text": "x" * len(ids), "logprobs": lp, "finish_reason": "length",
                             "stop_reason": None, "token_ids": ids if rti else None,
                             "prompt_token_ids": prompt if rti else None})
+            if self.extra is not None:
+                choices[-1]["extra_token_ids"] = self.extra
         return JSONResponse({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "fake-v3",
                              "choices": choices, "usage": None})
 
@@ -324,6 +378,23 @@ def test_unrecordable_calls_are_answered_counted_and_never_stored(fake, start_re
     r.stop()
     again = start_recorder(fake.url, tokenizer_dir=None)  # a restart keeps the trajectory's next index
     assert again.http.post("/v1/completions", json=body, headers=H).headers["x-call-index"] == "5"
+
+
+def test_extra_draw_against_an_upstream_without_the_extension(fake, start_recorder):
+    """A vLLM-like upstream ignores ``extra_draw``: the call is answered and recorded with a null
+    ``extra_token_ids``, and counted; extra ids of the wrong length are dropped the same way."""
+    r = start_recorder(fake.url, tokenizer_dir=None, record_extra_draw=True)
+    body = {"prompt": [5, 6, 7], "max_tokens": 3}
+    for extra in (None, [1, 2], [1, 2, "x"], [4, 5, 6]):
+        fake.extra = extra
+        resp = r.http.post("/v1/completions", json=body, headers={"X-Trajectory-Id": "v"})
+        assert resp.status_code == 200 and resp.headers["x-prodrl-recorded"] == "true"
+        assert "extra_token_ids" not in resp.json()["choices"][0]
+    rows = sorted(r.store().read_calls().to_pylist(), key=lambda x: x["call_index"])
+    assert [x["extra_token_ids"] for x in rows] == [None, None, None, [4, 5, 6]]
+    s = r.stats()
+    assert s["extra_draw_missing"] == 1 and s["extra_draw_malformed"] == 2 and s["extra_draw_recorded"] == 1
+    assert s["recorded_calls"] == 4 and "prodrl_recorder_extra_draw_missing 1" in r.http.get("/metrics").text
 
 
 def test_upstream_timeout_is_a_504_and_the_service_keeps_serving(fake, start_recorder):

@@ -173,6 +173,40 @@ def test_chat_stream_matches_the_non_streamed_answer(http):
     assert rest[-1]["finish_reason"] == ch["finish_reason"]
 
 
+def test_extra_draw_extension_returns_the_local_engines_extra_draw(http, engine):
+    """``"extra_draw": true`` (prodrl extension) adds per-choice ``extra_token_ids``: the local engine's
+    ``record_extra_draw`` for the same seed; absent when not asked; streamed as per-chunk deltas."""
+    body = {"prompt": PROMPT, "max_tokens": 10, "seed": 31, "return_token_ids": True, "top_k": 40, "extra_draw": True}
+    ch = http.post("/v1/completions", json=body).json()["choices"][0]
+    rec = local(engine, PROMPT, 31, max_tokens=10, top_k=40, record_extra_draw=True)
+    assert ch["token_ids"] == rec.output_token_ids and ch["extra_token_ids"] == rec.extra_token_ids
+    assert len(ch["extra_token_ids"]) == len(ch["token_ids"])
+    assert ch["extra_token_ids"] != ch["token_ids"]  # independent draws (40 candidates, 10 positions)
+    plain = http.post("/v1/completions", json={**body, "extra_draw": False}).json()["choices"][0]
+    assert "extra_token_ids" not in plain
+    assert plain["token_ids"] == local(engine, PROMPT, 31, max_tokens=10, top_k=40).output_token_ids
+    chunks = [c["choices"][0] for c in _stream(http, "/v1/completions", body)]
+    assert sum((c["extra_token_ids"] for c in chunks), []) == rec.extra_token_ids
+    assert all(len(c["extra_token_ids"]) == len(c["token_ids"]) for c in chunks)
+
+    messages = [{"role": "user", "content": "2+5="}]
+    chat = {"messages": messages, "max_tokens": 6, "seed": 3, "extra_draw": True}
+    _, ids = render_prompt(engine.tokenizer, messages)
+    want = local(engine, ids, 3, max_tokens=6, record_extra_draw=True)
+    assert http.post("/v1/chat/completions", json=chat).json()["choices"][0]["extra_token_ids"] == want.extra_token_ids
+    rest = [c["choices"][0] for c in _stream(http, "/v1/chat/completions", chat)[1:]]
+    assert sum((c["extra_token_ids"] for c in rest), []) == want.extra_token_ids
+
+    # a stop string cuts the extra draw with the sampled tokens; n > 1 gives each choice its own
+    full = http.post("/v1/completions", json={**body, "ignore_eos": True, "max_tokens": 12}).json()["choices"][0]
+    stop = full["text"][3:5]
+    cut = http.post("/v1/completions", json={**body, "ignore_eos": True, "max_tokens": 12,
+                                             "stop": [stop]}).json()["choices"][0]
+    assert cut["extra_token_ids"] == full["extra_token_ids"][: len(cut["token_ids"])]
+    two = http.post("/v1/completions", json={**body, "n": 2}).json()["choices"]
+    assert all(len(c["extra_token_ids"]) == len(c["token_ids"]) for c in two)
+
+
 @pytest.mark.parametrize(
     "path,body,status,needle",
     [

@@ -117,8 +117,6 @@ def test_client_errors_are_clear(client, server, engine):
     with pytest.raises(VLLMError, match="greater than max allowed: 20") as e:
         client.generate(PROMPTS[:1], SamplingParams(max_tokens=2, num_top_logprobs=21), seed=0)
     assert e.value.status == 400
-    with pytest.raises(ValueError, match="record_extra_draw"):
-        client.generate(PROMPTS[:1], SamplingParams(record_extra_draw=True), seed=0)
     with pytest.raises(ValueError, match="empty"):
         client.generate([[]], SamplingParams(), seed=0)
     assert client.generate([], SamplingParams()) == []
@@ -130,6 +128,44 @@ def test_client_errors_are_clear(client, server, engine):
         assert not down.health()
         with pytest.raises(VLLMError, match="failed"):
             down.generate(PROMPTS[:1], SamplingParams(max_tokens=2), seed=0)
+
+
+def test_client_extra_draw_equals_the_local_engine(client, engine):
+    """``record_extra_draw`` sends prodrl's ``extra_draw`` extension; ``prodrl serve`` answers with the
+    local engine's extra draw for the same seed (and the sampled tokens of that seeded stream)."""
+    p = SamplingParams(max_tokens=8, top_k=30, num_top_logprobs=8, stop_token_ids=(EOS,), record_extra_draw=True)
+    assert client.request_body(PROMPTS[0], p, 3)["extra_draw"] is True
+    assert "extra_draw" not in client.request_body(PROMPTS[0], SamplingParams(), 3)
+    got = client.generate(PROMPTS[:3], p, seed=21)
+    want = PerPromptLocal(engine).generate(PROMPTS[:3], p, seed=21)
+    for g, w in zip(got, want):
+        assert g.output_token_ids == w.output_token_ids
+        assert g.extra_token_ids == w.extra_token_ids and len(g.extra_token_ids) == len(g.output_token_ids)
+    assert all(r.extra_token_ids is None for r in client.generate(PROMPTS[:1], SamplingParams(max_tokens=3), seed=1))
+
+
+def test_client_extra_draw_needs_a_server_with_the_extension():
+    """vLLM ignores ``extra_draw``: a record asked with the extra draw but answered without it is an error."""
+    choice = {"index": 0, "text": "a", "finish_reason": "length", "token_ids": [5], "prompt_token_ids": [1],
+              "logprobs": {"tokens": ["token_id:5"], "token_logprobs": [-0.1], "text_offset": [0],
+                           "top_logprobs": [{"token_id:5": -0.1, "token_id:6": -2.5}]}}
+
+    def answer(extra):
+        async def completions(request):
+            ch = dict(choice) if extra is None else {**choice, "extra_token_ids": extra}
+            return JSONResponse({"id": "x", "model": "m", "choices": [ch]})
+        return Starlette(routes=[Route("/v1/completions", completions, methods=["POST"])])
+
+    p = SamplingParams(max_tokens=1, num_top_logprobs=1)
+    with BackgroundServer(answer(None)) as srv, VLLMClient(srv.url, model="m") as c:
+        assert c.generate([[1]], p, seed=0)[0].extra_token_ids is None
+        with pytest.raises(VLLMError, match="extra_draw"):
+            c.generate([[1]], SamplingParams(max_tokens=1, num_top_logprobs=1, record_extra_draw=True), seed=0)
+    with BackgroundServer(answer([9])) as srv, VLLMClient(srv.url, model="m") as c:
+        assert c.generate([[1]], p, seed=0)[0].extra_token_ids == [9]
+    with BackgroundServer(answer([9, 9])) as srv, VLLMClient(srv.url, model="m") as c:
+        with pytest.raises(VLLMError, match="one id per generated token"):
+            c.generate([[1]], p, seed=0)
 
 
 def test_client_rejects_answers_without_token_ids_or_logprobs():

@@ -19,6 +19,18 @@ field names and quirks follow vLLM's OpenAI server (``vllm/entrypoints/openai``,
   ``return_tokens_as_token_ids: true`` -- the only way to get exact ids of the top-N tokens, so the
   client and the recorder always ask for it.
 * Errors are ``{"error": {"message", "type", "param", "code"}}``.
+
+prodrl extension (not in vLLM), the extra draw of the ``score_centering_sampled`` correction:
+
+* request field ``"extra_draw": true`` (a vLLM-style extra field; vLLM accepts and ignores unknown
+  fields): ``prodrl serve`` also draws one independent token a' ~ mu per generated position (from the
+  same processed distribution as the sampled token, never fed back) and returns it per choice as
+  ``extra_token_ids`` (``EXTRA_IDS_FIELD``): the whole list when not streaming, each chunk's delta
+  when streaming (aligned with ``token_ids``; same length as the choice's generated tokens). The
+  field is absent when not asked for, and absent from a real vLLM's answer whatever was asked.
+* The extra draw takes random numbers from the request's stream, so a seeded request asking for it
+  samples other tokens than the same request without it (each is reproducible:
+  ``LocalEngine.generate([p], SamplingParams(..., record_extra_draw=True), seed)``).
 """
 
 from __future__ import annotations
@@ -32,6 +44,8 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 __all__ = [
+    "EXTRA_DRAW_FIELD",
+    "EXTRA_IDS_FIELD",
     "LOGPROB_FLOOR",
     "TOKEN_ID_PREFIX",
     "CompletionRequest",
@@ -56,6 +70,9 @@ __all__ = [
 # vLLM's JSON stand-in for -inf in logprobs (same value as engines.local.TOP_LOGPROB_FLOOR).
 LOGPROB_FLOOR = -9999.0
 TOKEN_ID_PREFIX = "token_id:"
+# The prodrl extension asking for / returning the extra draw a' ~ mu (see the module docstring).
+EXTRA_DRAW_FIELD = "extra_draw"
+EXTRA_IDS_FIELD = "extra_token_ids"
 # A head whose probabilities sum to at least 1 - this is taken to hold the whole support.
 COMPLETE_MASS_TOL = 1e-6
 
@@ -117,6 +134,7 @@ class _SamplingFields(_Base):
     return_token_ids: bool | None = None
     return_tokens_as_token_ids: bool | None = None
     prompt_logprobs: int | None = None
+    extra_draw: bool | None = None  # prodrl extension: also return ``extra_token_ids`` (module docstring)
 
 
 class CompletionRequest(_SamplingFields):

@@ -8,6 +8,10 @@ redeploy a new checkpoint in place. Responses carry vLLM's fields (``prompt_toke
 logprobs are processed logprobs, as from ``vllm serve --logprobs-mode processed_logprobs``.
 Asking for more than ``--max-logprobs`` logprobs is a 400, as in vLLM.
 
+Extension: ``"extra_draw": true`` in a completion or chat request adds, per choice,
+``extra_token_ids``: one extra independent draw a' ~ mu per generated position (the local engine's
+``record_extra_draw``, for the ``score_centering_sampled`` correction; see ``openai_protocol``).
+
 Batching: requests are queued; a loop collects them (until 1 ms passes with no new request, or
 ``--batch-wait-ms`` in all) and calls ``engine.generate`` once per group of equal sampling parameters (one engine thread, so reloads and
 batches never overlap). A request with a ``seed`` is generated on its own (each of its prompts
@@ -55,6 +59,7 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from prodrl_pipelines.engines.openai_protocol import (
+    EXTRA_IDS_FIELD,
     SSE_DONE,
     ChatCompletionRequest,
     CompletionRequest,
@@ -302,6 +307,7 @@ class _Plan:
     seed: int | None
     n: int
     n_logprobs: int | None  # None: not requested
+    extra_draw: bool  # return ``extra_token_ids`` (the prodrl extension)
     explicit_stops: frozenset[int]
     stop_strings: list[str]
 
@@ -408,10 +414,11 @@ def _plan(state: ServeState, req, kind: str, prompts: list[list[int]], prompt_te
         params = SamplingParams(
             temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), max_tokens=int(max_tokens),
             num_top_logprobs=max(int(n_lp or 1), 1), stop_token_ids=tuple(sorted(stops)),
+            record_extra_draw=bool(req.extra_draw),
         )
     except ValueError as exc:
         raise ProtocolError(str(exc)) from None
-    return _Plan(prompts, prompt_texts, params, req.seed, req.n, n_lp, explicit, stop_strings)
+    return _Plan(prompts, prompt_texts, params, req.seed, req.n, n_lp, bool(req.extra_draw), explicit, stop_strings)
 
 
 async def _run(state: ServeState, plan: _Plan) -> list[list[CallRecord]]:
@@ -435,12 +442,16 @@ class _Choice:
     text: str
     finish_reason: str
     stop_reason: int | str | None
+    extra_ids: list[int] | None = None  # the extra draw, one per generated token (when asked)
 
 
 def _finish(state: ServeState, plan: _Plan, rec: CallRecord, skip_special: bool, include_stop_str: bool) -> _Choice:
     ids = list(rec.output_token_ids)
     lps = list(rec.output_logprobs)
     hid, hlp = list(rec.top_token_ids), list(rec.top_logprobs)
+    extra = [int(t) for t in rec.extra_token_ids] if plan.extra_draw and rec.extra_token_ids is not None else None
+    if plan.extra_draw and (extra is None or len(extra) != len(ids)):
+        raise RuntimeError("the engine did not return one extra draw per generated token")
     finish = rec.finish_reason
     stop_reason: int | str | None = None
     stopped_by_token = finish == "stop" and ids and ids[-1] in plan.params.stop_token_ids
@@ -454,10 +465,10 @@ def _finish(state: ServeState, plan: _Plan, rec: CallRecord, skip_special: bool,
                 at, s = min(hits)
                 ids, lps, hid, hlp = ids[: i + 1], lps[: i + 1], hid[: i + 1], hlp[: i + 1]
                 text = t[: at + len(s)] if include_stop_str else t[:at]
-                return _Choice(ids, lps, hid, hlp, text, "stop", s)
+                return _Choice(ids, lps, hid, hlp, text, "stop", s, None if extra is None else extra[: i + 1])
     if stopped_by_token:
         stop_reason = ids[-1] if ids[-1] in plan.explicit_stops else None
-    return _Choice(ids, lps, hid, hlp, text, finish, stop_reason)
+    return _Choice(ids, lps, hid, hlp, text, finish, stop_reason, extra)
 
 
 def _positions(plan: _Plan, c: _Choice, upto: slice = slice(None)) -> list[list[tuple[int, float]]]:
@@ -585,13 +596,16 @@ async def completions(request: Request) -> Response:
             lp = None
             if plan.n_logprobs is not None:
                 lp = completion_logprobs(c.token_ids, _positions(plan, c), plan.n_logprobs, tstr)
-            out.append({
+            item = {
                 "index": len(out), "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
                 "token_ids": c.token_ids if req.return_token_ids else None,
                 "prompt_logprobs": None,
                 "prompt_token_ids": plan.prompts[pi] if req.return_token_ids else None,
-            })
+            }
+            if plan.extra_draw:
+                item[EXTRA_IDS_FIELD] = c.extra_ids
+            out.append(item)
             n_gen += len(c.token_ids)
     return JSONResponse({
         "id": rid, "object": "text_completion", "created": created, "model": model, "choices": out,
@@ -614,17 +628,17 @@ async def _completion_stream(state, req, plan, choices, rid, created, model, tst
                 if plan.n_logprobs is not None:
                     lp = completion_logprobs(c.token_ids[t : t + 1], _positions(plan, c, slice(t, t + 1)),
                                              plan.n_logprobs, tstr, initial_text_offset=offset)
-                yield sse({
-                    "id": rid, "object": "text_completion", "created": created, "model": model,
-                    "choices": [{
-                        "index": index, "text": deltas[t], "logprobs": lp,
-                        "finish_reason": c.finish_reason if last else None,
-                        "stop_reason": c.stop_reason if last else None,
-                        "prompt_token_ids": plan.prompts[pi] if (req.return_token_ids and t == 0) else None,
-                        "token_ids": c.token_ids[t : t + 1] if req.return_token_ids else None,
-                    }],
-                    "usage": None,
-                })
+                item = {
+                    "index": index, "text": deltas[t], "logprobs": lp,
+                    "finish_reason": c.finish_reason if last else None,
+                    "stop_reason": c.stop_reason if last else None,
+                    "prompt_token_ids": plan.prompts[pi] if (req.return_token_ids and t == 0) else None,
+                    "token_ids": c.token_ids[t : t + 1] if req.return_token_ids else None,
+                }
+                if plan.extra_draw:
+                    item[EXTRA_IDS_FIELD] = c.extra_ids[t : t + 1]
+                yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
+                           "choices": [item], "usage": None})
                 offset += len(deltas[t])
             n_gen += len(c.token_ids)
             index += 1
@@ -682,8 +696,11 @@ async def chat_completions(request: Request) -> Response:
         lp = None
         if plan.n_logprobs is not None:
             lp = chat_logprobs(c.token_ids, _positions(plan, c), plan.n_logprobs, tstr, state.tokens.piece)
-        out.append({"index": i, "message": _chat_message(c), "logprobs": lp, "finish_reason": c.finish_reason,
-                    "stop_reason": c.stop_reason, "token_ids": c.token_ids if req.return_token_ids else None})
+        item = {"index": i, "message": _chat_message(c), "logprobs": lp, "finish_reason": c.finish_reason,
+                "stop_reason": c.stop_reason, "token_ids": c.token_ids if req.return_token_ids else None}
+        if plan.extra_draw:
+            item[EXTRA_IDS_FIELD] = c.extra_ids
+        out.append(item)
     n_gen = sum(len(c.token_ids) for c in choices)
     body = {
         "id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
@@ -719,10 +736,13 @@ async def _chat_stream(state, req, plan, choices, rid, created, model, tstr, pro
             if plan.n_logprobs is not None:
                 lp = chat_logprobs(c.token_ids[t : t + 1], _positions(plan, c, slice(t, t + 1)), plan.n_logprobs,
                                    tstr, state.tokens.piece)
-            yield chunk({"index": i, "delta": {"content": deltas[t]}, "logprobs": lp,
-                         "finish_reason": c.finish_reason if last else None,
-                         "stop_reason": c.stop_reason if last else None,
-                         "token_ids": c.token_ids[t : t + 1] if req.return_token_ids else None})
+            item = {"index": i, "delta": {"content": deltas[t]}, "logprobs": lp,
+                    "finish_reason": c.finish_reason if last else None,
+                    "stop_reason": c.stop_reason if last else None,
+                    "token_ids": c.token_ids[t : t + 1] if req.return_token_ids else None}
+            if plan.extra_draw:
+                item[EXTRA_IDS_FIELD] = c.extra_ids[t : t + 1]
+            yield chunk(item)
     if req.stream_options is not None and req.stream_options.include_usage:
         n_gen = sum(len(c.token_ids) for c in choices)
         yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,

@@ -18,8 +18,14 @@ the local engine. Each prompt is one ``POST /v1/completions`` request (sent conc
 Each record's top-K head is rebuilt from vLLM's per-position entries (``reconstruct_head``);
 ``support_complete`` is computed from the recorded head (``head_support_complete``): true when
 ``0 < top_k <= K``, or at every position the head holds a floored (-inf) entry or all the mass.
-``output_text`` is the server's text (vLLM leaves the stop token's text out). The sampled extra draw
-(``record_extra_draw``) has no vLLM counterpart and is refused.
+``output_text`` is the server's text (vLLM leaves the stop token's text out).
+
+The extra draw (``params.record_extra_draw``, for ``score_centering_sampled``) has no vLLM
+counterpart: the client then sends prodrl's ``"extra_draw": true`` extension (``openai_protocol``)
+and reads the answer's ``extra_token_ids`` into ``CallRecord.extra_token_ids``. ``prodrl serve`` (and
+a recorder in front of it) implements it; a server that returns no extra ids for it (vLLM ignores
+the field) is an error (``VLLMError``), since the caller asked for a draw it cannot have. Without
+``record_extra_draw``, ``extra_token_ids`` is still read when an answer carries it.
 
 Redeploy: restart vLLM on the new export (``vllm_serve_command``; its ``--served-model-name`` is the
 policy version). ``reload`` calls ``prodrl serve``'s ``POST /v1/load_model``; vLLM itself has no
@@ -37,7 +43,12 @@ from pathlib import Path
 
 import httpx
 
-from prodrl_pipelines.engines.openai_protocol import head_support_complete, parse_completion_logprobs
+from prodrl_pipelines.engines.openai_protocol import (
+    EXTRA_DRAW_FIELD,
+    EXTRA_IDS_FIELD,
+    head_support_complete,
+    parse_completion_logprobs,
+)
 from prodrl_pipelines.engines.types import CallRecord, SamplingParams
 
 __all__ = ["VLLMClient", "VLLMError", "request_seed", "vllm_serve_command"]
@@ -205,6 +216,8 @@ class VLLMClient:
         }
         if seed is not None:
             body["seed"] = int(seed)
+        if params.record_extra_draw:
+            body[EXTRA_DRAW_FIELD] = True
         return body
 
     def _one(self, prompt: list[int], params: SamplingParams, seed: int | None) -> CallRecord:
@@ -219,8 +232,6 @@ class VLLMClient:
         seed: int | None = None,
     ) -> list[CallRecord]:
         """One record per prompt, in order; prompts are sent concurrently (``max_concurrency``)."""
-        if params.record_extra_draw:
-            raise ValueError("record_extra_draw (the `sampled` score-centering draw) is not available from vLLM")
         prompts = [[int(t) for t in p] for p in prompts]
         if not prompts:
             return []
@@ -265,6 +276,14 @@ def record_from_completion(data: dict, params: SamplingParams) -> CallRecord:
     finish = choice.get("finish_reason")
     if finish not in ("stop", "length"):
         raise VLLMError(f"generation ended with finish_reason={finish!r}")
+    extra = choice.get(EXTRA_IDS_FIELD)
+    if extra is not None:
+        if not isinstance(extra, list) or len(extra) != len(ids):
+            raise VLLMError(f"{EXTRA_IDS_FIELD} must hold one id per generated token ({len(ids)}), got {str(extra)[:200]}")
+        extra = [int(t) for t in extra]
+    elif params.record_extra_draw:
+        raise VLLMError(f"the server returned no {EXTRA_IDS_FIELD}: the extra draw (record_extra_draw) needs a server "
+                        f"with prodrl's `{EXTRA_DRAW_FIELD}` extension (prodrl serve); vLLM has none")
     return CallRecord(
         prompt_token_ids=[int(t) for t in prompt_ids],
         output_token_ids=ids,
@@ -272,7 +291,7 @@ def record_from_completion(data: dict, params: SamplingParams) -> CallRecord:
         top_token_ids=head_ids,
         top_logprobs=head_lps,
         support_complete=head_support_complete(params.top_k, k, head_lps),
-        extra_token_ids=None,
+        extra_token_ids=extra,
         finish_reason=finish,
         output_text=str(choice.get("text") or ""),
         extra={"stop_reason": choice.get("stop_reason"), "response_id": data.get("id"), "model": data.get("model")},

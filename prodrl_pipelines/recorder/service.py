@@ -20,6 +20,16 @@ Clients talk to the recorder exactly as to vLLM (``POST /v1/completions``,
    before the client gets its answer (for a stream: before the final ``data: [DONE]``, preceded by
    an SSE comment ``: prodrl trajectory_id=... call_index=...``).
 
+Extra draw (``--record-extra-draw``): the recorder also asks the upstream for ``"extra_draw": true``
+(a prodrl extension that ``prodrl serve`` implements, see ``openai_protocol``), stores the returned
+per-choice ``extra_token_ids`` (one independent draw a' ~ mu per generated position, for the
+``score_centering_sampled`` correction) in the ``extra_token_ids`` column, and strips them from the
+answer unless the client asked for ``extra_draw`` itself (then they are also recorded, flag or not).
+An upstream without the extension (vLLM) ignores the field: the call is still recorded, with
+``extra_token_ids`` null, and counted (``extra_draw_missing``; ids of the wrong length or type:
+``extra_draw_malformed``). Note that on ``prodrl serve`` the extra draw takes random numbers from the
+request's stream, so a seeded request samples other tokens with the flag than without it.
+
 Trajectories: calls carrying the same ``X-Trajectory-Id`` header form one trajectory, indexed 0, 1,
 ... in the order they complete; a call without the header starts a new one with a generated id. The
 answer carries ``X-Trajectory-Id`` and (when not streaming) ``X-Call-Index`` and
@@ -68,6 +78,8 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from prodrl_pipelines.engines.openai_protocol import (
+    EXTRA_DRAW_FIELD,
+    EXTRA_IDS_FIELD,
     SSE_DONE,
     ProtocolError,
     error_body,
@@ -111,6 +123,7 @@ class RecorderConfig:
     s3_prefix: str = ""
     s3_endpoint_url: str = ""  # empty: AWS; else an S3-compatible server (MinIO, moto, ...)
     s3_region: str = ""
+    record_extra_draw: bool = False  # ask the upstream for the extra draw a' ~ mu (``extra_token_ids``)
 
     def __post_init__(self) -> None:
         if not self.token:
@@ -188,6 +201,7 @@ class Ask:
     n: int | None  # logprobs / top_logprobs asked for; None: no logprobs
     as_ids: bool
     prompt_text: bool
+    extra: bool = False  # the prodrl extension ``extra_draw``
 
 
 class Unrecordable(Exception):
@@ -214,7 +228,7 @@ def client_ask(body: dict, kind: str) -> Ask:
     else:
         n = None
     return Ask(bool(body.get("return_token_ids")), n, bool(body.get("return_tokens_as_token_ids")),
-               bool(body.get("return_prompt_text")))
+               bool(body.get("return_prompt_text")), bool(body.get(EXTRA_DRAW_FIELD)))
 
 
 _NEUTRAL = {"presence_penalty": 0.0, "frequency_penalty": 0.0, "repetition_penalty": 1.0, "min_p": 0.0}
@@ -347,6 +361,8 @@ class Rewriter:
                     choice["token_ids"] = None
                 if choice.get("prompt_token_ids") is not None:
                     choice["prompt_token_ids"] = None
+            if not ask.extra and EXTRA_IDS_FIELD in choice:
+                del choice[EXTRA_IDS_FIELD]  # absent, as from an upstream not asked for it
             lp = choice.get("logprobs")
             if lp is not None:
                 if ask.n is None:
@@ -372,6 +388,8 @@ class StreamAccumulator:
         self.prompt_text: str | None = None
         self.ids: list[int] = []
         self.have_ids = False
+        self.extra: list[int] = []
+        self.have_extra = False
         self.text: list[str] = []
         self.comp_lp = {"tokens": [], "token_logprobs": [], "top_logprobs": []}
         self.chat_lp: list = []
@@ -405,6 +423,13 @@ class StreamAccumulator:
             if ch.get("token_ids") is not None:
                 self.have_ids = True
                 self.ids.extend(ch["token_ids"])
+            extra = ch.get(EXTRA_IDS_FIELD)
+            if extra is not None:
+                self.have_extra = True
+                if isinstance(extra, list):
+                    self.extra.extend(extra)
+                else:
+                    self.extra.append(extra)  # malformed: build_row rejects it
             lp = ch.get("logprobs")
             if isinstance(lp, dict):
                 self.have_lp = True
@@ -422,10 +447,14 @@ class StreamAccumulator:
             choice = {"index": 0, "text": text, "prompt_token_ids": self.prompt_ids,
                       "token_ids": self.ids if self.have_ids else None,
                       "logprobs": self.comp_lp if self.have_lp else None, "finish_reason": self.finish}
+        else:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "token_ids": self.ids if self.have_ids else None,
+                      "logprobs": {"content": self.chat_lp} if self.have_lp else None, "finish_reason": self.finish}
+        if self.have_extra:
+            choice[EXTRA_IDS_FIELD] = self.extra
+        if self.kind == "completion":
             return {"model": self.model, "choices": [choice]}
-        choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                  "token_ids": self.ids if self.have_ids else None,
-                  "logprobs": {"content": self.chat_lp} if self.have_lp else None, "finish_reason": self.finish}
         return {"model": self.model, "prompt_token_ids": self.prompt_ids, "prompt_text": self.prompt_text,
                 "choices": [choice]}
 
@@ -479,6 +508,8 @@ class Recorder:
             up["logprobs"] = True
             up["top_logprobs"] = max(self.chat_n, ask.n or 0)
             up["return_prompt_text"] = True
+        if self.cfg.record_extra_draw:
+            up[EXTRA_DRAW_FIELD] = True
         if up.get("temperature") is None:
             up["temperature"] = self.cfg.default_temperature
         if up.get("top_p") is None:
@@ -526,6 +557,7 @@ class Recorder:
             prompt_text = data.get("prompt_text")
         if prompt_text is None and self.tokens is not None:
             prompt_text = self.tokens.text(prompt_ids)
+        extra = self._extra_ids(choice, len(ids)) if up.get(EXTRA_DRAW_FIELD) else None
         return {
             "task_id": task_id,
             "policy_version": policy_version or self.cfg.policy_version or str(data.get("model") or "unknown"),
@@ -538,9 +570,23 @@ class Recorder:
             "temperature": float(up["temperature"]),
             "top_p": float(up["top_p"]),
             "top_k": top_k,
+            "extra_token_ids": extra,
             "prompt_text": prompt_text or "",
             "output_text": out_text,
         }
+
+    def _extra_ids(self, choice: dict, n: int) -> list[int] | None:
+        """The choice's extra draw (one id per generated token), or None (counted) when the upstream
+        did not return a usable one: the call is still recorded, without it."""
+        extra = choice.get(EXTRA_IDS_FIELD)
+        if extra is None:
+            self.stats.inc("extra_draw_missing")
+            return None
+        if not isinstance(extra, list) or len(extra) != n or not all(_is_int(t) and t >= 0 for t in extra):
+            self.stats.inc("extra_draw_malformed")
+            return None
+        self.stats.inc("extra_draw_recorded")
+        return extra
 
     async def commit(self, tid: str, row: dict | None, reason: str | None) -> int:
         """Durably commit a recorded row or a skip; returns the call index."""
@@ -772,7 +818,7 @@ async def stats_route(request: Request) -> Response:
     rec: Recorder = request.app.state.recorder
     return JSONResponse({"counters": rec.stats.as_dict(), "policy_version": rec.cfg.policy_version,
                          "upstream": rec.cfg.upstream, "top_logprobs": rec.cfg.top_logprobs,
-                         "chat_top_logprobs": rec.chat_k})
+                         "chat_top_logprobs": rec.chat_k, "record_extra_draw": rec.cfg.record_extra_draw})
 
 
 async def metrics(request: Request) -> Response:
@@ -858,6 +904,9 @@ def add_record_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--flush-rows", type=int, default=1024, help="flush to Parquet after this many records")
     r.add_argument("--flush-interval", type=float, default=2.0, help="... or after this many seconds")
     r.add_argument("--upstream-timeout", type=float, default=120.0, help="seconds before a 504")
+    r.add_argument("--record-extra-draw", action="store_true",
+                   help="also ask the upstream for the extra draw a' ~ mu (prodrl serve's `extra_draw` extension) "
+                        "and record it as extra_token_ids (null and counted when the upstream has none, e.g. vLLM)")
     r.add_argument("--log-level", default="warning")
     r.set_defaults(fn=cmd_record)
     return r
@@ -878,7 +927,7 @@ def cmd_record(args) -> int:
             upstream_api_key=os.environ.get(UPSTREAM_KEY_ENV), flush_rows=args.flush_rows,
             flush_interval_s=args.flush_interval, upstream_timeout_s=args.upstream_timeout,
             s3_bucket=args.s3_bucket, s3_prefix=args.s3_prefix, s3_endpoint_url=args.s3_endpoint_url,
-            s3_region=args.s3_region,
+            s3_region=args.s3_region, record_extra_draw=args.record_extra_draw,
         )
     except ValueError as e:
         print(f"prodrl record: {e}", file=sys.stderr)

@@ -4,8 +4,9 @@ Layout: ``<dir>/wal-<seq 16 digits>.log``. Each entry is framed as
 ``<payload length, 8 hex> <crc32 of payload, 8 hex> <payload>\\n``, so a torn or corrupted tail (a
 crash in the middle of a write) is detected and ignored on replay: an entry counts only when its
 whole frame is on disk with a matching checksum. The payload is compact JSON, except for recorded
-calls: ``B`` + a JSON header line (the scalar fields and list lengths) + the token ids (int64) and
-logprobs (float64, exact) as little-endian binary arrays -- encoding a call's lists as JSON text
+calls: ``B`` + a JSON header line (the scalar fields and list lengths) + the token ids (int64; the
+optional extra draw ``extra_token_ids`` last) and logprobs (float64, exact) as little-endian binary
+arrays -- encoding a call's lists as JSON text
 cost ~0.17 ms per call, the arrays ~0.02 ms. ``append`` writes a group of
 entries with one ``write`` and one ``fdatasync``; an entry is acknowledged only after that returns.
 
@@ -50,12 +51,17 @@ def _encode_call(row: dict) -> bytes | None:
             return None
         if any(len(h) != k for h in heads_ids) or any(len(h) != k for h in heads_lps):
             return None
+        extra = row.get("extra_token_ids")
         header = {key: v for key, v in row.items()
-                  if key not in _ID_LISTS and key not in _HEAD_FIELDS and key != "output_logprobs"}
+                  if key not in _ID_LISTS and key not in _HEAD_FIELDS and key != "output_logprobs"
+                  and not (key == "extra_token_ids" and extra is not None)}
         header["_n"] = [len(row["prompt_token_ids"]), n_out, k]
         ids = array("q", row["prompt_token_ids"])
         ids.extend(out)
         ids.extend(chain.from_iterable(heads_ids))
+        if extra is not None:
+            header["_n"].append(len(extra))  # a 4th length: the extra ids follow the heads
+            ids.extend(extra)
         lps = array("d", row["output_logprobs"])
         lps.extend(chain.from_iterable(heads_lps))
     except (KeyError, TypeError, OverflowError):
@@ -69,8 +75,10 @@ def _encode_call(row: dict) -> bytes | None:
 def _decode_call(payload: bytes) -> dict:
     nl = payload.index(b"\n")
     row = json.loads(payload[1:nl])
-    n_prompt, n_out, k = row.pop("_n")
-    n_ids = n_prompt + n_out + n_out * k
+    lengths = row.pop("_n")
+    n_prompt, n_out, k = lengths[:3]
+    n_extra = lengths[3] if len(lengths) > 3 else None  # older entries: no extra ids in the arrays
+    n_ids = n_prompt + n_out + n_out * k + (n_extra or 0)
     ids, lps = array("q"), array("d")
     ids.frombytes(payload[nl + 1 : nl + 1 + 8 * n_ids])
     lps.frombytes(payload[nl + 1 + 8 * n_ids :])
@@ -84,6 +92,8 @@ def _decode_call(payload: bytes) -> dict:
     row["output_token_ids"] = ids_l[n_prompt : n_prompt + n_out]
     base = n_prompt + n_out
     row["top_token_ids"] = [ids_l[base + i * k : base + (i + 1) * k] for i in range(n_out)]
+    if n_extra is not None:
+        row["extra_token_ids"] = ids_l[base + n_out * k :]
     row["output_logprobs"] = lps_l[:n_out]
     row["top_logprobs"] = [lps_l[n_out + i * k : n_out + (i + 1) * k] for i in range(n_out)]
     return {"kind": "call", "row": row}
