@@ -90,6 +90,14 @@ def _run_rounds(defs, instance, res, svc, s, rounds: int, log, via: str, lab_dep
             log(f"{latest}: unfinished (crashed or interrupted) -> resuming it")
             run_round(defs, instance, latest, {})
             continue
+        if s.recipe.max_policy_lag >= 1:
+            # One-round async (DESIGN.md s.5), played in sequence: the live policy mu_k serves the
+            # S*B episodes it collects while round k trains on the oldest eligible data, mu_{k-1}'s,
+            # collected during round k-1. Before the first round mu_0 also serves a warm-up batch.
+            live = svc.registry.live().policy_version
+            n = s.recipe.trajectories_per_round * (2 if latest is None else 1)
+            log(f"async: {live} serves {n} lab episodes while the next round trains ({via})")
+            simulate_traffic(svc, n, via=via, deployment=lab_dep)
         ctx = build_sensor_context(instance=instance, definitions=defs, resources=res)
         key, reason = None, ""
         for _attempt in range(3):

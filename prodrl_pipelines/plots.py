@@ -53,10 +53,13 @@ def markdown_image(png: bytes, alt: str) -> str:
 def mismatch_history_png(steps: Sequence[dict], round_starts: Sequence[int]) -> bytes:
     """The seed's three figures over the whole run: engine mismatch |log pi_k - log mu| (falls as
     the policy sharpens), staleness |log pi - log pi_k| (sawtooth: resets at each redeploy) and net
-    |log pi - log mu|. Dotted lines mark round starts."""
+    |log pi - log mu|. Dotted lines mark round starts. When the steps carry ``staleness_steps``, a
+    fourth panel shows the policy lag in optimizer steps (0..S-1 sync, S..2S-1 one-round async)."""
     keys = [("engine_mismatch", "engine |log pi_k - log mu|"), ("staleness", "staleness |log pi - log pi_k|"),
             ("net_mismatch", "net |log pi - log mu|")]
-    fig, axes = plt.subplots(3, 1, figsize=(6, 6.5), sharex=True)
+    if any("staleness_steps" in s for s in steps):
+        keys.append(("staleness_steps", "policy lag (optimizer steps since the sampling policy)"))
+    fig, axes = plt.subplots(len(keys), 1, figsize=(6, 2.2 * len(keys)), sharex=True)
     xs = range(1, len(steps) + 1)
     for ax, (k, title) in zip(axes, keys):
         ax.plot(xs, [s.get(k, float("nan")) for s in steps], lw=1.3)

@@ -104,6 +104,17 @@ def preflight(svc: Services, live: LiveDeployment) -> None:
         )
 
 
+def version_dirs(svc: Services, policy_version: str) -> tuple[Path, Path]:
+    """(checkpoint dir, export dir) of a deployed policy version (the live one, or an earlier one)."""
+    live = svc.registry.live()
+    if live is not None and live.policy_version == policy_version:
+        return Path(live.checkpoint_dir), Path(live.export_dir)
+    if policy_version not in svc.registry.version_order():
+        raise RoundError(f"policy version {policy_version!r} was never deployed "
+                         f"(deployed: {svc.registry.version_order()})")
+    return svc.settings.checkpoints_root / policy_version, svc.settings.exports_root / policy_version
+
+
 # --- 1. recorded_trajectories -------------------------------------------------------------
 def select_data(svc: Services, rkey: str) -> dict:
     from prodrl_pipelines.trajectories.selection import InsufficientDataError, select_round_dataset
@@ -197,15 +208,25 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
     state.baseline = BaselineState(**batch["baseline_state"])
     opt = build_optimizer(model, s.recipe, state)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    # The policies that sampled this round's data: mu_k (sync), or mu_{k-1} and mu_k (one-round async).
+    data_versions = sorted({t.policy_version for t in trajs})
+    behavior_steps = {v: load_trainer_state(version_dirs(svc, v)[0]).global_step for v in data_versions}
     reference = None
     if s.recipe.needs_reference_model:
         preflight(svc, live)
-        reference, _ = load_policy(Path(live.export_dir), dtype=torch.float32)  # deployed weights, upcast
-        reference.eval()
+        reference = {}
+        for v in data_versions:  # each trajectory's own deployed weights, upcast
+            export_dir = version_dirs(svc, v)[1]
+            if not (export_dir / "prodrl_export.json").exists():
+                raise RoundError(f"correction={s.recipe.correction!r} needs the deployed export of {v} (it sampled "
+                                 f"data of {rkey}) as the reference model, but {export_dir} holds no export")
+            reference[v], _ = load_policy(export_dir, dtype=torch.float32)
+            reference[v].eval()
     resume = s.checkpoints_root / ".in-round" / f"{rkey}-rank{rank}.pt"
     res = train_round(model, opt, trajs, np.asarray(batch["advantages"]), batch["plan"], s.recipe, state,
                       pad_id, round_seed(s, rkey), on_step=on_step, progress=progress, reference_model=reference,
-                      resume_path=resume, rank=rank, world_size=world_size, grad_sync=grad_sync)
+                      resume_path=resume, rank=rank, world_size=world_size, grad_sync=grad_sync,
+                      behavior_steps=behavior_steps)
     out = Path(out_dir) if out_dir is not None else s.checkpoints_root / rkey
     if rank == 0:
         save_checkpoint(out, model, tokenizer, opt, state)
@@ -253,24 +274,26 @@ def _calibration_prompts(svc: Services, rkey: str | None, n: int = 64) -> list[l
         return out
     from transformers import AutoTokenizer
 
-    from prodrl_pipelines.lab.arithmetic import generate_tasks, initial_messages
     from prodrl_pipelines.lab.episodes import render_prompt
+    from prodrl_pipelines.lab.tasks import get_task
 
+    env = get_task(svc.settings.lab.task)
     tok = AutoTokenizer.from_pretrained(svc.settings.checkpoints_root / BASE_VERSION)
-    return [render_prompt(tok, initial_messages(t))[1] for t in generate_tasks(n, seed=svc.settings.recipe.seed)]
+    return [render_prompt(tok, env.initial_messages(t))[1] for t in env.generate_tasks(n, svc.settings.recipe.seed)]
 
 
 def export_smoke(settings: Settings, export_dir: Path) -> dict:
     """The export's own smoke generation: loaded as deployed (LocalEngine), a few held-out prompts."""
     from transformers import AutoTokenizer
 
-    from prodrl_pipelines.lab.arithmetic import heldout_tasks, initial_messages
     from prodrl_pipelines.lab.episodes import render_prompt, stop_token_ids
+    from prodrl_pipelines.lab.tasks import get_task
     from prodrl_pipelines.quant.export import smoke_generate
 
     try:
+        env = get_task(settings.lab.task)
         tok = AutoTokenizer.from_pretrained(export_dir)
-        prompts = [render_prompt(tok, initial_messages(t))[1] for t in heldout_tasks(SMOKE_PROMPTS)]
+        prompts = [render_prompt(tok, env.initial_messages(t))[1] for t in env.heldout_tasks(SMOKE_PROMPTS)]
         params = settings.deploy.sampling(stop_token_ids=stop_token_ids(tok))
         return {"samples": smoke_generate(export_dir, prompts, params, seed=settings.eval.eval_seed), "error": ""}
     except Exception as e:  # noqa: BLE001 - reported; heldout_eval and the gate judge it
@@ -312,14 +335,15 @@ def export(svc: Services, rkey: str) -> dict:
 def evaluate_policy(settings: Settings, export_dir: Path, policy_version: str) -> dict:
     """Held-out reward per task of one exported policy, served as the deployment would serve it."""
     from prodrl_pipelines.engines.local import LocalEngine
-    from prodrl_pipelines.lab.arithmetic import heldout_tasks
     from prodrl_pipelines.lab.episodes import run_episodes
+    from prodrl_pipelines.lab.tasks import get_task
 
+    env = get_task(settings.lab.task)
     engine = LocalEngine.from_pretrained(export_dir)
     tok = engine.tokenizer
-    tasks = heldout_tasks(settings.eval.heldout_size)
+    tasks = env.heldout_tasks(settings.eval.heldout_size)
     params = settings.deploy.sampling(stop_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),))
-    eps = run_episodes(engine, tok, tasks, params, policy_version, seed=settings.eval.eval_seed)
+    eps = run_episodes(engine, tok, tasks, params, policy_version, seed=settings.eval.eval_seed, env=env)
     rewards = [float(r) for r in eps.rewards]
     mean, ci = mean_confidence_interval(np.asarray(rewards))
     return {"policy_version": policy_version, "task_ids": [t.task_id for t in tasks], "rewards": rewards,
@@ -394,7 +418,7 @@ def bootstrap_base_policy(svc: Services, progress: bool = True) -> dict:
     if not (ckpt / "config.json").exists():
         tmp = s.checkpoints_root / f".{BASE_VERSION}.build"
         shutil.rmtree(tmp, ignore_errors=True)
-        build_base_policy(tmp, size=s.lab.size, seed=s.lab.seed, sft_steps=s.lab.sft_steps)
+        build_base_policy(tmp, size=s.lab.size, seed=s.lab.seed, sft_steps=s.lab.sft_steps, task=s.lab.task)
         tmp.rename(ckpt)
     scheme = s.deploy.export_scheme
     exp = export_policy(ckpt, s.exports_root / BASE_VERSION, scheme,

@@ -53,7 +53,7 @@ def trained_checkpoint(context: AssetExecutionContext, settings: ProdRLSettings,
     svc.lineage.log_bytes(run_id, png, "mismatch.png", "plots")
     svc.lineage.log_metrics(run_id, {"round_mismatch_abs_logp": stats["mismatch_abs_logp"]}, stats["global_step"])
     means = {f"mean_{k}": float(sum(m[k] for m in steps) / len(steps))
-             for k in ("engine_mismatch", "staleness", "net_mismatch", "kl", "head_entropy", "grad_norm",
+             for k in ("engine_mismatch", "staleness", "staleness_steps", "net_mismatch", "kl", "head_entropy", "grad_norm",
                        "is_weight_mean", "is_truncated_frac", "ppo_clip_frac") if steps and k in steps[0]}
     return MaterializeResult(metadata={
         **stats, **means, "correction": svc.settings.recipe.correction, "mlflow_run_id": run_id, "mlflow_run": MetadataValue.url(svc.lineage.run_url(run_id)),

@@ -11,6 +11,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from collections.abc import Mapping
 from typing import Callable
 
 import numpy as np
@@ -151,6 +152,23 @@ def train_step(model, optimizer, b: PackedBatch, old_all: torch.Tensor, ref_all:
         }
 
 
+def _reference_logprobs(reference, b: PackedBatch, versions: list[str], chunk: int) -> torch.Tensor:
+    """policy_logprobs under the reference; with ``{version: model}``, each token's row comes from
+    the model of its trajectory's policy version (``versions[j]`` for trajectory j of the shard)."""
+    if not isinstance(reference, Mapping):
+        return policy_logprobs(reference, b, chunk)
+    missing = sorted(set(versions) - set(reference))
+    if missing:
+        raise ValueError(f"no reference model for policy versions {missing} (have {sorted(reference)})")
+    tok_version = [versions[j] for j in b.traj_index.tolist()]
+    out = None
+    for v in sorted(set(versions)):
+        lp = policy_logprobs(reference[v], b, chunk)
+        mask = torch.tensor([tv == v for tv in tok_version], dtype=torch.bool)[:, None]
+        out = lp if out is None else torch.where(mask, lp, out)
+    return out
+
+
 def plan_minibatches(trajs: list[Trajectory], recipe: Recipe, round_seed: int) -> list[list[int]]:
     """Deterministic shuffle of the S*B trajectories into S minibatches of B (each used once)."""
     n_req = recipe.trajectories_per_round
@@ -188,10 +206,16 @@ def train_round(
     rank: int = 0,
     world_size: int = 1,
     grad_sync: Callable[[torch.nn.Module], None] | None = None,
+    behavior_steps: Mapping[str, int] | None = None,
 ) -> RoundResult:
     """S Adam steps, minibatch s = trajs[plan[s]], with precomputed advantages ``adv_all``.
 
-    ``reference_model`` (``ref_is`` only): the deployed weights, dequantised, run by the trainer.
+    ``reference_model`` (``ref_is`` only): the deployed weights, dequantised, run by the trainer;
+    either one model, or ``{policy_version: model}`` so each trajectory is referenced to the
+    deployment that sampled it (one-round async mixes mu_{k-1} and mu_k data).
+    ``behavior_steps``: ``{policy_version: global_step of the checkpoint it serves}``; each step
+    then reports ``staleness_steps``, the mean number of optimizer steps between the weights being
+    updated and the policy that sampled the minibatch (0..S-1 in sync, S..2S-1 in one-round async).
     ``resume_path``: in-round checkpoint file, written atomically every ``recipe.checkpoint_every``
     steps; when it exists (same plan), training resumes after its last step and ends with the same
     weights as an uninterrupted run. pi_k is always recomputed from the round-start weights.
@@ -215,7 +239,10 @@ def train_round(
     model.eval()
     with torch.no_grad():
         old_all = [policy_logprobs(model, b, chunk) for b in batches]
-        ref_all = [policy_logprobs(reference_model, b, chunk) for b in batches] if reference_model is not None else None
+        ref_all = None
+        if reference_model is not None:
+            ref_all = [_reference_logprobs(reference_model, b, [trajs[i].policy_version for i in sh], chunk)
+                       for b, sh in zip(batches, shards)]
     all_old = torch.cat([support_renormalised(o, b) for o, b in zip(old_all, batches)])
     all_mu = torch.cat([b.logp_mu for b in batches])
     result = RoundResult(mismatch_abs_logp=float((all_old - all_mu).abs().mean()), advantages=adv_all)
@@ -233,6 +260,9 @@ def train_round(
             "adv_mean": float(adv_mb.mean()), "adv_std": float(adv_mb.std()),
             "reward_mean": float(np.mean([trajs[i].reward for i in plan[s]])),
         }
+        if behavior_steps is not None:
+            base["staleness_steps"] = float(np.mean([state.global_step - behavior_steps[trajs[i].policy_version]
+                                                     for i in plan[s]]))
         if np.all(adv_mb == 0):
             # No learning signal: skip (and count) rather than take an empty Adam step.
             result.skipped_steps += 1
