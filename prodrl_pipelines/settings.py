@@ -49,6 +49,7 @@ class LabSettings(BaseModel):
     size: str = "demo"
     seed: int = 0
     sft_steps: int | None = None
+    task: Literal["arithmetic", "chess"] = "arithmetic"  # the lab task environment (lab/tasks.py)
 
 
 class Settings(BaseModel):
@@ -64,6 +65,16 @@ class Settings(BaseModel):
         if self.recipe.correction == "score_centering_sampled" and not self.deploy.record_extra_draw:
             raise ValueError("correction 'score_centering_sampled' needs deploy.record_extra_draw = true "
                              "(the deployment must record an extra draw per position)")
+        return self
+
+    @model_validator(mode="after")
+    def _answers_fit_max_tokens(self) -> "Settings":
+        from prodrl_pipelines.lab.tasks import get_task
+
+        need = get_task(self.lab.task).min_max_tokens
+        if self.deploy.max_tokens < need:
+            raise ValueError(f"lab task {self.lab.task!r} needs deploy.max_tokens >= {need} (a correct answer is "
+                             f"that long); got {self.deploy.max_tokens}")
         return self
 
     @property

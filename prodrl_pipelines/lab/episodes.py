@@ -1,4 +1,6 @@
-"""Run multi-turn arithmetic episodes through an engine, batched turn by turn.
+"""Run multi-turn lab episodes through an engine, batched turn by turn.
+
+Any lab task (``tasks.TaskEnv``: arithmetic by default, chess) plays through the same loop.
 
 Every model call is rendered exactly as a chat server would: the chat template applied to the
 conversation so far with ``add_generation_prompt=True``, then tokenized. The assistant message fed
@@ -17,8 +19,7 @@ from typing import Protocol
 import pyarrow as pa
 
 from prodrl_pipelines.engines.types import CallRecord, SamplingParams
-from prodrl_pipelines.lab import arithmetic
-from prodrl_pipelines.lab.arithmetic import ArithmeticTask
+from prodrl_pipelines.lab.tasks import ARITHMETIC, TaskEnv
 from prodrl_pipelines.lab.tokenizer import IM_END
 from prodrl_pipelines.trajectories.schema import CALL_FIELDS, CALL_SCHEMA, REWARD_SCHEMA
 
@@ -42,6 +43,7 @@ class Episode:
 class EpisodeBatch:
     episodes: list[Episode]
     policy_version: str
+    source: str = ARITHMETIC.reward_source  # the reward source of the task that produced them
 
     def __len__(self) -> int:
         return len(self.episodes)
@@ -57,7 +59,8 @@ class EpisodeBatch:
     def call_rows(self) -> list[dict]:
         return [row for e in self.episodes for row in e.calls]
 
-    def reward_rows(self, source: str = "lab/arithmetic") -> list[dict]:
+    def reward_rows(self, source: str | None = None) -> list[dict]:
+        source = source or self.source
         now = datetime.now(timezone.utc)
         return [
             {"trajectory_id": e.trajectory_id, "reward": float(e.reward), "source": source, "created_at": now}
@@ -67,7 +70,7 @@ class EpisodeBatch:
     def calls_table(self) -> pa.Table:
         return pa.Table.from_pylist(self.call_rows(), schema=CALL_SCHEMA)
 
-    def rewards_table(self, source: str = "lab/arithmetic") -> pa.Table:
+    def rewards_table(self, source: str | None = None) -> pa.Table:
         return pa.Table.from_pylist(self.reward_rows(source), schema=REWARD_SCHEMA)
 
 
@@ -111,12 +114,13 @@ def _turn_seed(seed: int, turn: int) -> int:
 def run_episodes(
     engine: Engine,
     tokenizer,
-    tasks: list[ArithmeticTask],
+    tasks: list,
     params: SamplingParams,
     policy_version: str,
     seed: int,
+    env: TaskEnv = ARITHMETIC,
 ) -> EpisodeBatch:
-    """Play one episode per task, all episodes batched through ``engine`` turn by turn.
+    """Play one episode per task of ``env``, all episodes batched through ``engine`` turn by turn.
 
     ``<|im_end|>`` is always a stop token. Trajectory ids are uuid4 hex strings drawn from an RNG
     seeded by ``(policy_version, seed)``, so reruns produce the same ids.
@@ -124,7 +128,7 @@ def run_episodes(
     params = with_stop_tokens(params, tokenizer)
     rng = random.Random(f"episodes:{policy_version}:{seed}")
     traj_ids = [uuid.UUID(int=rng.getrandbits(128), version=4).hex for _ in tasks]
-    messages = [arithmetic.initial_messages(t) for t in tasks]
+    messages = [env.initial_messages(t) for t in tasks]
     texts: list[list[str]] = [[] for _ in tasks]
     calls: list[list[dict]] = [[] for _ in tasks]
     active = list(range(len(tasks)))
@@ -162,7 +166,7 @@ def run_episodes(
                 calls[i][-1]["extra_token_ids"] = _extra_ids(rec)
             texts[i].append(content)
             messages[i].append({"role": "assistant", "content": content})
-            reply = arithmetic.env_reply(tasks[i], turn, content)
+            reply = env.env_reply(tasks[i], turn, content)
             if reply is not None:
                 messages[i].append(reply)
                 still.append(i)
@@ -172,21 +176,22 @@ def run_episodes(
         Episode(
             trajectory_id=traj_ids[i],
             task_id=t.task_id,
-            reward=arithmetic.reward(t, texts[i]),
+            reward=env.reward(t, texts[i]),
             calls=calls[i],
             assistant_texts=texts[i],
         )
         for i, t in enumerate(tasks)
     ]
-    return EpisodeBatch(episodes=episodes, policy_version=policy_version)
+    return EpisodeBatch(episodes=episodes, policy_version=policy_version, source=env.reward_source)
 
 
 def heldout_reward(
     engine: Engine,
     tokenizer,
-    tasks: list[ArithmeticTask],
+    tasks: list,
     params: SamplingParams,
     seed: int = 0,
+    env: TaskEnv = ARITHMETIC,
 ) -> float:
     """Mean reward over ``tasks`` (convenience for evaluation)."""
-    return run_episodes(engine, tokenizer, tasks, params, policy_version="eval", seed=seed).mean_reward
+    return run_episodes(engine, tokenizer, tasks, params, policy_version="eval", seed=seed, env=env).mean_reward

@@ -45,9 +45,8 @@ import httpx
 
 from prodrl_pipelines.engines.types import CallRecord, SamplingParams
 from prodrl_pipelines.engines.vllm_client import VLLMClient, record_from_completion, request_seed
-from prodrl_pipelines.lab import arithmetic
-from prodrl_pipelines.lab.arithmetic import generate_tasks
 from prodrl_pipelines.lab.episodes import assistant_content, run_episodes, stop_token_ids
+from prodrl_pipelines.lab.tasks import ARITHMETIC, get_task
 
 __all__ = ["LabDeployment", "served_deployment", "simulate_traffic_http", "TRAFFIC_ENV"]
 
@@ -150,8 +149,9 @@ class _EpisodeEngine:
     """The engine ``run_episodes`` sees: it tracks which episodes are still active (with the same
     ``env_reply`` rule as ``run_episodes``) so each prompt is sent with its episode's headers."""
 
-    def __init__(self, client: RecordingClient, tokenizer, tasks, traj_ids, policy_version: str, seeded: bool):
-        self.client, self.tokenizer, self.tasks, self.traj_ids = client, tokenizer, tasks, traj_ids
+    def __init__(self, client: RecordingClient, tokenizer, tasks, traj_ids, policy_version: str, seeded: bool,
+                 env=ARITHMETIC):
+        self.client, self.tokenizer, self.tasks, self.traj_ids, self.env = client, tokenizer, tasks, traj_ids, env
         self.policy_version, self.seeded = policy_version, seeded
         self.active = list(range(len(tasks)))
         self.turn = 0
@@ -166,7 +166,7 @@ class _EpisodeEngine:
         still = []
         for i, rec in zip(self.active, recs):
             content = assistant_content(self.tokenizer, rec.output_token_ids)
-            if arithmetic.env_reply(self.tasks[i], self.turn, content) is not None:
+            if self.env.env_reply(self.tasks[i], self.turn, content) is not None:
                 still.append(i)
         self.active, self.turn = still, self.turn + 1
         self.calls += len(recs)
@@ -322,15 +322,16 @@ def simulate_traffic_http(svc, n_episodes: int, deployment: LabDeployment | None
     seed = svc.settings.lab.seed * 7_919 + 104_729 * (len(batches) + 1)
     tok = dep.tokenizer
     params = svc.settings.deploy.sampling(stop_token_ids=stop_token_ids(tok))
-    tasks = generate_tasks(n_episodes, seed)
+    env = get_task(svc.settings.lab.task)
+    tasks = env.generate_tasks(n_episodes, seed)
     ids = _traj_ids(live.policy_version, seed, len(tasks))
     before = dep.stats()
     with dep.new_client() as client:
-        engine = _EpisodeEngine(client, tok, tasks, ids, live.policy_version, seeded)
-        eps = run_episodes(engine, tok, tasks, params, live.policy_version, seed)
+        engine = _EpisodeEngine(client, tok, tasks, ids, live.policy_version, seeded, env)
+        eps = run_episodes(engine, tok, tasks, params, live.policy_version, seed, env=env)
         if [e.trajectory_id for e in eps.episodes] != ids:
             raise RuntimeError("run_episodes' trajectory ids changed: update http_traffic._traj_ids")
-        dep.feedback([(e.trajectory_id, e.reward) for e in eps.episodes], pool=client._pool)
+        dep.feedback([(e.trajectory_id, e.reward) for e in eps.episodes], source=env.reward_source, pool=client._pool)
     n_calls = sum(len(e.calls) for e in eps.episodes)
     counters = dep.wait_flushed()
     if (counters.get("unrecordable_calls", 0) != before.get("unrecordable_calls", 0)

@@ -35,15 +35,23 @@ DEFAULT_VOCAB_SIZE = 160
 _ALPHABET = sorted(set(string.printable) - set("\x0b\x0c\r"))
 
 
-def _corpus() -> list[str]:
-    from prodrl_pipelines.lab import arithmetic
+def _corpus(task="arithmetic") -> list[str]:
+    from prodrl_pipelines.lab.tasks import get_task
 
     roles = ["user", "assistant", "system", "tool"] * 50
-    return roles + arithmetic.corpus_text()
+    return roles + get_task(task).corpus_text()
 
 
-def build_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizerFast:
-    """Train the lab tokenizer (deterministic: fixed corpus, single-threaded-safe BPE trainer)."""
+def build_tokenizer(vocab_size: int | None = None, task="arithmetic") -> PreTrainedTokenizerFast:
+    """Train the lab tokenizer of ``task`` (deterministic: fixed corpus, single-threaded-safe BPE trainer).
+
+    ``vocab_size`` None: the task's own size (``TaskEnv.tokenizer_vocab_size``), else ``DEFAULT_VOCAB_SIZE``;
+    the arithmetic tokenizer is exactly the one the lab always built.
+    """
+    from prodrl_pipelines.lab.tasks import get_task
+
+    if vocab_size is None:
+        vocab_size = get_task(task).tokenizer_vocab_size or DEFAULT_VOCAB_SIZE
     tok = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [
@@ -61,7 +69,7 @@ def build_tokenizer(vocab_size: int = DEFAULT_VOCAB_SIZE) -> PreTrainedTokenizer
         limit_alphabet=len(_ALPHABET),
         show_progress=False,
     )
-    tok.train_from_iterator(_corpus(), trainer=trainer)
+    tok.train_from_iterator(_corpus(task), trainer=trainer)
     hf = PreTrainedTokenizerFast(
         tokenizer_object=tok,
         pad_token=PAD_TOKEN,

@@ -8,12 +8,13 @@ from __future__ import annotations
 import json
 
 from prodrl_pipelines.engines.local import LocalEngine
-from prodrl_pipelines.lab.arithmetic import generate_tasks
 from prodrl_pipelines.lab.episodes import run_episodes, stop_token_ids
+from prodrl_pipelines.lab.tasks import get_task
 
 
 def simulate_traffic(svc, n_episodes: int, via: str = "in_process", deployment=None) -> dict:
-    """Serve ``n_episodes`` fresh lab tasks with the live deployment and record them."""
+    """Serve ``n_episodes`` fresh tasks of the lab task (``settings.lab.task``) with the live deployment
+    and record them."""
     # >>> lab traffic over HTTP (issue 5 item 3): via="http" goes episodes -> prodrl record -> prodrl serve
     if via == "http":
         from prodrl_pipelines.lab.http_traffic import simulate_traffic_http
@@ -29,7 +30,9 @@ def simulate_traffic(svc, n_episodes: int, via: str = "in_process", deployment=N
     seed = svc.settings.lab.seed * 7_919 + 104_729 * (len(batches) + 1)
     engine = LocalEngine.from_pretrained(live.export_dir)
     params = svc.settings.deploy.sampling(stop_token_ids=stop_token_ids(engine.tokenizer))
-    eps = run_episodes(engine, engine.tokenizer, generate_tasks(n_episodes, seed), params, live.policy_version, seed)
+    env = get_task(svc.settings.lab.task)
+    eps = run_episodes(engine, engine.tokenizer, env.generate_tasks(n_episodes, seed), params, live.policy_version,
+                       seed, env=env)
     store = svc.store
     store.write_calls(eps.calls_table())
     store.write_rewards(eps.rewards_table())

@@ -24,9 +24,8 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
-from prodrl_pipelines.lab import arithmetic
-from prodrl_pipelines.lab.arithmetic import ArithmeticTask
 from prodrl_pipelines.lab.model import build_model, lab_model_config
+from prodrl_pipelines.lab.tasks import ARITHMETIC, TaskEnv, get_task
 from prodrl_pipelines.lab.tokenizer import IM_END, IM_START, build_tokenizer
 
 IGNORE_INDEX = -100
@@ -74,9 +73,9 @@ class _Encoder:
         return ids, labels
 
 
-def sft_example(tokenizer, task: ArithmeticTask) -> tuple[list[int], list[int]]:
+def sft_example(tokenizer, task, env: TaskEnv = ARITHMETIC) -> tuple[list[int], list[int]]:
     """The supervised example of one task: its correct transcript and the assistant-token labels."""
-    return _Encoder(tokenizer).encode(arithmetic.reference_messages(task))
+    return _Encoder(tokenizer).encode(env.reference_messages(task))
 
 
 def _collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -103,7 +102,7 @@ def _lr_at(step: int, steps: int, peak: float, warmup: int) -> float:
 def warm_start(
     model: torch.nn.Module,
     tokenizer,
-    tasks: list[ArithmeticTask],
+    tasks: list,
     steps: int,
     batch_size: int,
     lr: float,
@@ -112,17 +111,18 @@ def warm_start(
     answer_noise: float = 0.0,
     format_noise: float = 0.0,
     progress: bool = True,
+    env: TaskEnv = ARITHMETIC,
 ) -> dict:
     """Supervised fine-tuning on correct transcripts of ``tasks``, loss on assistant tokens only.
 
     AdamW (weight decay 0.01), linear warmup + cosine decay to 10% of ``lr``, grad-norm clip 1.0;
     each step draws ``batch_size`` tasks from ``tasks`` with an RNG seeded by ``seed``. Transcripts
-    come from ``arithmetic.noisy_messages`` (exact when both noise rates are 0). Returns metrics
+    come from ``env.noisy_messages`` (exact when both noise rates are 0). Returns metrics
     (``loss_first``, ``loss_last`` averaged over the last 10 steps, ``seconds``, ``tokens``).
     """
     enc = _Encoder(tokenizer)
     rng = random.Random(f"warm_start:{seed}")
-    examples = [enc.encode(arithmetic.noisy_messages(t, rng, answer_noise, format_noise)) for t in tasks]
+    examples = [enc.encode(env.noisy_messages(t, rng, answer_noise, format_noise)) for t in tasks]
     pad_id = int(tokenizer.pad_token_id)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     warmup = max(1, min(20, steps // 10))
@@ -166,8 +166,12 @@ def build_base_policy(
     *,
     progress: bool = True,
     num_threads: int | None = 1,
+    task: str | TaskEnv = "arithmetic",
 ) -> Path:
-    """Build the lab tokenizer and model, warm-start it, save an HF checkpoint directory.
+    """Build the lab tokenizer and model of ``task``, warm-start it, save an HF checkpoint directory.
+
+    The task (``tasks.get_task``) supplies the tokenizer corpus, the demonstrations and its own
+    overrides of ``SFT_DEFAULTS``; "arithmetic" builds exactly the policy the lab always built.
 
     The directory holds ``config.json``, ``model.safetensors``, ``generation_config.json``, the
     tokenizer files (with the chat template) and ``warm_start.json`` (the SFT metrics). Deterministic
@@ -179,21 +183,25 @@ def build_base_policy(
     """
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    cfg = SFT_DEFAULTS[size]
+    env = get_task(task)
+    if size not in SFT_DEFAULTS:
+        raise ValueError(f"unknown lab size {size!r}; choose one of {sorted(SFT_DEFAULTS)}")
+    cfg = {**SFT_DEFAULTS[size], **env.sft.get(size, {})}
     steps = cfg["steps"] if sft_steps is None else int(sft_steps)
     prev_threads = torch.get_num_threads()
     if num_threads is not None:
         torch.set_num_threads(int(num_threads))
     try:
-        return _build(out, size, seed, steps, cfg, progress)
+        return _build(out, size, seed, steps, cfg, progress, env)
     finally:
         torch.set_num_threads(prev_threads)
 
 
-def _build(out: Path, size: str, seed: int, steps: int, cfg: dict, progress: bool) -> Path:
+def _build(out: Path, size: str, seed: int, steps: int, cfg: dict, progress: bool,
+           env: TaskEnv = ARITHMETIC) -> Path:
     t0 = time.perf_counter()
     torch_threads = torch.get_num_threads()
-    tok = build_tokenizer()
+    tok = build_tokenizer(task=env)
     config = lab_model_config(
         size,
         vocab_size=len(tok),
@@ -201,17 +209,18 @@ def _build(out: Path, size: str, seed: int, steps: int, cfg: dict, progress: boo
         eos_token_id=int(tok.eos_token_id),
     )
     model = build_model(config, seed=seed)
-    tasks = arithmetic.generate_tasks(cfg["n_tasks"], seed=seed)
+    tasks = env.generate_tasks(cfg["n_tasks"], seed)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         metrics = warm_start(
             model, tok, tasks, steps=steps, batch_size=cfg["batch_size"], lr=cfg["lr"], seed=seed,
             answer_noise=cfg.get("answer_noise", 0.0), format_noise=cfg.get("format_noise", 0.0),
-            progress=progress,
+            progress=progress, env=env,
         )
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)
     meta = {
+        "task": env.name,
         "size": size,
         "seed": seed,
         "torch_threads": torch_threads,

@@ -51,6 +51,7 @@ class ProdRLSettings(ConfigurableResource):
     lab_size: str = "demo"
     lab_seed: int = 0
     lab_sft_steps: int = -1  # -1: the lab size's default
+    lab_task: str = "arithmetic"  # "arithmetic" | "chess" (chess needs max_tokens >= 48)
     # execution: >1 launches torchrun with this many ranks through Dagster Pipes
     train_processes: int = 1
 
@@ -74,7 +75,7 @@ class ProdRLSettings(ConfigurableResource):
                                   record_extra_draw=self.record_extra_draw, export_scheme=self.export_scheme),
             eval=EvalSettings(heldout_size=self.heldout_size, gate_tolerance=self.gate_tolerance, gate_z=self.gate_z),
             lab=LabSettings(size=self.lab_size, seed=self.lab_seed,
-                            sft_steps=None if self.lab_sft_steps < 0 else self.lab_sft_steps),
+                            sft_steps=None if self.lab_sft_steps < 0 else self.lab_sft_steps, task=self.lab_task),
         )
 
     def setup_for_execution(self, context: InitResourceContext) -> None:

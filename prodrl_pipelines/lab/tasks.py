@@ -1,0 +1,80 @@
+"""The lab's task environments behind one interface, chosen by name (``settings.lab.task``).
+
+Everything that plays, demonstrates or evaluates lab episodes (episodes, warm start, tokenizer,
+traffic, rounds) goes through a ``TaskEnv``, so a new task is a module plus one registry entry.
+The arithmetic entry is the original module's functions unchanged (the demo's numbers depend on it).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+from prodrl_pipelines.lab import arithmetic, chess_env
+
+
+@dataclass(frozen=True)
+class TaskEnv:
+    """One lab task: tasks, the episode environment, demonstrators and the tokenizer corpus.
+
+    ``min_max_tokens``: the smallest deploy ``max_tokens`` a correct answer fits in.
+    ``tokenizer_vocab_size``: the BPE vocabulary of the task's lab tokenizer.
+    ``sft``: per lab size, overrides of ``warmstart.SFT_DEFAULTS`` for this task.
+    """
+
+    name: str
+    generate_tasks: Callable[[int, int], list]
+    heldout_tasks: Callable[[int], list]
+    initial_messages: Callable[[object], list[dict]]
+    env_reply: Callable[[object, int, str], dict | None]
+    reward: Callable[[object, list[str]], float]
+    reference_messages: Callable[[object], list[dict]]
+    noisy_messages: Callable[..., list[dict]]
+    corpus_text: Callable[[], list[str]]
+    reward_source: str
+    min_max_tokens: int = 1
+    tokenizer_vocab_size: int | None = None  # None: tokenizer.DEFAULT_VOCAB_SIZE
+    sft: dict[str, dict] = field(default_factory=dict)
+
+
+ARITHMETIC = TaskEnv(
+    name="arithmetic",
+    generate_tasks=arithmetic.generate_tasks,
+    heldout_tasks=lambda n: arithmetic.heldout_tasks(n),
+    initial_messages=arithmetic.initial_messages,
+    env_reply=arithmetic.env_reply,
+    reward=arithmetic.reward,
+    reference_messages=arithmetic.reference_messages,
+    noisy_messages=arithmetic.noisy_messages,
+    corpus_text=arithmetic.corpus_text,
+    reward_source="lab/arithmetic",
+)
+
+CHESS = TaskEnv(
+    name="chess",
+    generate_tasks=chess_env.generate_tasks,
+    heldout_tasks=chess_env.heldout_tasks,
+    initial_messages=chess_env.initial_messages,
+    env_reply=chess_env.env_reply,
+    reward=chess_env.reward,
+    reference_messages=chess_env.reference_messages,
+    noisy_messages=chess_env.noisy_messages,
+    corpus_text=chess_env.corpus_text,
+    reward_source="lab/chess",
+    min_max_tokens=chess_env.MIN_MAX_TOKENS,
+    tokenizer_vocab_size=192,
+    # the pool is 4096 puzzles (chess_puzzles.TRAIN_CHUNKS x CHUNK); "tiny" needs one cached chunk
+    sft={"tiny": dict(n_tasks=64), "demo": dict(n_tasks=2048, format_noise=0.2)},
+)
+
+TASKS: dict[str, TaskEnv] = {t.name: t for t in (ARITHMETIC, CHESS)}
+
+
+def get_task(name: str | TaskEnv) -> TaskEnv:
+    """The task environment called ``name`` (a ``TaskEnv`` passes through)."""
+    if isinstance(name, TaskEnv):
+        return name
+    try:
+        return TASKS[name]
+    except KeyError:
+        raise ValueError(f"unknown lab task {name!r}; valid tasks: {', '.join(sorted(TASKS))}") from None
