@@ -327,3 +327,30 @@ def test_chess_through_the_vllm_client_and_served_policy(chess_policy, heldout):
         msgs = chess_env.reference_messages(m2)[:3]
         rec = client.generate([render_prompt(tok, msgs)[1]], params, seed=0)[0]
         assert 1 <= len(rec.output_token_ids) <= MIN_MAX_TOKENS
+
+
+def test_chess_lab_bootstrap_and_traffic_over_prodrl_serve(tmp_path):
+    """settings lab_task=chess end to end: the round-0 policy is a chess policy, evaluated on the
+    chess held-out set, and lab traffic goes episodes -> ``prodrl record`` -> ``prodrl serve``."""
+    from prodrl_pipelines import rounds
+    from prodrl_pipelines.lab.http_traffic import served_deployment, simulate_traffic_http
+    from prodrl_pipelines.resources.settings import make_resources, services
+
+    res = make_resources({"home": str(tmp_path / "home"), "lab_task": "chess", "lab_size": "tiny", "lab_sft_steps": 3,
+                          "heldout_size": 4, "max_tokens": MIN_MAX_TOKENS, "steps_per_round": 1, "batch_size": 4})
+    svc = services(res["settings"], res["store"])
+    boot = rounds.bootstrap_base_policy(svc, progress=False)
+    ev = svc.registry.eval("round-000000")
+    assert ev["task_ids"] == [p.task_id for p in chess_puzzles.heldout_puzzles(4)]
+    assert 0.0 <= boot["heldout_reward"] <= 1.0
+    assert json.loads((tmp_path / "home" / "checkpoints" / "round-000000" / "warm_start.json").read_text())["task"] \
+        == "chess"
+    with served_deployment(svc, log_dir=tmp_path / "logs") as dep:
+        stats = simulate_traffic_http(svc, 6, dep)
+    assert stats["episodes"] == 6 and stats["calls"] >= 6
+    calls = svc.store.read_calls().to_pylist()
+    assert len(calls) == stats["calls"]
+    assert all(c["prompt_text"].startswith("<|im_start|>user\nWhite to move, mate in ") for c in calls)
+    assert set(svc.store.read_rewards()["source"].to_pylist()) == {"lab/chess"}
+    smoke = rounds.export_smoke(svc.settings, tmp_path / "home" / "exports" / "round-000000")
+    assert smoke["error"] == "" and len(smoke["samples"]) == rounds.SMOKE_PROMPTS
