@@ -206,6 +206,11 @@ def main(argv: list[str] | None = None) -> int:
                                                       "postgresql+psycopg2://postgres@127.0.0.1:5432/test"))
     u.add_argument("--settings", help="JSON file of ProdRLSettings overrides")
     u.set_defaults(fn=cmd_up)
+    lab = sub.add_parser("lab", help="laboratory commands (ablate: recipes x seeds -> report)")
+    lab_sub = lab.add_subparsers(dest="lab_cmd", required=True)
+    from prodrl_pipelines.lab.ablation import add_ablate_parser
+
+    add_ablate_parser(lab_sub)  # prodrl lab ablate --config ablations/default.yaml [--quick] [--workers 2]
     from prodrl_pipelines.engines.server import add_serve_parser
 
     add_serve_parser(sub)  # prodrl serve: the local engine behind vLLM's OpenAI-compatible API
