@@ -34,6 +34,7 @@ class Services:
     blobs: object
     lineage: Lineage | None = None
     exports_store: object | None = None  # CheckpointStore where deployable exports are published
+    checkpoints_store: object | None = None  # CheckpointStore where trained checkpoints are published
 
     @property
     def registry(self) -> DeploymentRegistry:
@@ -51,9 +52,44 @@ class Services:
             raise RoundError(
                 "no live deployment: bootstrap the round-0 policy first (asset `base_policy` or `prodrl lab init`)"
             )
+        # On a fresh machine (another pod, a restarted worker) the live policy comes from the stores.
+        ensure_local(self, "checkpoints", live.policy_version, Path(live.checkpoint_dir))
+        ensure_local(self, "exports", live.policy_version, Path(live.export_dir))
         if not (Path(live.checkpoint_dir) / "config.json").exists():
-            raise RoundError(f"live checkpoint {live.policy_version} is missing at {live.checkpoint_dir}")
+            raise RoundError(f"live checkpoint {live.policy_version} is missing at {live.checkpoint_dir}"
+                             + ("" if self.checkpoints_store is None else f" and in {self.checkpoints_store!r}"))
         return live
+
+
+def ensure_local(svc: Services, kind: str, name: str, local_dir: Path | None = None) -> Path:
+    """The local directory of checkpoint/export ``name`` (``kind`` "checkpoints" | "exports").
+
+    Local directories are the store itself. With an object store, a directory that is missing here
+    is fetched (verified against its manifest) into its usual place, so every step can run on a
+    machine that did not produce it; a name never published is left missing for the caller to report.
+    """
+    from prodrl_pipelines.checkpoints import CheckpointNotFoundError
+
+    s = svc.settings
+    root = s.checkpoints_root if kind == "checkpoints" else s.exports_root
+    local_dir = Path(local_dir) if local_dir is not None else root / name
+    store = svc.checkpoints_store if kind == "checkpoints" else svc.exports_store
+    if store is None or (local_dir / "config.json").exists():
+        return local_dir
+    try:
+        got = store.fetch(name, local_dir.parent)
+    except CheckpointNotFoundError:
+        return local_dir
+    if got != local_dir:  # fetched under its name; the registry recorded another directory name
+        raise RoundError(f"{kind} {name} fetched to {got}, but the deployment expects it at {local_dir}")
+    return got
+
+
+def publish_checkpoint(svc: Services, name: str, checkpoint_dir: Path) -> str:
+    """Publish a trained checkpoint to the checkpoints store (a no-op for local directories)."""
+    if svc.checkpoints_store is None:
+        return Path(checkpoint_dir).resolve().as_uri()
+    return svc.checkpoints_store.publish(Path(checkpoint_dir), name)
 
 
 def publish_export(svc: Services, name: str, export_dir: Path) -> str:
@@ -112,7 +148,7 @@ def version_dirs(svc: Services, policy_version: str) -> tuple[Path, Path]:
     if policy_version not in svc.registry.version_order():
         raise RoundError(f"policy version {policy_version!r} was never deployed "
                          f"(deployed: {svc.registry.version_order()})")
-    return svc.settings.checkpoints_root / policy_version, svc.settings.exports_root / policy_version
+    return ensure_local(svc, "checkpoints", policy_version), ensure_local(svc, "exports", policy_version)
 
 
 # --- 1. recorded_trajectories -------------------------------------------------------------
@@ -230,6 +266,8 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
     out = Path(out_dir) if out_dir is not None else s.checkpoints_root / rkey
     if rank == 0:
         save_checkpoint(out, model, tokenizer, opt, state)
+        if out_dir is None:  # the round's own checkpoint (not a worker's scratch copy)
+            publish_checkpoint(svc, rkey, out)
         svc.store.put_json(f"rounds/{rkey}/train_steps.json", res.steps)
         svc.registry.update_round(rkey, mismatch_abs_logp=res.mismatch_abs_logp, trained_from=live.policy_version,
                                   train_processes=world_size)
@@ -311,7 +349,7 @@ def export(svc: Services, rkey: str) -> dict:
     from prodrl_pipelines.quant.export import ExportError, NonFiniteWeightsError, export_policy
 
     s = svc.settings
-    src = s.checkpoints_root / rkey
+    src = ensure_local(svc, "checkpoints", rkey)
     if not (src / "config.json").exists():
         raise RoundError(f"trained checkpoint of {rkey} is missing at {src}: materialise trained_checkpoint")
     scheme = s.deploy.export_scheme
@@ -352,7 +390,7 @@ def evaluate_policy(settings: Settings, export_dir: Path, policy_version: str) -
 
 def evaluate(svc: Services, rkey: str) -> dict:
     s, live = svc.settings, svc.live()
-    export_dir = s.exports_root / rkey
+    export_dir = ensure_local(svc, "exports", rkey)
     cand, smoke_error = None, ""
     try:
         cand = evaluate_policy(s, export_dir, rkey)
@@ -378,7 +416,7 @@ def gate(svc: Services, rkey: str) -> GateDecision:
 
     s = svc.settings
     ev = _get_json(svc, f"rounds/{rkey}/heldout.json")
-    nonfinite = export_nonfinite(s.exports_root / rkey)  # packed NVFP4 weights checked dequantized
+    nonfinite = export_nonfinite(ensure_local(svc, "exports", rkey))  # packed NVFP4 weights checked dequantized
     cand = ev["candidate"]
     live = ev["live"]
     smoke_ok = cand is not None and not ev["smoke_error"]
@@ -420,6 +458,7 @@ def bootstrap_base_policy(svc: Services, progress: bool = True) -> dict:
         shutil.rmtree(tmp, ignore_errors=True)
         build_base_policy(tmp, size=s.lab.size, seed=s.lab.seed, sft_steps=s.lab.sft_steps, task=s.lab.task)
         tmp.rename(ckpt)
+    publish_checkpoint(svc, BASE_VERSION, ckpt)
     scheme = s.deploy.export_scheme
     exp = export_policy(ckpt, s.exports_root / BASE_VERSION, scheme,
                         calibration_prompts=_calibration_prompts(svc, None) if scheme == "nvfp4-w4a4" else None)

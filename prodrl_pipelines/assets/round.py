@@ -46,7 +46,8 @@ def trained_checkpoint(context: AssetExecutionContext, settings: ProdRLSettings,
     def on_step(step: int, m: dict) -> None:
         svc.lineage.log_metrics(run_id, m, step)
 
-    stats = train_op(context, svc, rkey, settings.train_processes, settings.fields(), store.root, pipes, on_step)
+    stats = train_op(context, svc, rkey, settings.train_processes, settings.fields(),
+                     {k: getattr(store, k) for k in type(store).model_fields}, pipes, on_step)
     steps = [m for m in stats.pop("steps") if not m.get("skipped")]
     history, starts = rounds.training_history(svc)
     png = mismatch_history_png(history, starts)

@@ -36,13 +36,15 @@ def allreduce_grads(model: torch.nn.Module) -> None:
 
 
 def _services():
-    from prodrl_pipelines.resources.settings import ProdRLSettings, StoreResource
-    from prodrl_pipelines.rounds import Services
+    """The round's settings and stores, from the environment `ops.training.train_op` sets."""
+    from prodrl_pipelines.resources.settings import ProdRLSettings, StoreResource, services
 
     raw = json.loads(os.environ.get("PRODRL_SETTINGS_JSON", "{}") or "{}")
     raw.setdefault("home", os.environ.get("PRODRL_HOME", ".prodrl"))
-    settings = ProdRLSettings(**raw).settings()
-    return Services(settings=settings, blobs=StoreResource(root=os.environ.get("PRODRL_STORE_ROOT", "")).blobs(settings))
+    store = StoreResource(root=os.environ.get("PRODRL_STORE_ROOT", ""),
+                          **{f"s3_{k}": os.environ.get(f"PRODRL_S3_{k.upper()}", "")
+                             for k in ("bucket", "prefix", "endpoint_url", "region")})
+    return services(ProdRLSettings(**raw), store)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -145,7 +145,8 @@ class StoreResource(ConfigurableResource):
 def services(settings: ProdRLSettings, store: StoreResource, mlflow: MlflowResource | None = None) -> Services:
     s = settings.settings()
     return Services(settings=s, blobs=store.blobs(s), lineage=mlflow.lineage(s) if mlflow is not None else None,
-                    exports_store=store.checkpoint_store(s, "exports") if store.on_s3 else None)
+                    exports_store=store.checkpoint_store(s, "exports") if store.on_s3 else None,
+                    checkpoints_store=store.checkpoint_store(s, "checkpoints") if store.on_s3 else None)
 
 
 def make_resources(settings: dict, store_root: str = "", tracking_uri: str = "", s3: dict | None = None) -> dict:
