@@ -416,6 +416,84 @@ def test_upstream_timeout_is_a_504_and_the_service_keeps_serving(fake, start_rec
     assert down.http.post("/v1/completions", json=body).status_code == 502
 
 
+class DroppingProxy:
+    """A TCP proxy in front of ``target`` that resets the connection of the next ``drop`` requests as
+    they come in, unanswered (a keep-alive connection closed under a request)."""
+
+    def __init__(self, target_port: int) -> None:
+        self.target_port, self.drop, self.dropped = target_port, 0, 0
+        self.loop = asyncio.new_event_loop()
+        started = threading.Event()
+
+        async def main():
+            self.server = await asyncio.start_server(self.handle, "127.0.0.1", 0)
+            self.port = self.server.sockets[0].getsockname()[1]
+            started.set()
+
+        self.thread = threading.Thread(target=lambda: (self.loop.run_until_complete(main()), self.loop.run_forever()),
+                                       daemon=True)
+        self.thread.start()
+        assert started.wait(10)
+        self.url = f"http://127.0.0.1:{self.port}"
+
+    async def handle(self, reader, writer):
+        up_r, up_w = await asyncio.open_connection("127.0.0.1", self.target_port)
+
+        async def pipe(r, w, requests: bool):
+            try:
+                while data := await r.read(65536):
+                    if requests and self.drop > 0:  # a request arrived: reset the connection, unanswered
+                        self.drop -= 1
+                        self.dropped += 1
+                        writer.transport.abort()
+                        up_w.transport.abort()
+                        return
+                    w.write(data)
+                    await w.drain()
+            except ConnectionError:
+                pass
+            finally:
+                w.close()
+
+        await asyncio.gather(pipe(reader, up_w, True), pipe(up_r, writer, False))
+
+    def close(self) -> None:
+        async def shutdown():
+            self.server.close()
+            tasks = [t for t in asyncio.all_tasks() if t is not asyncio.current_task()]
+            for t in tasks:
+                t.cancel()
+            await asyncio.gather(*tasks, return_exceptions=True)
+
+        asyncio.run_coroutine_threadsafe(shutdown(), self.loop).result(10)
+        self.loop.call_soon_threadsafe(self.loop.stop)
+        self.thread.join(10)
+        self.loop.close()
+
+
+def test_a_connection_reset_under_a_request_is_retried_once(fake, start_recorder):
+    proxy = DroppingProxy(int(fake.url.rsplit(":", 1)[1]))
+    try:
+        r = start_recorder(proxy.url, tokenizer_dir=None)
+        body = {"prompt": [5, 6, 7], "max_tokens": 3}
+        proxy.drop = 1
+        ok = r.http.post("/v1/completions", json=body, headers={"X-Trajectory-Id": "rt"})
+        assert ok.status_code == 200 and ok.headers["x-call-index"] == "0" and proxy.dropped == 1
+        proxy.drop = 1  # a stream is retried the same way (this fake answers it with plain JSON: no call)
+        stream = r.http.post("/v1/completions", json={**body, "stream": True}, headers={"X-Trajectory-Id": "rt"})
+        assert stream.status_code == 200 and stream.text.endswith("data: [DONE]\n\n") and proxy.dropped == 2
+        proxy.drop = 2  # the retry is reset too: a 502, nothing recorded, no index taken
+        bad = r.http.post("/v1/completions", json=body, headers={"X-Trajectory-Id": "rt"})
+        assert bad.status_code == 502 and proxy.dropped == 4
+        assert r.http.post("/v1/completions", json=body, headers={"X-Trajectory-Id": "rt"}).headers["x-call-index"] == "1"
+        s = r.stats()
+        assert s["upstream_retries"] == 3 and s["upstream_unreachable"] == 1 and s["recorded_calls"] == 2
+        assert sorted(x["call_index"] for x in r.store().read_calls().to_pylist()) == [0, 1]
+    finally:
+        proxy.close()
+
+
+# ----------------------------------------------------------------------------- durability
 # ----------------------------------------------------------------------------- durability
 
 

@@ -90,6 +90,7 @@ from prodrl_pipelines.engines.openai_protocol import (
     parse_token_id,
     sse,
 )
+from prodrl_pipelines.engines.server import KEEP_ALIVE_S
 from prodrl_pipelines.recorder.ingest import Ingestor, Stats
 from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
 from prodrl_pipelines.trajectories.store import TrajectoryStore
@@ -116,6 +117,9 @@ class RecorderConfig:
     flush_rows: int = 1024
     flush_interval_s: float = 2.0
     upstream_timeout_s: float = 120.0
+    # Idle upstream connections are reused for at most this long: below the upstream's own keep-alive
+    # timeout (vLLM and uvicorn: 5 s), else a reused connection can be closed under a request.
+    upstream_keepalive_s: float = 3.0
     default_temperature: float = 1.0
     default_top_p: float = 1.0
     default_top_k: int = 0
@@ -485,11 +489,33 @@ class Recorder:
         t = self.cfg.upstream_timeout_s
         # aiohttp rather than httpx here: httpx's pool scans every connection per request, which cost
         # ~10 ms of CPU per proxied call at concurrency 32 (bench/recorder_overhead.py).
+        # Idle connections are dropped after upstream_keepalive_s (< the upstream's keep-alive timeout):
+        # aiohttp reuses the longest-idle connection first, so with a longer window it kept handing
+        # out connections the upstream was closing (502s at 256 concurrent clients).
         self.http = aiohttp.ClientSession(
             base_url=self.cfg.upstream + "/", headers=headers,
             timeout=aiohttp.ClientTimeout(total=t, connect=min(t, 10.0)),
-            connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=30), auto_decompress=True)
+            connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=self.cfg.upstream_keepalive_s),
+            auto_decompress=True)
         self.stream_timeout = aiohttp.ClientTimeout(total=None, connect=min(t, 10.0), sock_read=t)
+
+    async def post_upstream(self, path: str, data: bytes, timeout: aiohttp.ClientTimeout | None = None):
+        """POST to the upstream; the response is not read yet (use as ``async with`` or release it).
+
+        Retried once when the connection was closed before any answer came back (a keep-alive
+        connection the upstream closed as the request went out: aiohttp does not retry POSTs).
+        Safe for the records: nothing is recorded before an answer, and the upstream's answer to
+        the retry is the one recorded and relayed (a seeded request samples the same tokens).
+        """
+        assert self.http is not None
+        kw = {"timeout": timeout} if timeout is not None else {}
+        try:
+            return await self.http.post(path, data=data, headers=_JSON, **kw)
+        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+            if isinstance(exc, aiohttp.ClientConnectorError):  # could not connect at all: no retry
+                raise
+            self.stats.inc("upstream_retries")
+            return await self.http.post(path, data=data, headers=_JSON, **kw)
 
     async def stop(self) -> None:
         if self.http is not None:
@@ -663,7 +689,7 @@ async def _proxy(request: Request, kind: str) -> Response:
     if body.get("stream"):
         return await _proxy_stream(rec, kind, path, up, ask, reason, tid, pv, task_id)
     try:
-        async with rec.http.post(path.lstrip("/"), data=_dumps(up), headers=_JSON) as resp:
+        async with await rec.post_upstream(path.lstrip("/"), _dumps(up)) as resp:
             content = await resp.read()
             status, ctype = resp.status, resp.headers.get("content-type")
     except asyncio.TimeoutError:
@@ -697,7 +723,7 @@ async def _proxy_stream(rec: Recorder, kind, path, up, ask, reason, tid, pv, tas
     headers = {"X-Trajectory-Id": tid}
     assert rec.http is not None
     try:
-        resp = await rec.http.post(path.lstrip("/"), data=_dumps(up), headers=_JSON, timeout=rec.stream_timeout)
+        resp = await rec.post_upstream(path.lstrip("/"), _dumps(up), rec.stream_timeout)
     except asyncio.TimeoutError:
         return _err("the upstream server timed out", 504, stats, "upstream_timeouts", headers)
     except aiohttp.ClientError as exc:
@@ -904,6 +930,11 @@ def add_record_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--flush-rows", type=int, default=1024, help="flush to Parquet after this many records")
     r.add_argument("--flush-interval", type=float, default=2.0, help="... or after this many seconds")
     r.add_argument("--upstream-timeout", type=float, default=120.0, help="seconds before a 504")
+    r.add_argument("--upstream-keepalive", type=float, default=3.0,
+                   help="reuse an idle upstream connection for at most this many seconds (keep it below the "
+                        "upstream's keep-alive timeout: 5 s for vLLM)")
+    r.add_argument("--timeout-keep-alive", type=int, default=KEEP_ALIVE_S,
+                   help="seconds an idle client connection stays open (above the clients' reuse window)")
     r.add_argument("--record-extra-draw", action="store_true",
                    help="also ask the upstream for the extra draw a' ~ mu (prodrl serve's `extra_draw` extension) "
                         "and record it as extra_token_ids (null and counted when the upstream has none, e.g. vLLM)")
@@ -928,12 +959,13 @@ def cmd_record(args) -> int:
             flush_interval_s=args.flush_interval, upstream_timeout_s=args.upstream_timeout,
             s3_bucket=args.s3_bucket, s3_prefix=args.s3_prefix, s3_endpoint_url=args.s3_endpoint_url,
             s3_region=args.s3_region, record_extra_draw=args.record_extra_draw,
+            upstream_keepalive_s=args.upstream_keepalive,
         )
     except ValueError as e:
         print(f"prodrl record: {e}", file=sys.stderr)
         return 2
     app = build_recorder_app(cfg)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=10)
+                timeout_graceful_shutdown=10, timeout_keep_alive=args.timeout_keep_alive)
     return 0
 
