@@ -17,10 +17,12 @@ Positions come from a small-material sampler (Black king edge-biased with a few 
 sometimes one piece, White king plus a random attacking set and a few pawns): random playouts from
 the opening almost never contain short forced mates, sparse positions often do.
 
-Speed: the search is pure Python (python-chess ~10 us per push/pop), and a unique mate-in-2 costs
-~10 ms of search per candidate position with ~5% of candidates accepted, so puzzles come in chunks
-of ``CHUNK`` generated once (in parallel worker processes when several are missing) and cached on
-disk as JSON (``cache_dir()``), then memoised in-process. Measured numbers are in the tests/report.
+Speed: the search is pure Python (python-chess ~10 us per push/pop) and ~1 sampled position in 20
+becomes a puzzle, so a puzzle costs ~110 ms of one idle core (measured: a 64-puzzle chunk in ~7 s
+idle, 10-15 s on a loaded 2-core box; the whole 4096 + 512 pool in ~13 min on 2 busy cores). That is
+too slow to generate per call, so puzzles come in chunks of ``CHUNK``, generated once (in parallel
+worker processes when several are missing), cached on disk as JSON (``cache_dir()``) and memoised
+in-process: 4096 cached training puzzles load in ~0.1 s. A small draw needs only one or two chunks.
 
 Held-out puzzles are disjoint from training puzzles by construction: a puzzle's identity is a hash
 of its position (the FEN; the solution is a function of it), a fixed 1-in-10 slice of that hash
