@@ -273,6 +273,46 @@ def test_run_episodes_with_the_reference_demonstrator(tok, train):
     assert set(batch.rewards_table()["source"].to_pylist()) == {"lab/chess"}
 
 
+class _Recorder:
+    """Records the prompts it is sent and answers each with a bare (rejected) move."""
+
+    def __init__(self, tokenizer):
+        self.tok, self.prompts = tokenizer, []
+
+    def generate(self, prompts, params, seed=None):
+        self.prompts += [list(p) for p in prompts]
+        ids = self.tok.encode("a1a2", add_special_tokens=False) + [params.stop_token_ids[0]]
+        return [CallRecord(prompt_token_ids=list(p), output_token_ids=ids, output_logprobs=[-0.1] * len(ids),
+                           top_token_ids=[[i] for i in ids], top_logprobs=[[-0.1] for _ in ids],
+                           support_complete=False, finish_reason="stop") for p in prompts]
+
+
+# a tool-aware template in the style of Qwen's: the tool schemas go into a system block
+TOOL_TEMPLATE = (
+    "{%- if tools -%}{{- '<|im_start|>system\n# Tools\n' -}}{%- for t in tools -%}{{- t | tojson -}}{%- endfor -%}"
+    "{{- '<|im_end|>\n' -}}{%- endif -%}"
+    "{%- for message in messages -%}"
+    "{{- '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n' -}}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\n' -}}{%- endif -%}"
+)
+
+
+def test_the_move_tool_schema_reaches_a_tool_aware_chat_template(tok, train):
+    params = SamplingParams(max_tokens=MIN_MAX_TOKENS)
+    lab = _Recorder(tok)
+    run_episodes(lab, tok, train[:2], params, "v0", seed=0, env=CHESS)
+    assert lab.prompts == [render_prompt(tok, chess_env.initial_messages(p))[1] for p in train[:2]]  # ignored
+
+    real = build_tokenizer(task="chess")
+    real.chat_template = TOOL_TEMPLATE
+    rec = _Recorder(real)
+    run_episodes(rec, real, train[:2], params, "v0", seed=0, env=CHESS)
+    text = real.decode(rec.prompts[0])
+    assert text.startswith("<|im_start|>system\n# Tools\n") and '"name": "move"' in text
+    assert text.endswith(render_prompt(tok, chess_env.initial_messages(train[0]))[0])
+
+
 # ------------------------------------------------------------------------------------ warm start
 
 

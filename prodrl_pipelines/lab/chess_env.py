@@ -55,7 +55,9 @@ TOOL_NAME = "move"
 MIN_MAX_TOKENS = 48  # a reference tool call is ~37 tokens + <|im_end|>; margin for promotions/SAN
 _TOOL_CALL_RE = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
 
-# the tool's schema, for a real model behind a chat server with tool support (``tools=[MOVE_TOOL]``)
+# The tool's schema: ``run_episodes`` hands it to the chat template (``TaskEnv.tools``), so a real
+# model's tool-aware template (Qwen's) shows it the schema and the <tool_call> format; the lab
+# template ignores it, and the user message's "Call move(uci)." is all the lab model sees.
 MOVE_TOOL = {
     "type": "function",
     "function": {

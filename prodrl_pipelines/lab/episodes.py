@@ -74,9 +74,12 @@ class EpisodeBatch:
         return pa.Table.from_pylist(self.reward_rows(source), schema=REWARD_SCHEMA)
 
 
-def render_prompt(tokenizer, messages: list[dict]) -> tuple[str, list[int]]:
-    """The prompt text and ids a chat server would feed the engine for ``messages``."""
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+def render_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[int]]:
+    """The prompt text and ids a chat server would feed the engine for ``messages`` (and ``tools``:
+    a tool-aware chat template such as Qwen's renders their schema and call format; the lab
+    template ignores them)."""
+    kw = {"tools": list(tools)} if tools else {}
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
     ids = tokenizer.encode(text, add_special_tokens=False)
     return text, list(ids)
 
@@ -134,7 +137,7 @@ def run_episodes(
     active = list(range(len(tasks)))
     turn = 0
     while active:
-        rendered = [render_prompt(tokenizer, messages[i]) for i in active]
+        rendered = [render_prompt(tokenizer, messages[i], env.tools) for i in active]
         records = engine.generate([ids for _, ids in rendered], params, seed=_turn_seed(seed, turn))
         if len(records) != len(active):
             raise RuntimeError(f"engine returned {len(records)} records for {len(active)} prompts")

@@ -20,6 +20,8 @@ class TaskEnv:
     ``min_max_tokens``: the smallest deploy ``max_tokens`` a correct answer fits in.
     ``tokenizer_vocab_size``: the BPE vocabulary of the task's lab tokenizer.
     ``sft``: per lab size, overrides of ``warmstart.SFT_DEFAULTS`` for this task.
+    ``tools``: tool schemas handed to the chat template (a real model's template renders them; the
+    lab template ignores them, so they cost the lab model no context).
     """
 
     name: str
@@ -35,6 +37,7 @@ class TaskEnv:
     min_max_tokens: int = 1
     tokenizer_vocab_size: int | None = None  # None: tokenizer.DEFAULT_VOCAB_SIZE
     sft: dict[str, dict] = field(default_factory=dict)
+    tools: tuple[dict, ...] | None = None
 
 
 ARITHMETIC = TaskEnv(
@@ -65,6 +68,7 @@ CHESS = TaskEnv(
     tokenizer_vocab_size=192,
     # the pool is 4096 puzzles (chess_puzzles.TRAIN_CHUNKS x CHUNK); "tiny" needs one cached chunk
     sft={"tiny": dict(n_tasks=64), "demo": dict(n_tasks=2048, format_noise=0.2)},
+    tools=(chess_env.MOVE_TOOL,),
 )
 
 TASKS: dict[str, TaskEnv] = {t.name: t for t in (ARITHMETIC, CHESS)}
