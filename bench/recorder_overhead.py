@@ -21,7 +21,15 @@ local engine's static batches (vLLM batches continuously): both make this compar
 for a recorder in front of a GPU server. A last pair of phases replaces the upstream by a process
 that answers instantly with a recorded vLLM answer: the proxy's own ceiling (requests/s, latency).
 
-Usage: ``python bench/recorder_overhead.py [--requests 640] [--rounds 3] [--model-dir DIR]``
+``--compare-src DIR`` adds a phase ``recorder (base)``: the same recorder from another source tree
+(e.g. ``mkdir /tmp/base && git archive <rev> prodrl_pipelines | tar -x -C /tmp/base``), in front of
+the same upstream, interleaved with the others: before/after figures from one run.
+
+The breakdown printed at the end separates what the upstream pays for the recording fields
+(``direct+fields`` vs ``direct``: 20 top logprobs per position and token ids, larger answers) from
+the proxy's own cost (``recorder`` vs ``direct+fields``: relaying, parsing, the WAL fsync).
+
+Usage: ``python bench/recorder_overhead.py [--requests 640] [--rounds 3] [--model-dir DIR] [--compare-src DIR]``
 """
 
 from __future__ import annotations
@@ -52,9 +60,18 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
-def spawn(args: list[str], port: int, env: dict, headers: dict | None = None) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "prodrl_pipelines.cli", *args], env=env,
-                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+def _cli(src: str | None) -> list[str]:
+    """The ``prodrl`` command line, from the installed package or from the source tree ``src``."""
+    if src is None:
+        return [sys.executable, "-m", "prodrl_pipelines.cli"]
+    launcher = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in "
+                "str(getattr(f, '__module__', '')) + repr(f)]; sys.path.insert(0, sys.argv.pop(1)); "
+                "from prodrl_pipelines.cli import main; sys.exit(main(sys.argv[1:]))")
+    return [sys.executable, "-c", launcher, str(Path(src).resolve())]
+
+
+def spawn(args: list[str], port: int, env: dict, headers: dict | None = None, src: str | None = None) -> subprocess.Popen:
+    proc = subprocess.Popen([*_cli(src), *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     deadline = time.monotonic() + 120
     while time.monotonic() < deadline:
         if proc.poll() is not None:
@@ -122,6 +139,8 @@ def main() -> None:
     ap.add_argument("--pin", action="store_true",
                     help="upstream on CPU 0, recorder and load generator on CPU 1 (the upstream stands in "
                          "for a GPU server: the recorder's CPU time is not taken from it)")
+    ap.add_argument("--compare-src", default=None,
+                    help="source tree of another prodrl_pipelines (e.g. the previous commit's): adds 'recorder (base)'")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
 
@@ -141,9 +160,15 @@ def main() -> None:
                             "--batch-quiet-ms", str(args.batch_quiet_ms)], up_port, env))
         procs.append(spawn(["record", "--upstream", f"http://127.0.0.1:{up_port}", "--store", str(tmp / "store"),
                             "--port", str(rec_port), "--tokenizer", model_dir], rec_port, env, auth))
+        base_port = free_port()
+        if args.compare_src:
+            procs.append(spawn(["record", "--upstream", f"http://127.0.0.1:{up_port}", "--store",
+                                str(tmp / "store-base"), "--port", str(base_port), "--tokenizer", model_dir],
+                               base_port, env, auth, src=args.compare_src))
         if args.pin:
             pin(procs[0].pid, {0})
-            pin(procs[1].pid, {1})
+            for p in procs[1:]:
+                pin(p.pid, {1})
             os.sched_setaffinity(0, {1})
         base = {"prompt": PROMPT, "max_tokens": args.max_tokens}
         fields = {**base, "return_token_ids": True, "return_tokens_as_token_ids": True, "logprobs": 20,
@@ -153,6 +178,10 @@ def main() -> None:
             "direct+fields": (f"http://127.0.0.1:{up_port}", fields, {}),
             "recorder": (f"http://127.0.0.1:{rec_port}", base, auth),
         }
+        rec_pid = {"recorder": procs[1].pid}
+        if args.compare_src:
+            phases["recorder (base)"] = (f"http://127.0.0.1:{base_port}", base, auth)
+            rec_pid["recorder (base)"] = procs[2].pid
         for url, body, headers in phases.values():  # warm up connections, caches, the engine
             asyncio.run(load(url, body, args.concurrency * 2, args.concurrency, headers))
         results = {name: {"lat": [], "wall": 0.0, "n": 0, "cpu_up": 0.0, "cpu_rec": 0.0, "cpu_load": 0.0,
@@ -160,7 +189,8 @@ def main() -> None:
         up_stats = lambda: httpx.get(f"http://127.0.0.1:{up_port}/stats").json()  # noqa: E731
         for _ in range(args.rounds):
             for name, (url, body, headers) in phases.items():
-                c_up, c_rec, c_load = cpu_seconds(procs[0].pid), cpu_seconds(procs[1].pid), time.process_time()
+                rpid = rec_pid.get(name, procs[1].pid)
+                c_up, c_rec, c_load = cpu_seconds(procs[0].pid), cpu_seconds(rpid), time.process_time()
                 u0 = up_stats()
                 lat, wall = asyncio.run(load(url, body, args.requests, args.concurrency, headers))
                 u1 = up_stats()
@@ -171,7 +201,7 @@ def main() -> None:
                 r["wall"] += wall
                 r["n"] += len(lat)
                 r["cpu_up"] += cpu_seconds(procs[0].pid) - c_up
-                r["cpu_rec"] += cpu_seconds(procs[1].pid) - c_rec
+                r["cpu_rec"] += cpu_seconds(rpid) - c_rec
                 r["cpu_load"] += time.process_time() - c_load
         stats = httpx.get(f"http://127.0.0.1:{rec_port}/stats", headers=auth).json()["counters"]
         # the proxy alone: an instant upstream replaying a recorded answer
@@ -182,13 +212,19 @@ def main() -> None:
                                       env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
         procs.append(spawn(["record", "--upstream", f"http://127.0.0.1:{canned_port}", "--store",
                             str(tmp / "store2"), "--port", str(rec2_port), "--tokenizer", model_dir], rec2_port, env, auth))
-        canned = {"instant upstream": (f"http://127.0.0.1:{canned_port}", base, {}),
-                  "its recorder": (f"http://127.0.0.1:{rec2_port}", base, auth)}
-        for name, (url, body, headers) in canned.items():
+        canned = {"instant upstream": (f"http://127.0.0.1:{canned_port}", base, {}, procs[-1].pid),
+                  "its recorder": (f"http://127.0.0.1:{rec2_port}", base, auth, procs[-1].pid)}
+        if args.compare_src:
+            rec3_port = free_port()
+            procs.append(spawn(["record", "--upstream", f"http://127.0.0.1:{canned_port}", "--store",
+                                str(tmp / "store3"), "--port", str(rec3_port), "--tokenizer", model_dir], rec3_port,
+                               env, auth, src=args.compare_src))
+            canned["its recorder (base)"] = (f"http://127.0.0.1:{rec3_port}", base, auth, procs[-1].pid)
+        for name, (url, body, headers, pid) in canned.items():
             asyncio.run(load(url, body, args.concurrency * 4, args.concurrency, headers))
-            c_rec = cpu_seconds(procs[-1].pid)
+            c_rec = cpu_seconds(pid)
             lat, wall = asyncio.run(load(url, body, args.requests * args.rounds, args.concurrency, headers))
-            results[name] = {"lat": lat, "wall": wall, "n": len(lat), "cpu_rec": cpu_seconds(procs[-1].pid) - c_rec}
+            results[name] = {"lat": lat, "wall": wall, "n": len(lat), "cpu_rec": cpu_seconds(pid) - c_rec}
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
@@ -199,7 +235,8 @@ def main() -> None:
                 p.kill()
 
     summary = {}
-    for name in ("instant upstream", "its recorder"):
+    proxy_alone = [n for n in ("instant upstream", "its recorder", "its recorder (base)") if n in results]
+    for name in proxy_alone:
         r = results.pop(name)
         summary[name] = {"p50_ms": 1000 * pct(r["lat"], 0.5), "p99_ms": 1000 * pct(r["lat"], 0.99),
                          "req_per_s": r["n"] / r["wall"], "recorder_cpu_ms_per_req": 1000 * r["cpu_rec"] / r["n"]}
@@ -223,22 +260,34 @@ def main() -> None:
     summary["setup"] = {"concurrency": args.concurrency, "requests_per_phase": args.requests * args.rounds,
                         "max_tokens": args.max_tokens, "cpus": os.cpu_count(), "pinned": args.pin,
                         "upstream_batch_wait_ms": args.batch_wait_ms, "upstream_batch_quiet_ms": args.batch_quiet_ms}
-    print(f"{'phase':<15}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}{'batch':>7}   CPU ms/request: upstream recorder load")
+    print(f"{'phase':<17}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}{'batch':>7}   CPU ms/request: upstream recorder load")
     for name in phases:
         s = summary[name]
         c = s["cpu_ms_per_req"]
-        print(f"{name:<15}{s['p50_ms']:9.2f}{s['p99_ms']:9.2f}{s['req_per_s']:9.1f}"
+        print(f"{name:<17}{s['p50_ms']:9.2f}{s['p99_ms']:9.2f}{s['req_per_s']:9.1f}"
               f"{s['upstream_prompts_per_generate']:7.1f}{c['upstream']:22.2f}{c['recorder']:9.2f}{c['load']:6.2f}")
     r = summary["ratios"]
     print(f"recorder vs direct: throughput x{r['throughput_recorder_vs_direct']:.3f} (target >= 0.9), "
           f"p50 {r['added_p50_ms_vs_direct']:+.2f} ms (target <= 2), p99 {r['added_p99_ms_vs_direct']:+.2f} ms")
-    print(f"recorder vs direct+fields: throughput x{r['throughput_recorder_vs_direct_fields']:.3f}, "
-          f"p50 {r['added_p50_ms_vs_direct_fields']:+.2f} ms")
+    print(f"breakdown: the upstream's cost of the recording fields (direct+fields vs direct): throughput "
+          f"x{f['req_per_s'] / d['req_per_s']:.3f}, p50 {f['p50_ms'] - d['p50_ms']:+.2f} ms; "
+          f"the proxy's own cost (recorder vs direct+fields): throughput x{r['throughput_recorder_vs_direct_fields']:.3f}, "
+          f"p50 {r['added_p50_ms_vs_direct_fields']:+.2f} ms, recorder CPU {rec['cpu_ms_per_req']['recorder']:.2f} ms/call")
+    if "recorder (base)" in summary:
+        b = summary["recorder (base)"]
+        summary["ratios"]["throughput_recorder_vs_base"] = rec["req_per_s"] / b["req_per_s"]
+        print(f"recorder vs recorder (base): throughput x{rec['req_per_s'] / b['req_per_s']:.3f}, p50 "
+              f"{rec['p50_ms'] - b['p50_ms']:+.2f} ms, recorder CPU {b['cpu_ms_per_req']['recorder']:.2f} -> "
+              f"{rec['cpu_ms_per_req']['recorder']:.2f} ms/call")
     print("recorder:", summary["recorder_counters"])
     a, b = summary["instant upstream"], summary["its recorder"]
     print(f"proxy alone (instant upstream): {a['req_per_s']:.0f} -> {b['req_per_s']:.0f} req/s, p50 {a['p50_ms']:.2f} -> "
           f"{b['p50_ms']:.2f} ms, p99 {a['p99_ms']:.2f} -> {b['p99_ms']:.2f} ms, recorder CPU "
           f"{b['recorder_cpu_ms_per_req']:.2f} ms/request")
+    if "its recorder (base)" in summary:
+        c = summary["its recorder (base)"]
+        print(f"  base recorder, same instant upstream: {c['req_per_s']:.0f} req/s, p50 {c['p50_ms']:.2f} ms, "
+              f"p99 {c['p99_ms']:.2f} ms, recorder CPU {c['recorder_cpu_ms_per_req']:.2f} ms/request")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
 

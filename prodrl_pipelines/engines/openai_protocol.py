@@ -188,6 +188,10 @@ def message_content(content: str | list[dict[str, Any]] | None) -> str:
 # ----------------------------------------------------------------------------- token strings
 
 
+_TOKEN_IDS: dict[str, int] = {}  # "token_id:<id>" -> id, filled as met (bounded by the vocabulary)
+_TOKEN_IDS_MAX = 1 << 20
+
+
 @lru_cache(maxsize=1 << 20)
 def token_id_string(token_id: int) -> str:
     return f"{TOKEN_ID_PREFIX}{int(token_id)}"
@@ -195,6 +199,9 @@ def token_id_string(token_id: int) -> str:
 
 def parse_token_id(token: str) -> int:
     """The id in a ``"token_id:<id>"`` string; ``ProtocolError`` for anything else."""
+    tid = _TOKEN_IDS.get(token) if type(token) is str else None
+    if tid is not None:
+        return tid
     if not isinstance(token, str) or not token.startswith(TOKEN_ID_PREFIX):
         raise ProtocolError(f"expected a {TOKEN_ID_PREFIX!r} token string (return_tokens_as_token_ids), got {token!r}",
                             status=502)
@@ -340,7 +347,15 @@ def narrow_entries(entries: Sequence[tuple[Any, float]], n_from: int | None, n_t
 
 
 def _ids_of(keys) -> list[int]:
-    """Ids of ``token_id:<id>`` strings; ``ProtocolError`` if any key is something else."""
+    """Ids of ``token_id:<id>`` strings; ``ProtocolError`` if any key is something else.
+
+    A dict lookup per key (the strings repeat: one vocabulary) instead of parsing each: this was
+    the recorder's largest own cost per call (20 top logprobs x every generated position)."""
+    cache = _TOKEN_IDS
+    try:
+        return [cache[key] for key in keys]
+    except (KeyError, TypeError):
+        pass
     p, n = TOKEN_ID_PREFIX, len(TOKEN_ID_PREFIX)
     try:
         ids = [int(key[n:]) if key.startswith(p) else None for key in keys]
@@ -349,6 +364,11 @@ def _ids_of(keys) -> list[int]:
     if None in ids:
         bad = next((key for key in keys if not (isinstance(key, str) and key.startswith(p))), keys)
         raise ProtocolError(f"expected {p!r} token strings (return_tokens_as_token_ids), got {bad!r}", status=502)
+    if len(cache) > _TOKEN_IDS_MAX:
+        cache.clear()
+    for key, tid in zip(keys, ids):
+        if key == token_id_string(tid):  # canonical spelling only ("token_id:007" is parsed, not cached)
+            cache[key] = tid
     return ids
 
 
@@ -368,8 +388,8 @@ def parse_completion_logprobs(
     for tid, lp, top in zip(token_ids, lps, tops):
         if lp is None or not isinstance(top, dict):
             raise ProtocolError("a generated position has no logprobs", status=502)
-        ids = _ids_of(list(top))
-        vals = [float(v) for v in top.values()]
+        ids = _ids_of(top)
+        vals = list(map(float, top.values()))
         tid, lp = int(tid), float(lp)
         if ids and ids[0] == tid:
             ids, vals = ids[1:], vals[1:]
