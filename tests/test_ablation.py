@@ -16,6 +16,7 @@ from prodrl_pipelines.lab.ablation import (
     CollapseRule,
     aggregate,
     check_claims,
+    identical_pairs,
     load_config,
     paired_diffs,
     run_ablation,
@@ -47,6 +48,7 @@ def _base_cfg(**kw) -> dict:
     (lambda d: d["recipes"]["a"].update(top_k=20), "recipe 'a': invalid settings"),  # head K=8 < top_k
     (lambda d: d["base"].update(learning_rate=-1), "recipe 'a': invalid settings: learning_rate"),
     (lambda d: d["base"].update(bogus_key=1), "base: unknown setting(s) ['bogus_key']"),
+    (lambda d: d["recipes"]["a"].update(lab_size="huge"), "recipe 'a': invalid settings: lab_size: 'huge'"),
     (lambda d: d["recipes"]["a"].update(seed=3), "recipe 'a': ['seed'] are set by the runner"),
     (lambda d: d.update(comparisons={"x": ["a", "nope"]}), "comparison 'x': unknown recipe(s) ['nope']"),
     (lambda d: d.update(seeds=[]), "seeds"),
@@ -149,6 +151,12 @@ def test_aggregate_exact_numbers():
     assert b["final_mean"] == pytest.approx(0.475) and b["final_sd"] == pytest.approx(math.sqrt(2 * 0.025 ** 2))
     assert b["collapsed"] == 1  # seed 0: 0.45 < 0.6 - 0.1
     assert paired_diffs(results, "b", "a") == pytest.approx([-0.05, 0.05])
+    assert identical_pairs(cfg, results) == []
+    assert identical_pairs(cfg, results + [_res("c", 0, [0.3, 0.4, 0.5])]) == []  # c is in no comparison
+    cfg3 = AblationConfig(**_base_cfg(seeds=[0, 1, 2], recipes={"a": {}, "b": {}, "c": {"kl_beta": 0.1}},
+                                      comparisons={"x": ["a", "c"], "y": ["b", "c"]}))
+    same = [_res("c", 0, [0.3, 0.4, 0.5]), _res("c", 1, [0.3, 0.5, 0.45])]
+    assert identical_pairs(cfg3, results + same) == [("a", "c", 2)]
 
     cfg2 = AblationConfig(**_base_cfg(seeds=[0, 1, 2], claims=[
         {"text": "b at least matches a", "lhs": "b", "op": ">=", "rhs": "a", "metric": "final_mean"},
@@ -221,3 +229,29 @@ def test_quick_ablation_end_to_end(tmp_path, monkeypatch, capsys):
     out = run_ablation(load_config(path), root, workers=2, progress=False, log=lambda m: None)
     assert (out.skipped, out.ran, out.failed) == (2, 0, 1)
     assert before == {rec: (root / "runs" / rec / "seed0" / "result.json").stat().st_mtime_ns for rec in before}
+
+
+def test_resume_skips_only_matching_results(tmp_path, monkeypatch):
+    """result.json made with the same settings and rounds is skipped; one from other settings is set
+    aside (result.stale.json) and the run goes again (here: an injected failure, no real training)."""
+    from prodrl_pipelines.lab.ablation import _lab_key, run_dir
+
+    cfg = AblationConfig(**_base_cfg(seeds=[0], rounds=1))
+    root = tmp_path / "abl"
+    for rec in ("a", "b"):
+        s = cfg.settings_for(rec, 0)
+        (root / "bases" / _lab_key(s) / "round-000000").mkdir(parents=True, exist_ok=True)
+        (root / "bases" / _lab_key(s) / "round-000000" / "config.json").write_text("{}")  # no base build
+        if rec == "b":
+            s = {**s, "learning_rate": 1.0}  # made with other settings
+        d = run_dir(root, rec, 0)
+        d.mkdir(parents=True)
+        (d / "result.json").write_text(json.dumps({**_res(rec, 0, [0.3, 0.4]), "settings": s}))
+    monkeypatch.setenv(FAIL_ENV, "a,b")
+    msgs = []
+    out = run_ablation(cfg, root, workers=2, progress=False, log=msgs.append)
+    assert (out.skipped, out.ran, out.failed) == (1, 0, 1)
+    assert (run_dir(root, "a", 0) / "result.json").exists()
+    assert (run_dir(root, "b", 0) / "result.stale.json").exists() and not (run_dir(root, "b", 0) / "result.json").exists()
+    assert "injected failure" in json.loads((run_dir(root, "b", 0) / "failed.json").read_text())["error"]
+    assert any("other settings or rounds" in m for m in msgs)

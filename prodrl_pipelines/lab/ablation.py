@@ -145,7 +145,11 @@ class AblationConfig(BaseModel):
             if not _NAME_RE.match(r):
                 raise ValueError(f"recipe name {r!r} must match {_NAME_RE.pattern} (it names a directory)")
             try:
-                self.settings_for(r, self.seeds[0])
+                s = self.settings_for(r, self.seeds[0])
+                from prodrl_pipelines.lab.warmstart import SFT_DEFAULTS
+
+                if s.get("lab_size", "demo") not in SFT_DEFAULTS:  # else only the base build would notice
+                    raise ValueError(f"lab_size: {s['lab_size']!r} is not one of {sorted(SFT_DEFAULTS)}")
             except (ValidationError, ValueError, TypeError) as e:
                 raise ValueError(f"recipe {r!r}: invalid settings: {_short_error(e)}") from None
         for c, members in self.comparisons.items():
@@ -183,7 +187,8 @@ def _short_error(e: Exception) -> str:
 
 
 def load_config(path: str | Path, *, quick: bool = False, name: str | None = None,
-                seeds: list[int] | None = None, recipes: list[str] | None = None) -> AblationConfig:
+                seeds: list[int] | None = None, recipes: list[str] | None = None,
+                rounds: int | None = None) -> AblationConfig:
     """Read and validate a YAML config; CLI overrides applied before validation of the result."""
     import yaml
 
@@ -197,6 +202,8 @@ def load_config(path: str | Path, *, quick: bool = False, name: str | None = Non
         raw["name"] = name
     if seeds:
         raw["seeds"] = list(seeds)
+    if rounds:
+        raw["rounds"] = int(rounds)
     if recipes:
         missing = [r for r in recipes if r not in (raw.get("recipes") or {})]
         if missing:
@@ -282,10 +289,15 @@ def run_ablation(cfg: AblationConfig, root: Path, workers: int = 2, log=print, p
     for seed in cfg.seeds:
         for recipe in cfg.recipes:
             d = run_dir(root, recipe, seed)
-            if (d / "result.json").exists():
-                out.skipped += 1
-                continue
             settings = cfg.settings_for(recipe, seed)
+            if (d / "result.json").exists():
+                old = json.loads((d / "result.json").read_text())
+                if old.get("settings") == settings and len(old.get("rounds", [])) == cfg.rounds + 1:
+                    out.skipped += 1
+                    continue
+                os.replace(d / "result.json", d / "result.stale.json")
+                log(f"{recipe}/seed{seed}: result.json was made with other settings or rounds -> running again "
+                    "(old one kept as result.stale.json)")
             bkey = _lab_key(settings)
             bdir = root / "bases" / bkey
             if bkey not in bases and not (bdir / "round-000000" / "config.json").exists():
@@ -309,6 +321,7 @@ def run_ablation(cfg: AblationConfig, root: Path, workers: int = 2, log=print, p
     pending_bases = list(bases.values())
     pending_runs = list(runs)
     running: list[Task] = []
+    t_start, n_done = time.time(), 0
     try:
         while pending_bases or pending_runs or running:
             # fill free slots: bases first, then runs whose base is ready
@@ -325,7 +338,8 @@ def run_ablation(cfg: AblationConfig, root: Path, workers: int = 2, log=print, p
                         if st != "ok":
                             _record_failure(t, f"base policy {r.base_key} failed: {st}", out)
                             bar.update(1)
-                            log(f"FAILED {t.key}: base policy failed")
+                            n_done += 1
+                            log(f"FAILED {t.key}: base policy failed ({st})")
                             t = "skip"
                         break
                 if t is None:
@@ -362,7 +376,10 @@ def run_ablation(cfg: AblationConfig, root: Path, workers: int = 2, log=print, p
                         out.failed += 1
                     msg = f"FAILED {t.key} (exit {rc}): see {t.log}"
                 bar.update(1)
-                bar.set_postfix_str(msg[:60])
+                n_done += 1
+                done, el = n_done, time.time() - t_start
+                eta = el / done * (len(runs) - done) if done else float("nan")
+                msg = f"[{done}/{len(runs)} runs, {el / 60:.1f} min, ETA ~{eta / 60:.0f} min] {msg}"
                 log(msg) if not progress else bar.write(msg)
     except BaseException:
         for t in running:  # our own children only
@@ -430,7 +447,7 @@ def _worker(spec_path: str) -> int:
         boot = (marks[0] - t0) if marks else None
         result = {
             "recipe": spec["recipe"], "seed": spec["seed"], "status": "ok", "settings": spec["settings"],
-            "wall_s": round(time.time() - t0, 2),
+            "wall_s": round(time.time() - t0, 2), "cpu_s": round(_cpu_seconds(), 2),
             "round_wall_s": [round(b - a, 2) for a, b in zip([t0] + marks, marks)][1:] if marks else [],
             "first_round_incl_bootstrap_s": round(boot, 2) if boot is not None else None,
             "rounds": [{k: r.get(k) for k in ("round", "heldout_reward", "heldout_reward_ci", "gate_passed",
@@ -450,6 +467,14 @@ def _worker(spec_path: str) -> int:
         return 1
 
 
+def _cpu_seconds() -> float:
+    """CPU time of this process and its children (user + system): the run's cost on idle cores."""
+    import resource
+
+    a, b = resource.getrusage(resource.RUSAGE_SELF), resource.getrusage(resource.RUSAGE_CHILDREN)
+    return a.ru_utime + a.ru_stime + b.ru_utime + b.ru_stime
+
+
 def _build_base(spec: dict) -> int:
     from prodrl_pipelines.lab.warmstart import build_base_policy
     from prodrl_pipelines.resources.settings import ProdRLSettings
@@ -461,7 +486,7 @@ def _build_base(spec: dict) -> int:
     t0 = time.time()
     build_base_policy(tmp, progress=False, **lab.model_dump())  # LabSettings fields = builder kwargs
     os.replace(tmp, out / "round-000000")
-    print(f"base policy {lab.model_dump()} built in {time.time() - t0:.0f}s", flush=True)
+    print(f"base policy {lab.model_dump()} built in {time.time() - t0:.0f}s ({_cpu_seconds():.0f} CPU s)", flush=True)
     return 0
 
 
@@ -543,7 +568,7 @@ def aggregate(cfg: AblationConfig, results: list[dict], failures: list[dict] | N
             "gain_mean": _mean([f - b for f, b in zip(finals, bases)]),
             "collapsed": sum(1 for c in curves if cfg.collapse.collapsed(c)),
             "gate_failures": gates, "mismatch_mean": _mean(mism),
-            "wall_s_mean": _mean([r.get("wall_s") for r in rs]),
+            "wall_s_mean": _mean([r.get("wall_s") for r in rs]), "cpu_s_mean": _mean([r.get("cpu_s") for r in rs]),
             "retokenized_calls_differ": sum(int(r.get("retokenize", {}).get("retokenized_calls_differ", 0) or 0)
                                             for r in rs),
             "retokenized_calls": sum(int(r.get("retokenize", {}).get("retokenized_calls", 0) or 0) for r in rs),
@@ -570,6 +595,23 @@ def paired_diffs(results: list[dict], a: str, b: str) -> list[float]:
     return [fa[s] - fb[s] for s in sorted(set(fa) & set(fb))]
 
 
+def identical_pairs(cfg: AblationConfig, results: list[dict], tol: float = 1e-9) -> list[tuple[str, str, int]]:
+    """Pairs of recipes of a comparison whose curves coincide on every seed both finished (>= 1 seed)."""
+    by = {(r["recipe"], r["seed"]): curve(r) for r in results}
+    out, seen = [], set()
+    for members in cfg.comparisons.values():
+        for i, a in enumerate(members):
+            for b in members[i + 1:]:
+                if (a, b) in seen:
+                    continue
+                seen.add((a, b))
+                shared = [s for s in cfg.seeds if (a, s) in by and (b, s) in by]
+                if shared and all(len(by[a, s]) == len(by[b, s]) and all(
+                        abs(x - y) <= tol for x, y in zip(by[a, s], by[b, s])) for s in shared):
+                    out.append((a, b, len(shared)))
+    return out
+
+
 # ============================================================================ report
 def load_results(cfg: AblationConfig, root: Path) -> tuple[list[dict], list[dict]]:
     results, failures = [], []
@@ -590,7 +632,7 @@ def _f(x, nd=3) -> str:
 
 
 TABLE_COLUMNS = ["recipe", "seeds", "base", "final mean ± sd", "best mean", "mean rounds>=1", "sd(final)",
-                 "collapsed", "gate failures", "mismatch |logpi_k-logmu|", "min/run"]
+                 "collapsed", "gate failures", "engine mismatch", "min/run (CPU)"]
 
 
 def table_rows(table: dict[str, dict]) -> list[list[str]]:
@@ -599,7 +641,8 @@ def table_rows(table: dict[str, dict]) -> list[list[str]]:
         seeds = f"{r['seeds_ok']}" + (f" (+{r['seeds_failed']} failed)" if r["seeds_failed"] else "")
         rows.append([r["recipe"], seeds, _f(r["base_mean"]), f"{_f(r['final_mean'])} ± {_f(r['final_sd'])}",
                      _f(r["best_mean"]), _f(r["auc_mean"]), _f(r["final_sd"]), f"{r['collapsed']}/{r['seeds_ok']}",
-                     str(r["gate_failures"]), _f(r["mismatch_mean"], 4), _f(r["wall_s_mean"] / 60, 1)])
+                     str(r["gate_failures"]), _f(r["mismatch_mean"], 4),
+                     f"{_f(r['wall_s_mean'] / 60, 1)} ({_f(r['cpu_s_mean'] / 60, 1)})"])
     return rows
 
 
@@ -634,7 +677,8 @@ def write_report(cfg: AblationConfig, root: Path, results: list[dict], failures:
                 w.writerow([r["recipe"], r["seed"], x["round"], x.get("heldout_reward"), x.get("heldout_reward_ci"),
                             x.get("gate_passed"), x.get("deployed"), x.get("mismatch_abs_logp")])
     doc = {"name": cfg.name, "config": cfg.model_dump(), "table": table, "claims": claims, "failures": failures,
-           "runs": [{k: r.get(k) for k in ("recipe", "seed", "wall_s", "rounds", "retokenize")} for r in results],
+           "runs": [{k: r.get(k) for k in ("recipe", "seed", "wall_s", "cpu_s", "round_wall_s", "rounds", "retokenize")}
+                    for r in results],
            "wall_s": wall_s}
     _atomic_write_json(root / "results.json", doc)
 
@@ -655,7 +699,8 @@ def write_report(cfg: AblationConfig, root: Path, results: list[dict], failures:
     L += ["", f"final = held-out reward after round {cfg.rounds}; best = max over rounds 1..{cfg.rounds}; "
           "sd = sample sd across seeds; collapsed: final < base - "
           f"{cfg.collapse.below_base} or final < best - {cfg.collapse.drop_from_best} (per seed); gate failures: "
-          "rounds whose candidate the gate refused (all seeds).", ""]
+          "rounds whose candidate the gate refused (all seeds); engine mismatch = mean over rounds and seeds of "
+          "mean abs(log pi_k - log mu) on the round's data; min/run = wall minutes per run (CPU minutes).", ""]
     L += ["## Recipes", ""]
     for rec, ov in cfg.recipes.items():
         L.append(f"- `{rec}`: `{json.dumps(ov or {}, sort_keys=True)}`")
@@ -669,6 +714,11 @@ def write_report(cfg: AblationConfig, root: Path, results: list[dict], failures:
             m = f" {c['margin']:+g}" if c["margin"] else ""
             L.append(f"- {c['text']}: {verdict} — {c['metric']} `{c['lhs']}` {_f(c['lhs_value'])} {c['op']} "
                      f"`{c['rhs']}` {_f(c['rhs_value'])}{m}{extra}")
+    same = identical_pairs(cfg, results)
+    if same:
+        L += ["", "Identical curves (held-out reward equal to 1e-9 at every round of every shared seed; the two "
+              "settings made no numerical difference in this lab): "
+              + "; ".join(f"`{a}` = `{b}` ({n} seed{'s' if n > 1 else ''})" for a, b, n in same) + "."]
     retok = {k: v for k, v in table.items() if v["retokenized_calls"]}
     if retok:
         L += ["", "Retokenized replay: " + "; ".join(
@@ -754,6 +804,8 @@ def add_ablate_parser(lab_sub) -> None:
     a.add_argument("--workers", type=int, default=2, help="concurrent run subprocesses (one torch thread each)")
     a.add_argument("--seeds", type=int, nargs="+", help="override the config's seeds")
     a.add_argument("--recipes", nargs="+", help="run only these recipes of the config")
+    a.add_argument("--rounds", type=int, help="override the config's rounds (use a new --name: finished runs "
+                                              "are skipped whatever their rounds)")
     a.add_argument("--runs-dir", default="runs")
     a.add_argument("--no-mlflow", action="store_true", help="do not log the report to MLflow")
     a.set_defaults(fn=cmd_ablate)
@@ -761,7 +813,8 @@ def add_ablate_parser(lab_sub) -> None:
 
 def cmd_ablate(args) -> int:
     try:
-        cfg = load_config(args.config, quick=args.quick, name=args.name, seeds=args.seeds, recipes=args.recipes)
+        cfg = load_config(args.config, quick=args.quick, name=args.name, seeds=args.seeds, recipes=args.recipes,
+                          rounds=args.rounds)
     except AblationConfigError as e:
         print(f"prodrl lab ablate: {e}", file=sys.stderr)
         return 2

@@ -64,15 +64,15 @@ def comparison_png(curves: Mapping[str, Mapping[int, Sequence[float]]], title: s
 
 
 def finals_png(finals: Mapping[str, Sequence[float]], bases: Mapping[str, Sequence[float]] | None = None) -> bytes:
-    """Final held-out reward per recipe: one dot per seed, the mean as a bar; base reward as a dashed line."""
+    """Final held-out reward per recipe: one dot per seed, the mean as a wide tick; base reward dashed."""
     names = list(finals)
     fig, ax = plt.subplots(figsize=(max(4.0, 0.9 * len(names) + 1.5), 3.6))
     for j, n in enumerate(names):
         ys = [y for y in finals[n] if y is not None and math.isfinite(y)]
         col = COLOURS[j % len(COLOURS)]
         if ys:
-            ax.bar(j, sum(ys) / len(ys), color=col, alpha=0.35, width=0.6)
-            ax.plot([j] * len(ys), ys, "o", color=col, ms=4)
+            ax.hlines(sum(ys) / len(ys), j - 0.3, j + 0.3, color=col, lw=3)
+            ax.plot([j] * len(ys), ys, "o", color=col, ms=5, alpha=0.8)
     if bases:
         bs = [y for v in bases.values() for y in v if y is not None and math.isfinite(y)]
         if bs:
@@ -81,6 +81,7 @@ def finals_png(finals: Mapping[str, Sequence[float]], bases: Mapping[str, Sequen
     ax.set_xticks(range(len(names)))
     ax.set_xticklabels(names, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("final held-out reward")
-    ax.set_title("final held-out reward by recipe (dots = seeds)")
+    ax.set_title("final held-out reward by recipe (dots = seeds, bar = mean)")
+    ax.set_xlim(-0.6, len(names) - 0.4)
     ax.grid(alpha=0.3, axis="y")
     return _png(fig)
