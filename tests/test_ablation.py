@@ -193,9 +193,12 @@ def test_quick_ablation_end_to_end(tmp_path, monkeypatch, capsys):
         assert res["status"] == "ok" and [r["round"] for r in res["rounds"]] == [0, 1]
         assert res["settings"]["seed"] == 0 and res["settings"]["lab_size"] == "tiny"
         assert all(math.isfinite(r["heldout_reward"]) for r in res["rounds"])
-        # the base policy came from the shared per-seed build, not a second SFT
-        assert "building the round-0 lab policy" in (root / "runs" / rec / "seed0" / "run.log").read_text()
-    assert len(list((root / "bases").glob("*/round-000000/config.json"))) == 1
+    # one SFT base per seed, copied into each run's home (its bootstrap only exports/evaluates/registers it)
+    (base,) = (root / "bases").glob("*/round-000000")
+    for rec in ("tis", "score_centering"):
+        ckpt = root / "runs" / rec / "seed0" / "home" / "checkpoints" / "round-000000"
+        assert (ckpt / "model.safetensors").read_bytes() == (base / "model.safetensors").read_bytes()
+        assert (ckpt / "warm_start.json").read_text() == (base / "warm_start.json").read_text()
     failed = json.loads((root / "runs" / "broken" / "seed0" / "failed.json").read_text())
     assert "injected failure" in failed["error"] and Path(failed["log"]).exists()
 
@@ -206,7 +209,7 @@ def test_quick_ablation_end_to_end(tmp_path, monkeypatch, capsys):
     assert "## Failed or missing runs" in report and "injected failure" in report
     assert "score centering at least matches IS" in report
     pngs = sorted((root / "plots").glob("*.png"))
-    assert {p.name for p in pngs} >= {"corrections.png", "with_broken.png", "final_reward_by_recipe.png"}
+    assert {p.name for p in pngs} >= {"corrections.png", "with_broken.png", "final_reward_by_recipe.png", "engine_mismatch.png"}
     for p in pngs:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"(plots/{p.name})" in report
@@ -219,7 +222,7 @@ def test_quick_ablation_end_to_end(tmp_path, monkeypatch, capsys):
     exp = client.get_experiment_by_name("ablation/quick")
     (run,) = client.search_runs([exp.experiment_id])
     arts = {a.path for a in client.list_artifacts(run.info.run_id)}
-    assert {"report.md", "results.csv", "results.json", "plots"} <= arts
+    assert {"report.md", "results.csv", "results.json", "config.json", "plots"} <= arts
     assert {a.path for a in client.list_artifacts(run.info.run_id, "plots")} >= {"plots/corrections.png"}
     assert "tis.final_mean" in run.data.metrics
     assert [m.step for m in client.get_metric_history(run.info.run_id, "tis.heldout_reward_mean")] == [0, 1]
@@ -255,3 +258,31 @@ def test_resume_skips_only_matching_results(tmp_path, monkeypatch):
     assert (run_dir(root, "b", 0) / "result.stale.json").exists() and not (run_dir(root, "b", 0) / "result.json").exists()
     assert "injected failure" in json.loads((run_dir(root, "b", 0) / "failed.json").read_text())["error"]
     assert any("other settings or rounds" in m for m in msgs)
+
+
+def test_report_from_synthetic_results(tmp_path, monkeypatch):
+    """write_report + log_to_mlflow on synthetic result documents (no runs): table, claims, notes, plots."""
+    from mlflow.tracking import MlflowClient
+
+    from prodrl_pipelines.lab.ablation import log_to_mlflow, write_report
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    cfg = AblationConfig(**_base_cfg(seeds=[0, 1], recipes={"a": {}, "b": {"kl_beta": 0.1}, "c": {"kl_beta": 1.0}},
+                                     comparisons={"ab": ["a", "b"], "bc": ["b", "c"]}, claims=[
+        {"text": "c beats a", "lhs": "c", "op": ">", "rhs": "a", "metric": "final_mean"}]))
+    results = [_res("a", 0, [0.3, 0.4, 0.5]), _res("a", 1, [0.3, 0.5, 0.45]),
+               _res("b", 0, [0.3, 0.4, 0.5]), _res("b", 1, [0.3, 0.5, 0.45]),
+               _res("c", 0, [0.3, 0.6, 0.6])]
+    failures = [{"recipe": "c", "seed": 1, "error": "RuntimeError: boom\ntraceback...", "log": "/x/run.log"}]
+    rep = write_report(cfg, tmp_path, results, failures, wall_s=125.0)
+    md = rep["report"].read_text()
+    assert "2 seed(s) [0, 1], 2 rounds each; 5 runs finished, 1 failed or missing; runner wall time 2.1 min" in md
+    assert "| a | 2 | 0.300 | 0.475 ± 0.035 | 0.500 | 0.463 | 0.035 | 0/2 | 0 | 0.1000 | 1.5 (-) |" in md
+    assert "| c | 1 (+1 failed) |" in md
+    assert "- c beats a: **holds** — final_mean `c` 0.600 > `a` 0.475; per-seed final differences c - a: +0.100" in md
+    assert "`a` = `b` (2 seeds)" in md and "`b` = `c`" not in md
+    assert "- `c` seed 1: RuntimeError: boom (log: `/x/run.log`)" in md
+    assert {p.name for p in rep["plots"]} == {"ab.png", "bc.png", "final_reward_by_recipe.png", "engine_mismatch.png"}
+    uri, rid = log_to_mlflow(cfg, tmp_path, rep)
+    run = MlflowClient(uri).get_run(rid)
+    assert run.data.metrics["a.final_mean"] == pytest.approx(0.475) and run.data.params["seeds"] == "[0, 1]"

@@ -663,6 +663,12 @@ def write_report(cfg: AblationConfig, root: Path, results: list[dict], failures:
         fn = plots / f"{_slug(cname)}.png"
         fn.write_bytes(comparison_png({m: curves[m] for m in members}, title=f"{cname}: held-out reward"))
         plot_files[cname] = fn
+    mism = {rec: {r["seed"]: [x.get("mismatch_abs_logp") if x.get("mismatch_abs_logp") is not None else float("nan")
+                              for x in sorted(r["rounds"], key=lambda x: x["round"])]
+                  for r in results if r["recipe"] == rec} for rec in cfg.recipes}
+    mm = plots / "engine_mismatch.png"
+    mm.write_bytes(comparison_png(mism, title="engine mismatch mean |log pi_k - log mu| per round",
+                                  ylabel="|log pi_k - log mu|"))
     fin = plots / "final_reward_by_recipe.png"
     fin.write_bytes(finals_png({m: [c[-1] for c in curves[m].values()] for m in cfg.recipes},
                                {m: [c[0] for c in curves[m].values()] for m in cfg.recipes}))
@@ -683,7 +689,7 @@ def write_report(cfg: AblationConfig, root: Path, results: list[dict], failures:
     _atomic_write_json(root / "results.json", doc)
 
     L = [f"# Ablation `{cfg.name}`", ""]
-    L.append(f"{len(cfg.recipes)} recipes x {len(cfg.seeds)} seeds {cfg.seeds}, {cfg.rounds} rounds each; "
+    L.append(f"{len(cfg.recipes)} recipes x {len(cfg.seeds)} seed(s) {cfg.seeds}, {cfg.rounds} rounds each; "
              f"{len(results)} runs finished, {len(failures)} failed or missing"
              + (f"; runner wall time {wall_s / 60:.1f} min." if wall_s else "."))
     L.append("")
@@ -716,8 +722,8 @@ def write_report(cfg: AblationConfig, root: Path, results: list[dict], failures:
                      f"`{c['rhs']}` {_f(c['rhs_value'])}{m}{extra}")
     same = identical_pairs(cfg, results)
     if same:
-        L += ["", "Identical curves (held-out reward equal to 1e-9 at every round of every shared seed; the two "
-              "settings made no numerical difference in this lab): "
+        L += ["", "Identical held-out curves (equal to 1e-9 at every round of every seed both finished, so "
+              "these settings did not change the measured outcome here): "
               + "; ".join(f"`{a}` = `{b}` ({n} seed{'s' if n > 1 else ''})" for a, b, n in same) + "."]
     retok = {k: v for k, v in table.items() if v["retokenized_calls"]}
     if retok:
@@ -731,6 +737,7 @@ def write_report(cfg: AblationConfig, root: Path, results: list[dict], failures:
     for cname, fn in plot_files.items():
         L.append(f"### {cname}\n\n![{cname}](plots/{fn.name})\n")
     L.append(f"### final held-out reward by recipe\n\n![final](plots/{fin.name})\n")
+    L.append(f"### engine mismatch by recipe\n\n![mismatch](plots/{mm.name})\n")
     if failures:
         L += ["## Failed or missing runs", ""]
         for f in failures:
@@ -786,7 +793,9 @@ def log_to_mlflow(cfg: AblationConfig, root: Path, rep: dict, tracking_uri: str 
                 ms.append(Metric(f"{rec}.heldout_reward_mean", m, ts, i))
     for i in range(0, len(ms), 900):
         client.log_batch(rid, metrics=ms[i:i + 900])
-    for p in [rep["report"], rep["csv"], rep["json"]]:
+    for p in [rep["report"], rep["csv"], rep["json"], root / "config.json"]:
+        if not p.exists():
+            continue
         client.log_artifact(rid, str(p))
     for p in rep["plots"]:
         client.log_artifact(rid, str(p), artifact_path="plots")
