@@ -185,15 +185,24 @@ def main() -> None:
         for url, body, headers in phases.values():  # warm up connections, caches, the engine
             asyncio.run(load(url, body, args.concurrency * 2, args.concurrency, headers))
         results = {name: {"lat": [], "wall": 0.0, "n": 0, "cpu_up": 0.0, "cpu_rec": 0.0, "cpu_load": 0.0,
-                          "gen_calls": 0, "gen_prompts": 0} for name in phases}
+                          "gen_calls": 0, "gen_prompts": 0, "time_us": {}} for name in phases}
+
+        def rec_times(port: int) -> dict:
+            c = httpx.get(f"http://127.0.0.1:{port}/stats", headers=auth).json()["counters"]
+            return {k: v for k, v in c.items() if k.startswith("time_us.") or k in ("timed_calls", "wal_fsyncs",
+                                                                                      "wal_appends")}
         up_stats = lambda: httpx.get(f"http://127.0.0.1:{up_port}/stats").json()  # noqa: E731
         for _ in range(args.rounds):
             for name, (url, body, headers) in phases.items():
                 rpid = rec_pid.get(name, procs[1].pid)
                 c_up, c_rec, c_load = cpu_seconds(procs[0].pid), cpu_seconds(rpid), time.process_time()
                 u0 = up_stats()
+                t0 = rec_times(rec_port) if name == "recorder" else {}
                 lat, wall = asyncio.run(load(url, body, args.requests, args.concurrency, headers))
                 u1 = up_stats()
+                if name == "recorder":
+                    for k, v in rec_times(rec_port).items():
+                        results[name]["time_us"][k] = results[name]["time_us"].get(k, 0) + v - t0.get(k, 0)
                 r = results[name]
                 r["gen_calls"] += u1["generate_calls"] - u0["generate_calls"]
                 r["gen_prompts"] += u1["prompts"] - u0["prompts"]
@@ -241,12 +250,22 @@ def main() -> None:
         summary[name] = {"p50_ms": 1000 * pct(r["lat"], 0.5), "p99_ms": 1000 * pct(r["lat"], 0.99),
                          "req_per_s": r["n"] / r["wall"], "recorder_cpu_ms_per_req": 1000 * r["cpu_rec"] / r["n"]}
     for name, r in results.items():
+        times = r.pop("time_us", {})
         summary[name] = {"p50_ms": 1000 * pct(r["lat"], 0.5), "p99_ms": 1000 * pct(r["lat"], 0.99),
                          "mean_ms": 1000 * statistics.fmean(r["lat"]), "req_per_s": r["n"] / r["wall"],
                          "upstream_prompts_per_generate": r["gen_prompts"] / max(r["gen_calls"], 1),
                          "cpu_ms_per_req": {"upstream": 1000 * r["cpu_up"] / r["n"],
                                             "recorder": 1000 * r["cpu_rec"] / r["n"],
                                             "load": 1000 * r["cpu_load"] / r["n"]}}
+        if times.get("wal_fsyncs"):
+            summary[name]["wal"] = {"entries_per_fsync": times["wal_appends"] / times["wal_fsyncs"],
+                                    "append_ms": times.get("time_us.wal_append", 0) / 1000 / times["wal_fsyncs"],
+                                    "entry_wait_ms": times.get("time_us.wal_entry_wait", 0) / 1000
+                                    / max(times["wal_appends"], 1)}
+        if times.get("timed_calls"):
+            summary[name]["handler_ms_per_call"] = {k[len("time_us."):]: v / 1000 / times["timed_calls"]
+                                                    for k, v in times.items()
+                                                    if k.startswith("time_us.") and not k.startswith("time_us.wal")}
     d, f, rec = summary["direct"], summary["direct+fields"], summary["recorder"]
     summary["ratios"] = {
         "throughput_recorder_vs_direct": rec["req_per_s"] / d["req_per_s"],
@@ -273,6 +292,18 @@ def main() -> None:
           f"x{f['req_per_s'] / d['req_per_s']:.3f}, p50 {f['p50_ms'] - d['p50_ms']:+.2f} ms; "
           f"the proxy's own cost (recorder vs direct+fields): throughput x{r['throughput_recorder_vs_direct_fields']:.3f}, "
           f"p50 {r['added_p50_ms_vs_direct_fields']:+.2f} ms, recorder CPU {rec['cpu_ms_per_req']['recorder']:.2f} ms/call")
+    h = rec.get("handler_ms_per_call")
+    if h:
+        inside = h["before_upstream"] + h["after_upstream"] + h["commit_wait"]
+        print(f"recorder handler, mean ms per call: waiting for the upstream {h['upstream']:.2f}; its own "
+              f"{inside:.2f} = before the upstream request {h['before_upstream']:.2f} + parsing/recording/rewriting "
+              f"{h['after_upstream']:.2f} + WAL fsync wait {h['commit_wait']:.2f}; the client's mean latency "
+              f"{rec['mean_ms']:.2f} (the rest: uvicorn, sockets, the client)")
+        w = summary["recorder"].get("wal", {})
+        if w:
+            print(f"  WAL: {w['entries_per_fsync']:.1f} calls per fsync group, encode+write+fdatasync "
+                  f"{w['append_ms']:.2f} ms per group, an entry waits {w['entry_wait_ms']:.2f} ms to be durable; "
+                  f"the rest of the fsync wait is the event loop resuming the handler")
     if "recorder (base)" in summary:
         b = summary["recorder (base)"]
         summary["ratios"]["throughput_recorder_vs_base"] = rec["req_per_s"] / b["req_per_s"]

@@ -49,6 +49,13 @@ modifiers the trainer cannot reproduce (penalties, ``min_p``, ``logit_bias``, ``
 errors pass through unchanged (counted, not recorded); an upstream timeout is a 504, an unreachable
 upstream a 502. One process (one uvicorn worker) per WAL directory.
 
+Connections (what made 128-256 concurrent clients see resets): idle client connections stay open
+``--timeout-keep-alive`` (120 s), longer than clients keep them for reuse (httpx 5 s, aiohttp 15 s;
+uvicorn's own default of 5 s raced them); idle upstream connections are reused for at most
+``--upstream-keepalive`` (3 s), below the upstream's keep-alive timeout (vLLM: 5 s); and a request
+whose upstream connection is reset before any answer came back is sent once more
+(``upstream_retries``): nothing is recorded before an answer, so this cannot record a call twice.
+
 Store: ``--store DIR`` (Parquet parts under DIR, WAL in ``DIR/_recorder/wal``) or ``--s3-bucket``
 (``--s3-prefix``, ``--s3-endpoint-url``, ``--s3-region``): parts go to ``s3://bucket/prefix/`` with the
 local store's key layout while the WAL stays on local disk (``--wal-dir``, required then). Start-up
@@ -65,6 +72,7 @@ import math
 import os
 import re
 import sys
+import time
 import uuid
 from contextlib import asynccontextmanager
 from dataclasses import dataclass
@@ -614,6 +622,16 @@ class Recorder:
         self.stats.inc("extra_draw_recorded")
         return extra
 
+    def time_call(self, before: float, upstream: float, after: float, commit: float) -> None:
+        """Add one answered (non-streamed) call's time split to the ``time_us.*`` counters (and
+        ``timed_calls``): in the handler before the upstream request, waiting for the upstream,
+        parsing / building the record / rewriting the answer, and waiting for the WAL fsync. The
+        recorder's own share is all but ``upstream`` (plus what uvicorn spends outside the handler).
+        """
+        self.stats.add_many((("time_us.before_upstream", int(before * 1e6)), ("time_us.upstream", int(upstream * 1e6)),
+                             ("time_us.after_upstream", int(after * 1e6)), ("time_us.commit_wait", int(commit * 1e6)),
+                             ("timed_calls", 1)))
+
     async def commit(self, tid: str, row: dict | None, reason: str | None) -> int:
         """Durably commit a recorded row or a skip; returns the call index."""
         if row is not None:
@@ -671,6 +689,7 @@ async def _proxy(request: Request, kind: str) -> Response:
     rec: Recorder = request.app.state.recorder
     stats = rec.stats
     stats.inc("requests")
+    t0 = time.perf_counter()
     try:
         body = await _body(request)
         tid = _trajectory_id(request)
@@ -688,6 +707,7 @@ async def _proxy(request: Request, kind: str) -> Response:
     assert rec.http is not None
     if body.get("stream"):
         return await _proxy_stream(rec, kind, path, up, ask, reason, tid, pv, task_id)
+    t1 = time.perf_counter()
     try:
         async with await rec.post_upstream(path.lstrip("/"), _dumps(up)) as resp:
             content = await resp.read()
@@ -696,6 +716,7 @@ async def _proxy(request: Request, kind: str) -> Response:
         return _err("the upstream server timed out", 504, stats, "upstream_timeouts", headers)
     except aiohttp.ClientError as exc:
         return _err(f"the upstream server is unreachable: {exc}", 502, stats, "upstream_unreachable", headers)
+    t2 = time.perf_counter()
     if status != 200:
         stats.inc("upstream_errors")
         return Response(content, status_code=status, headers=headers, media_type=ctype)
@@ -710,12 +731,15 @@ async def _proxy(request: Request, kind: str) -> Response:
         except Unrecordable as u:
             reason = u.reason
     answer = Rewriter(kind, ask, rec.tokens, stats, _n_up(up, kind)).rewrite(data) if up is not body else data
+    payload = _dumps(answer)
+    t3 = time.perf_counter()
     try:
         index = await rec.commit(tid, row, reason)
     except Exception as exc:  # the WAL failed: the client must not believe the call was recorded
         return _err(f"the call could not be recorded durably: {exc}", 503, stats, "commit_failures", headers)
+    rec.time_call(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
     headers.update({"X-Call-Index": str(index), "X-Prodrl-Recorded": "true" if row is not None else "false"})
-    return Response(_dumps(answer), media_type="application/json", headers=headers)
+    return Response(payload, media_type="application/json", headers=headers)
 
 
 async def _proxy_stream(rec: Recorder, kind, path, up, ask, reason, tid, pv, task_id) -> Response:
