@@ -519,7 +519,7 @@ class Recorder:
         kw = {"timeout": timeout} if timeout is not None else {}
         try:
             return await self.http.post(path, data=data, headers=_JSON, **kw)
-        except (aiohttp.ServerDisconnectedError, aiohttp.ClientOSError) as exc:
+        except _RESET_ERRORS as exc:
             if isinstance(exc, aiohttp.ClientConnectorError):  # could not connect at all: no retry
                 raise
             self.stats.inc("upstream_retries")
@@ -654,6 +654,9 @@ def _err(message: str, status: int, stats: Stats | None = None, counter: str | N
 
 
 _JSON = {"Content-Type": "application/json"}
+# The connection went away under a request (retried once, see Recorder.post_upstream).
+_RESET_ERRORS = tuple(e for e in (getattr(aiohttp, "ServerDisconnectedError", None), getattr(aiohttp, "ClientOSError", None),
+                                  getattr(aiohttp, "ClientConnectionResetError", None)) if e is not None)
 
 
 def _dumps(obj) -> bytes:
