@@ -120,3 +120,25 @@ def test_http_traffic_lands_in_an_s3_store(tmp_path, s3_endpoint, bucket):
     assert rewards.num_rows == 8 and set(rewards["source"].to_pylist()) == {"lab/arithmetic"}
     sel = rounds.select_data(svc, "round-000001")
     assert sel["num_trajectories"] == 8 and sel["quarantined"] == 0
+
+
+def test_http_traffic_records_the_extra_draw_for_sampled_score_centering(tmp_path):
+    """``record_extra_draw`` over HTTP: the recorder asks `prodrl serve` for its extra draw, stores it,
+    and the sampled score-centering round trains on it."""
+    settings = {**TINY, "home": str(tmp_path / "home"), "record_extra_draw": True,
+                "correction": "score_centering_sampled"}
+    res = make_resources(settings)
+    svc = services(res["settings"], res["store"])
+    rounds.bootstrap_base_policy(svc, progress=False)
+    with served_deployment(svc, log_dir=tmp_path / "logs") as dep:
+        simulate_traffic(svc, 8, via="http", deployment=dep)
+        stats = dep.stats()
+    calls = svc.store.read_calls().to_pylist()
+    assert calls and all(c["extra_token_ids"] is not None for c in calls)
+    assert all(len(c["extra_token_ids"]) == len(c["output_token_ids"]) for c in calls)
+    assert any(c["extra_token_ids"] != c["output_token_ids"] for c in calls)  # an independent draw
+    assert stats.get("extra_draw_missing", 0) == 0
+    rounds.select_data(svc, "round-000001")
+    rounds.build_batch(svc, "round-000001")
+    out = rounds.train(svc, "round-000001", progress=False)
+    assert out["steps_taken"] + out["steps_skipped"] == TINY["steps_per_round"]

@@ -20,10 +20,14 @@ server generates it alone (reproducible, equal to ``LocalEngine.generate([p], pa
 but the in-process path draws one random stream per batch, so the sampled tokens differ from it.
 The default (``seeded=False``) lets the server batch concurrent calls (much faster on CPU).
 
-Concurrency: 32 calls in flight (``concurrency``). With 128 a burst of fresh connections to the
-recorder was measured to fail ~1 run in 4 with "Connection reset by peer" on this machine, and was
-slower (1024 episodes: ~18 s vs ~8 s on 2 shared cores). Completions are never retried: the
-recorder has no idempotency key, so a retried call could be recorded twice.
+Concurrency: 32 calls in flight (``concurrency``); 128 was slower on 2 shared cores (1024 episodes:
+~18 s vs ~8 s). Completions are never retried by the client: the recorder has no idempotency key,
+so a retried call could be recorded twice (the recorder itself retries an upstream connection reset
+before any answer, which cannot record twice).
+
+Extra draw: with ``deploy.record_extra_draw`` the recorder runs with ``--record-extra-draw`` and asks
+``prodrl serve`` for its ``extra_draw`` extension, so the ``score_centering_sampled`` correction
+trains on HTTP traffic too.
 """
 
 from __future__ import annotations
@@ -132,8 +136,6 @@ class RecordingClient(VLLMClient):
 
     def generate_with_headers(self, prompts, params: SamplingParams, seed: int | None,
                               headers: list[dict]) -> list[CallRecord]:
-        if params.record_extra_draw:
-            raise ValueError("record_extra_draw (the `sampled` score-centering draw) is not available over HTTP")
         seeds = [None if seed is None else request_seed(seed, i) for i in range(len(prompts))]
         self.model
 
@@ -214,7 +216,9 @@ class LabDeployment:
                 "record", "--upstream", f"http://127.0.0.1:{sp}", *store_args, "--port", str(rp),
                 "--policy-version", live.policy_version, "--tokenizer", str(live.export_dir),
                 "--top-logprobs", str(k), "--upstream-max-logprobs", str(max(k, 20)),
-                "--flush-interval", str(self.flush_interval_s)], env, self.log_dir / "record.log")
+                "--flush-interval", str(self.flush_interval_s),
+                *(["--record-extra-draw"] if svc.settings.deploy.record_extra_draw else [])],
+                env, self.log_dir / "record.log")
             self._procs.append(rec)
             serve.wait_health(f"http://127.0.0.1:{sp}/health", {}, self.startup_timeout_s)
             rec.wait_health(f"http://127.0.0.1:{rp}/health", self.auth, self.startup_timeout_s)
@@ -228,7 +232,7 @@ class LabDeployment:
         return self
 
     def new_client(self) -> RecordingClient:
-        """A client of the recorder (fresh connections: uvicorn drops keep-alive connections idle > 5 s)."""
+        """A client of the recorder (its own connection pool)."""
         return RecordingClient(self.recorder_url, api_key=self.token, model=self.policy_version,
                                max_concurrency=self.concurrency)
 
