@@ -67,11 +67,20 @@ class LocalEngine:
         model_dir: str | PathLike,
         device: str | torch.device = "cpu",
         dtype: torch.dtype | str | None = None,
+        simulate_activations: bool = True,
     ) -> LocalEngine:
         """Load an HF checkpoint directory (model + tokenizer), or an NVFP4 (compressed-tensors) export
         with its weights dequantized.
 
         ``dtype=None`` computes in fp32 on CPU and keeps the stored dtype elsewhere.
+
+        The engine is the deployment: for a W4A4 export (one with ``input_global_scale`` tensors) it also
+        simulates the activation quantization the deployment's NVFP4 W4A4 kernels apply to every
+        quantized Linear input (``quant.nvfp4.install_activation_quantization``), so the logprobs it
+        records are the deployment's. The trainer's ``rl.checkpoint.load_policy`` deliberately loads the
+        same export weights-only ("upcast deployment weights", the reference of reference-model IS),
+        which therefore differs from the engine. ``simulate_activations=False`` serves weights-only;
+        W4A16 exports and plain checkpoints are unaffected by the flag.
         """
         from transformers import AutoModelForCausalLM, AutoTokenizer
 
@@ -80,7 +89,7 @@ class LocalEngine:
         if dtype is None:
             dtype = torch.float32 if torch.device(device).type == "cpu" else "auto"
         if is_compressed_tensors_dir(model_dir):
-            model, tokenizer = load_nvfp4_model(model_dir, dtype=dtype)
+            model, tokenizer = load_nvfp4_model(model_dir, dtype=dtype, simulate_activations=simulate_activations)
             return cls(model, tokenizer, device=device)
         model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=dtype)
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))

@@ -35,6 +35,7 @@ __all__ = [
     "global_scale", "block_scales", "fp4_codes", "pack_codes", "unpack_codes", "quantize_nvfp4",
     "dequantize_nvfp4", "fused_group", "quantizable", "quantization_config", "is_compressed_tensors_dir",
     "dequantize_state_dict", "build_model", "load_nvfp4_model", "read_safetensors_dir",
+    "fake_quantize_activations", "install_activation_quantization",
 ]
 
 FORMAT = "nvfp4-pack-quantized"
@@ -149,6 +150,27 @@ def dequantize_nvfp4(packed: Tensor, scale: Tensor, gscale: Tensor, dtype: torch
     vals = _LUT.to(packed.device)[unpack_codes(packed).long()]
     eff = scale.to(_F32) / gscale.to(_F32).reshape(1)
     return (vals.reshape(n, k // GROUP_SIZE, GROUP_SIZE) * eff.unsqueeze(-1)).reshape(n, k).to(dtype)
+
+
+def fake_quantize_activations(x: Tensor, input_global_scale: Tensor) -> Tensor:
+    """W4A4 activation quantize-dequantize of ``x`` along its last dimension (what the deployment's
+    NVFP4 W4A4 kernels feed their GEMM): blocks of 16 inputs, FP8 E4M3 block scales computed dynamically
+    per token-block from the block amax under the static ``input_global_scale``, E2M1 codes; the weight
+    recipe (``block_scales``, ``fp4_codes``, ``code * (s / g)``) applied to activations, in float32.
+
+    Bit for bit ``dequantize_nvfp4(quantize_nvfp4(x.reshape(-1, K), g))`` reshaped back, cast to
+    ``x.dtype``; rows (tokens) are independent, so batching and KV caching do not change the result.
+    Unlike ``quantize_nvfp4`` it does not validate: non-finite inputs give non-finite outputs.
+    """
+    k = x.shape[-1]
+    if k % GROUP_SIZE:
+        raise NVFP4Error(f"activation dimension {k} is not divisible by the NVFP4 block size {GROUP_SIZE}")
+    g = input_global_scale.to(device=x.device, dtype=_F32).reshape(1)
+    rows = x.reshape(-1, k)
+    eff = block_scales(rows, g).to(_F32) / g  # [rows, K/16]; block amax taken in x's dtype, as for weights
+    y = rows.to(_F32).reshape(-1, k // GROUP_SIZE, GROUP_SIZE) / eff.unsqueeze(-1)
+    vals = _LUT.to(x.device)[fp4_codes(y).long()]
+    return (vals * eff.unsqueeze(-1)).reshape(x.shape).to(x.dtype)
 
 
 # --------------------------------------------------------------------------------- which tensors
@@ -293,8 +315,83 @@ def build_model(config: dict, state_dict: dict[str, Tensor], dtype: torch.dtype 
     return model.eval()
 
 
-def load_nvfp4_model(path: str | PathLike, dtype: torch.dtype | str = _F32, device: str | torch.device = "cpu"):
+def _experts_forward_w4a4(self, hidden_states: Tensor, top_k_index: Tensor, top_k_weights: Tensor) -> Tensor:
+    """transformers 5.x ``Qwen3MoeExperts.forward`` (eager loop over the hit experts, fused 3-D
+    ``gate_up_proj`` [E, 2I, H] / ``down_proj`` [E, H, I]) with each expert's gate/up input and down_proj
+    input fake-quantized under that expert's ``input_global_scale`` (``self._w4a4_gate_up`` /
+    ``self._w4a4_down``, float32 [E])."""
+    final = torch.zeros_like(hidden_states)
+    with torch.no_grad():
+        mask = torch.nn.functional.one_hot(top_k_index, num_classes=self.num_experts + 1).permute(2, 1, 0)
+        hit = torch.greater(mask.sum(dim=(-1, -2)), 0).nonzero()
+    for e in hit:
+        e = int(e[0])
+        if e == self.num_experts:
+            continue
+        top_k_pos, token_idx = torch.where(mask[e])
+        x = fake_quantize_activations(hidden_states[token_idx], self._w4a4_gate_up[e])
+        gate, up = torch.nn.functional.linear(x, self.gate_up_proj[e]).chunk(2, dim=-1)
+        h = fake_quantize_activations(self.act_fn(gate) * up, self._w4a4_down[e])
+        h = torch.nn.functional.linear(h, self.down_proj[e]) * top_k_weights[token_idx, top_k_pos, None]
+        final.index_add_(0, token_idx, h.to(final.dtype))
+    return final
+
+
+def install_activation_quantization(model, input_scales: dict[str, Tensor]) -> list:
+    """Simulate the deployment's W4A4 activation quantization on a loaded (weights-dequantized) model.
+
+    ``input_scales`` maps ``<module>.input_global_scale`` (export keys) to float32 [1]. Every
+    ``nn.Linear`` with a scale gets a forward pre-hook that fake-quantizes its input; a fused MoE experts
+    module (3-D ``gate_up_proj``/``down_proj``, keys ``<experts>.<e>.gate_proj|up_proj|down_proj``) gets
+    ``_experts_forward_w4a4`` as its forward. Layers fused at serving time (q/k/v, gate/up) see one
+    input and use one scale: the minimum over their ``fused_group`` (calibration gives them equal scales,
+    as they read the same input). Returns the hook handles (``.remove()`` undoes a Linear hook); the
+    experts modules are listed in ``model._w4a4_experts``. A scale naming no module is an error.
+    """
+    scales = {k[: -len(".input_global_scale")]: v.to(_F32).reshape(1) for k, v in input_scales.items()}
+    shared: dict[str, Tensor] = {}
+    for mod, g in scales.items():
+        grp = fused_group(f"{mod}.weight")
+        shared[grp] = torch.minimum(shared[grp], g) if grp in shared else g
+    used: set[str] = set()
+    handles, experts = [], []
+    for name, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and name in scales:
+            g = shared[fused_group(f"{name}.weight")]
+            handles.append(mod.register_forward_pre_hook(
+                lambda m, args, _g=g: (fake_quantize_activations(args[0], _g), *args[1:])))
+            used.add(name)
+        elif getattr(getattr(mod, "gate_up_proj", None), "ndim", 0) == 3 \
+                and getattr(getattr(mod, "down_proj", None), "ndim", 0) == 3:
+            n = int(mod.gate_up_proj.shape[0])
+            keys = [(f"{name}.{e}.gate_proj", f"{name}.{e}.up_proj", f"{name}.{e}.down_proj") for e in range(n)]
+            if not any(k in scales for ks in keys for k in ks):
+                continue
+            missing = [k for ks in keys for k in ks if k not in scales]
+            if missing:
+                raise NVFP4Error(f"{name}: input_global_scale missing for {missing[:4]}")
+            mod._w4a4_gate_up = torch.cat([shared[fused_group(f"{g}.weight")] for g, _, _ in keys])
+            mod._w4a4_down = torch.cat([shared[fused_group(f"{d}.weight")] for _, _, d in keys])
+            mod.forward = _experts_forward_w4a4.__get__(mod)  # instance attribute: bypasses the dispatcher
+            experts.append(name)
+            used.update(k for ks in keys for k in ks)
+    unused = sorted(set(scales) - used)
+    if unused:
+        raise NVFP4Error(f"input_global_scale for modules the model does not have (or not Linear): {unused[:5]}")
+    model._w4a4_experts = experts
+    return handles
+
+
+def load_nvfp4_model(path: str | PathLike, dtype: torch.dtype | str = _F32, device: str | torch.device = "cpu",
+                     simulate_activations: bool = False):
     """(model, tokenizer) of a compressed-tensors NVFP4 export, weights dequantized to ``dtype``.
+
+    ``simulate_activations=True`` (the deployment: ``LocalEngine.from_pretrained``) also installs the
+    W4A4 activation quantization of an export that has ``input_global_scale`` tensors
+    (``install_activation_quantization``), so the model computes the deployment's numerics; a W4A16
+    export has none and is unaffected. The default (``False``: the trainer's ``load_policy``, e.g. the
+    reference model of reference-model IS, "upcast deployment weights") loads the weights only and
+    drops the activation scales. ``model._w4a4_hooks`` holds the installed hooks (empty list if none).
 
     The model is built from config.json without its ``quantization_config`` (transformers would
     otherwise hand it to its compressed-tensors quantizer) and filled with the dequantized weights;
@@ -313,9 +410,12 @@ def load_nvfp4_model(path: str | PathLike, dtype: torch.dtype | str = _F32, devi
                          f"{qc.get('quant_method')!r} format={qc.get('format')!r}")
     if dtype == "auto":
         dtype = getattr(torch, str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"))
-    model = build_model(raw, dequantize_state_dict(read_safetensors_dir(path), dtype), dtype, where=str(path))
+    sd = read_safetensors_dir(path)
+    model = build_model(raw, dequantize_state_dict(sd, dtype), dtype, where=str(path))
     if (path / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(path)
     model = model.to(device).eval()
+    act = {k: v for k, v in sd.items() if k.endswith(".input_global_scale")}
+    model._w4a4_hooks = install_activation_quantization(model, act) if simulate_activations and act else []
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer

@@ -73,7 +73,13 @@ def save_checkpoint(path: Path, model, tokenizer, optimizer: torch.optim.Optimiz
 
 
 def load_policy(path: Path, dtype: torch.dtype = torch.float32):
-    """Load model and tokenizer of a checkpoint/export directory (NVFP4 exports dequantized), computing in ``dtype``."""
+    """Load model and tokenizer of a checkpoint/export directory (NVFP4 exports dequantized), computing in ``dtype``.
+
+    NVFP4 exports load weights-only, W4A4 included: this is the trainer's view ("upcast deployment
+    weights", e.g. the reference model of reference-model IS), not the deployment's. The deployment
+    (``LocalEngine.from_pretrained``) additionally simulates W4A4 activation quantization, so for a W4A4
+    export the two differ by design.
+    """
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     from prodrl_pipelines.quant.nvfp4 import is_compressed_tensors_dir, load_nvfp4_model
@@ -82,7 +88,7 @@ def load_policy(path: Path, dtype: torch.dtype = torch.float32):
     if not (path / "config.json").exists():
         raise CheckpointError(f"no checkpoint at {path} (config.json missing)")
     if is_compressed_tensors_dir(path):
-        return load_nvfp4_model(path, dtype=dtype)
+        return load_nvfp4_model(path, dtype=dtype, simulate_activations=False)
     model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype)
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer
