@@ -1,8 +1,13 @@
 """Engine mismatch created by the export, on the lab model: mean |log pi_k - log mu| per generated
 token, where mu is what the deployment recorded (LocalEngine serving the export) and pi_k is the fp32
 trainer's log-probability of the same tokens (LocalEngine.score on the fp32 checkpoint). Side by side
-in one run: the fp32 checkpoint served as is (only the KV-cache path differs), the bf16 export and
-the NVFP4 W4A16 export; prints the W4A16 / bf16 ratio.
+in one run: the fp32 checkpoint served as is (only the KV-cache path differs), the bf16 export, the
+NVFP4 W4A16 export and the NVFP4 W4A4 export (calibrated on 64 training-task prompts drawn with
+another seed than the measured ones), served as the deployment serves it (activation quantization
+simulated) and weights-only (what the trainer's reference model, load_policy, computes: the W4A16
+numbers). Prints the W4A16 / bf16 and W4A4 / W4A16 ratios, the W4A4 deployment against its own
+upcast weights (what reference-model IS cannot correct), and the generation slowdown of the
+activation hooks (the same generate call with and without them, best of 3, single thread).
 
     python bench/export_mismatch.py [existing_base_checkpoint_dir]
 
@@ -46,25 +51,48 @@ def main() -> None:
         base = build_base_policy(tmp / "base", size="demo", progress=False)
         print(f"built the demo lab base policy in {time.perf_counter() - t0:.0f}s")
     exports = {"fp32 checkpoint (no export)": base}
-    for scheme in ("bf16", "nvfp4-w4a16"):
-        rep = export_policy(base, tmp / scheme, scheme)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(base)
+    calib = [render_prompt(tok, initial_messages(t))[1] for t in generate_tasks(64, seed=7)]
+    for scheme in ("bf16", "nvfp4-w4a16", "nvfp4-w4a4"):
+        rep = export_policy(base, tmp / scheme, scheme, calibration_prompts=calib if scheme == "nvfp4-w4a4" else None)
         exports[scheme] = tmp / scheme
         print(f"{scheme:12s} export: {rep['export_bytes']} bytes, {rep['compression_ratio']:.2f}x vs bf16, "
               f"max rel. Frobenius error {rep['max_rel_fro_error']:.4f}")
     trainer = LocalEngine.from_pretrained(base)  # fp32 weights: pi_k
-    tok = trainer.tokenizer
     tasks = generate_tasks(N_PROMPTS // 2, seed=1) + heldout_tasks(N_PROMPTS // 2)
     prompts = [render_prompt(tok, initial_messages(t))[1] for t in tasks]
     params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, num_top_logprobs=8,
                             stop_token_ids=stop_token_ids(tok))
     res = {}
-    for name, path in exports.items():
-        res[name] = mismatch(LocalEngine.from_pretrained(path), trainer, prompts, params)
+    served = {name: LocalEngine.from_pretrained(path) for name, path in exports.items()}  # W4A4: activations simulated
+    served["nvfp4-w4a4 weights-only"] = LocalEngine.from_pretrained(exports["nvfp4-w4a4"], simulate_activations=False)
+    for name, engine in served.items():
+        t0 = time.perf_counter()
+        res[name] = mismatch(engine, trainer, prompts, params)
         r = res[name]
+        r["seconds"] = time.perf_counter() - t0
         print(f"  served {name:28s} mean |log pi_k - log mu| = {r['mean']:.5f}  p99 {r['p99']:.4f}  "
-              f"max {r['max']:.4f}  ({r['tokens']} tokens)")
+              f"max {r['max']:.4f}  ({r['tokens']} tokens, generate+score {r['seconds']:.1f}s)")
     ratio = res["nvfp4-w4a16"]["mean"] / res["bf16"]["mean"]
     print(f"engine mismatch ratio W4A16 / bf16 = {ratio:.1f}x (same prompts, same seed, same fp32 scorer)")
+    ratio = res["nvfp4-w4a4"]["mean"] / res["nvfp4-w4a16"]["mean"]
+    print(f"engine mismatch ratio W4A4 (activations simulated) / W4A16 = {ratio:.2f}x")
+    ref = mismatch(served["nvfp4-w4a4"], served["nvfp4-w4a4 weights-only"], prompts, params)
+    print(f"  W4A4 deployment vs its upcast weights (the ref_is reference) mean |log pi_ref - log mu| = "
+          f"{ref['mean']:.5f}  p99 {ref['p99']:.4f}  max {ref['max']:.4f}: the mismatch reference-model IS cannot see")
+    # generation slowdown of the hooks: the same generate call, best of 3, hooks vs weights-only
+    def gen_time(engine):
+        best = float("inf")
+        for _ in range(3):
+            t0 = time.perf_counter()
+            engine.generate(prompts, params, seed=SEED)
+            best = min(best, time.perf_counter() - t0)
+        return best
+    t_sim, t_plain = gen_time(served["nvfp4-w4a4"]), gen_time(served["nvfp4-w4a4 weights-only"])
+    print(f"W4A4 generate: {t_sim:.2f}s with activation quantization vs {t_plain:.2f}s weights-only "
+          f"= {t_sim / t_plain:.2f}x slowdown ({len(prompts)} prompts x {MAX_TOKENS} tokens, best of 3)")
 
 
 if __name__ == "__main__":
