@@ -142,6 +142,7 @@ def test_aggregate_exact_numbers():
     assert a["final_sd"] == pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in (0.5, 0.45, 0.1)) / 2))
     assert a["best_mean"] == pytest.approx((0.5 + 0.5 + 0.1) / 3)
     assert a["auc_mean"] == pytest.approx((0.45 + 0.475 + 0.1) / 3)
+    assert a["worst_mean"] == pytest.approx((0.4 + 0.45 + 0.1) / 3)
     assert a["base_mean"] == pytest.approx(0.8 / 3)
     assert a["gain_mean"] == pytest.approx((0.2 + 0.15 - 0.1) / 3)
     assert a["collapsed"] == 1  # seed 2: 0.1 < 0.2 - 0.05
@@ -203,13 +204,14 @@ def test_quick_ablation_end_to_end(tmp_path, monkeypatch, capsys):
     assert "injected failure" in failed["error"] and Path(failed["log"]).exists()
 
     report = (root / "report.md").read_text()
-    assert "| recipe | seeds | base | final mean ± sd" in report
+    assert "| recipe | seeds | base | final mean ± sd | best mean | worst mean |" in report
     for rec in ("tis", "score_centering", "broken"):
         assert f"| {rec} |" in report
     assert "## Failed or missing runs" in report and "injected failure" in report
     assert "score centering at least matches IS" in report
     pngs = sorted((root / "plots").glob("*.png"))
-    assert {p.name for p in pngs} >= {"corrections.png", "with_broken.png", "final_reward_by_recipe.png", "engine_mismatch.png"}
+    assert {p.name for p in pngs} >= {"corrections.png", "with_broken.png", "final_reward_by_recipe.png",
+                                      "engine_mismatch.png"}
     for p in pngs:
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"(plots/{p.name})" in report
@@ -228,7 +230,8 @@ def test_quick_ablation_end_to_end(tmp_path, monkeypatch, capsys):
     assert [m.step for m in client.get_metric_history(run.info.run_id, "tis.heldout_reward_mean")] == [0, 1]
 
     # rerun: finished runs are skipped (result.json), the failed one is retried (and fails again)
-    before = {rec: (root / "runs" / rec / "seed0" / "result.json").stat().st_mtime_ns for rec in ("tis", "score_centering")}
+    before = {rec: (root / "runs" / rec / "seed0" / "result.json").stat().st_mtime_ns
+              for rec in ("tis", "score_centering")}
     out = run_ablation(load_config(path), root, workers=2, progress=False, log=lambda m: None)
     assert (out.skipped, out.ran, out.failed) == (2, 0, 1)
     assert before == {rec: (root / "runs" / rec / "seed0" / "result.json").stat().st_mtime_ns for rec in before}
@@ -255,7 +258,8 @@ def test_resume_skips_only_matching_results(tmp_path, monkeypatch):
     out = run_ablation(cfg, root, workers=2, progress=False, log=msgs.append)
     assert (out.skipped, out.ran, out.failed) == (1, 0, 1)
     assert (run_dir(root, "a", 0) / "result.json").exists()
-    assert (run_dir(root, "b", 0) / "result.stale.json").exists() and not (run_dir(root, "b", 0) / "result.json").exists()
+    assert (run_dir(root, "b", 0) / "result.stale.json").exists()
+    assert not (run_dir(root, "b", 0) / "result.json").exists()
     assert "injected failure" in json.loads((run_dir(root, "b", 0) / "failed.json").read_text())["error"]
     assert any("other settings or rounds" in m for m in msgs)
 
@@ -277,7 +281,7 @@ def test_report_from_synthetic_results(tmp_path, monkeypatch):
     rep = write_report(cfg, tmp_path, results, failures, wall_s=125.0)
     md = rep["report"].read_text()
     assert "2 seed(s) [0, 1], 2 rounds each; 5 runs finished, 1 failed or missing; runner wall time 2.1 min" in md
-    assert "| a | 2 | 0.300 | 0.475 ± 0.035 | 0.500 | 0.463 | 0.035 | 0/2 | 0 | 0.1000 | 1.5 (-) |" in md
+    assert "| a | 2 | 0.300 | 0.475 ± 0.035 | 0.500 | 0.425 | 0.463 | 0.035 | 0/2 | 0 | 0.1000 | 1.5 (-) |" in md
     assert "| c | 1 (+1 failed) |" in md
     assert "- c beats a: **holds** — final_mean `c` 0.600 > `a` 0.475; per-seed final differences c - a: +0.100" in md
     assert "`a` = `b` (2 seeds)" in md and "`b` = `c`" not in md

@@ -88,7 +88,8 @@ class CollapseRule(BaseModel):
         return final < base - self.below_base or final < best - self.drop_from_best
 
 
-METRICS = ("final_mean", "final_sd", "best_mean", "auc_mean", "base_mean", "gain_mean", "collapsed",
+METRICS = ("final_mean", "final_sd", "best_mean", "worst_mean", "auc_mean", "base_mean", "gain_mean",
+           "collapsed",
            "gate_failures", "mismatch_mean")
 
 
@@ -556,6 +557,7 @@ def aggregate(cfg: AblationConfig, results: list[dict], failures: list[dict] | N
         bases = [c[0] for c in curves]
         bests = [max(_finite(c[1:]), default=float("nan")) for c in curves]
         aucs = [_mean(c[1:]) for c in curves]
+        worsts = [min(_finite(c[1:]), default=float("nan")) for c in curves]
         gates = sum(1 for r in rs for x in r["rounds"] if x["round"] > 0 and x.get("gate_passed") is False)
         mism = [x.get("mismatch_abs_logp") for r in rs for x in r["rounds"] if x["round"] > 0]
         table[recipe] = {
@@ -564,7 +566,7 @@ def aggregate(cfg: AblationConfig, results: list[dict], failures: list[dict] | N
             "base_mean": _mean(bases), "final_mean": _mean(finals), "final_sd": _sd(finals),
             "final_min": min(_finite(finals), default=float("nan")),
             "final_max": max(_finite(finals), default=float("nan")),
-            "best_mean": _mean(bests), "auc_mean": _mean(aucs),
+            "best_mean": _mean(bests), "worst_mean": _mean(worsts), "auc_mean": _mean(aucs),
             "gain_mean": _mean([f - b for f, b in zip(finals, bases)]),
             "collapsed": sum(1 for c in curves if cfg.collapse.collapsed(c)),
             "gate_failures": gates, "mismatch_mean": _mean(mism),
@@ -631,8 +633,8 @@ def _f(x, nd=3) -> str:
     return "-" if x is None or (isinstance(x, float) and not math.isfinite(x)) else f"{x:.{nd}f}"
 
 
-TABLE_COLUMNS = ["recipe", "seeds", "base", "final mean ± sd", "best mean", "mean rounds>=1", "sd(final)",
-                 "collapsed", "gate failures", "engine mismatch", "min/run (CPU)"]
+TABLE_COLUMNS = ["recipe", "seeds", "base", "final mean ± sd", "best mean", "worst mean", "mean rounds>=1",
+                 "sd(final)", "collapsed", "gate failures", "engine mismatch", "min/run (CPU)"]
 
 
 def table_rows(table: dict[str, dict]) -> list[list[str]]:
@@ -640,7 +642,8 @@ def table_rows(table: dict[str, dict]) -> list[list[str]]:
     for r in table.values():
         seeds = f"{r['seeds_ok']}" + (f" (+{r['seeds_failed']} failed)" if r["seeds_failed"] else "")
         rows.append([r["recipe"], seeds, _f(r["base_mean"]), f"{_f(r['final_mean'])} ± {_f(r['final_sd'])}",
-                     _f(r["best_mean"]), _f(r["auc_mean"]), _f(r["final_sd"]), f"{r['collapsed']}/{r['seeds_ok']}",
+                     _f(r["best_mean"]), _f(r["worst_mean"]), _f(r["auc_mean"]), _f(r["final_sd"]),
+                     f"{r['collapsed']}/{r['seeds_ok']}",
                      str(r["gate_failures"]), _f(r["mismatch_mean"], 4),
                      f"{_f(r['wall_s_mean'] / 60, 1)} ({_f(r['cpu_s_mean'] / 60, 1)})"])
     return rows
@@ -702,7 +705,8 @@ def write_report(cfg: AblationConfig, root: Path, results: list[dict], failures:
     L.append("|" + "---|" * len(TABLE_COLUMNS))
     for row in table_rows(table):
         L.append("| " + " | ".join(row) + " |")
-    L += ["", f"final = held-out reward after round {cfg.rounds}; best = max over rounds 1..{cfg.rounds}; "
+    L += ["", f"final = held-out reward after round {cfg.rounds}; best / worst = max / min over rounds "
+          f"1..{cfg.rounds} (per seed, then averaged); "
           "sd = sample sd across seeds; collapsed: final < base - "
           f"{cfg.collapse.below_base} or final < best - {cfg.collapse.drop_from_best} (per seed); gate failures: "
           "rounds whose candidate the gate refused (all seeds); engine mismatch = mean over rounds and seeds of "
