@@ -137,6 +137,8 @@ def test_aggregate_exact_numbers():
     t = aggregate(cfg, results, failures=[{"recipe": "b", "seed": 2, "error": "x"}])
     a, b = t["a"], t["b"]
     assert a["seeds_ok"] == 3 and a["seeds_failed"] == 0 and b["seeds_ok"] == 2 and b["seeds_failed"] == 1
+    assert b["seeds_missing"] == 0
+    assert aggregate(cfg, results, [{"recipe": "b", "seed": 2, "missing": True}])["b"]["seeds_missing"] == 1
     assert a["final_mean"] == pytest.approx((0.5 + 0.45 + 0.1) / 3)
     mean = (0.5 + 0.45 + 0.1) / 3
     assert a["final_sd"] == pytest.approx(math.sqrt(sum((x - mean) ** 2 for x in (0.5, 0.45, 0.1)) / 2))
@@ -280,7 +282,7 @@ def test_report_from_synthetic_results(tmp_path, monkeypatch):
     failures = [{"recipe": "c", "seed": 1, "error": "RuntimeError: boom\ntraceback...", "log": "/x/run.log"}]
     rep = write_report(cfg, tmp_path, results, failures, wall_s=125.0)
     md = rep["report"].read_text()
-    assert "2 seed(s) [0, 1], 2 rounds each; 5 runs finished, 1 failed or missing; runner wall time 2.1 min" in md
+    assert "2 seed(s) [0, 1], 2 rounds each; 5 runs finished, 1 failed, 0 not run; runner wall time 2.1 min" in md
     assert "| a | 2 | 0.300 | 0.475 ± 0.035 | 0.500 | 0.425 | 0.463 | 0.035 | 0/2 | 0 | 0.1000 | 1.5 (-) |" in md
     assert "| c | 1 (+1 failed) |" in md
     assert "- c beats a: **holds** — final_mean `c` 0.600 > `a` 0.475; per-seed final differences c - a: +0.100" in md

@@ -561,7 +561,9 @@ def aggregate(cfg: AblationConfig, results: list[dict], failures: list[dict] | N
         gates = sum(1 for r in rs for x in r["rounds"] if x["round"] > 0 and x.get("gate_passed") is False)
         mism = [x.get("mismatch_abs_logp") for r in rs for x in r["rounds"] if x["round"] > 0]
         table[recipe] = {
-            "recipe": recipe, "seeds_ok": len(rs), "seeds_failed": sum(1 for f in failures if f["recipe"] == recipe),
+            "recipe": recipe, "seeds_ok": len(rs),
+            "seeds_failed": sum(1 for f in failures if f["recipe"] == recipe and not f.get("missing")),
+            "seeds_missing": sum(1 for f in failures if f["recipe"] == recipe and f.get("missing")),
             "seeds": [r["seed"] for r in rs],
             "base_mean": _mean(bases), "final_mean": _mean(finals), "final_sd": _sd(finals),
             "final_min": min(_finite(finals), default=float("nan")),
@@ -625,7 +627,8 @@ def load_results(cfg: AblationConfig, root: Path) -> tuple[list[dict], list[dict
             elif (d / "failed.json").exists():
                 failures.append(json.loads((d / "failed.json").read_text()))
             else:
-                failures.append({"recipe": recipe, "seed": seed, "error": "not run (no result.json)", "log": ""})
+                failures.append({"recipe": recipe, "seed": seed, "error": "not run yet (no result.json)", "log": "",
+                                 "missing": True})
     return results, failures
 
 
@@ -640,7 +643,9 @@ TABLE_COLUMNS = ["recipe", "seeds", "base", "final mean ± sd", "best mean", "wo
 def table_rows(table: dict[str, dict]) -> list[list[str]]:
     rows = []
     for r in table.values():
-        seeds = f"{r['seeds_ok']}" + (f" (+{r['seeds_failed']} failed)" if r["seeds_failed"] else "")
+        extra = [f"+{r['seeds_failed']} failed"] * bool(r["seeds_failed"]) + \
+            [f"+{r.get('seeds_missing', 0)} not run"] * bool(r.get("seeds_missing"))
+        seeds = f"{r['seeds_ok']}" + (f" ({', '.join(extra)})" if extra else "")
         rows.append([r["recipe"], seeds, _f(r["base_mean"]), f"{_f(r['final_mean'])} ± {_f(r['final_sd'])}",
                      _f(r["best_mean"]), _f(r["worst_mean"]), _f(r["auc_mean"]), _f(r["final_sd"]),
                      f"{r['collapsed']}/{r['seeds_ok']}",
@@ -693,7 +698,8 @@ def write_report(cfg: AblationConfig, root: Path, results: list[dict], failures:
 
     L = [f"# Ablation `{cfg.name}`", ""]
     L.append(f"{len(cfg.recipes)} recipes x {len(cfg.seeds)} seed(s) {cfg.seeds}, {cfg.rounds} rounds each; "
-             f"{len(results)} runs finished, {len(failures)} failed or missing"
+             f"{len(results)} runs finished, {sum(not f.get('missing') for f in failures)} failed, "
+             f"{sum(bool(f.get('missing')) for f in failures)} not run"
              + (f"; runner wall time {wall_s / 60:.1f} min." if wall_s else "."))
     L.append("")
     L.append("Base settings: `" + json.dumps(cfg.base, sort_keys=True) + "`. Seed k sets `seed` and `lab_seed` "
