@@ -14,6 +14,8 @@ matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 COLOURS = ["tab:gray", "tab:orange", "tab:blue", "tab:green", "tab:purple", "tab:red", "tab:brown", "tab:pink"]
+# one line style per recipe too, so recipes whose curves coincide stay visible on top of each other
+STYLES = ["-", "--", ":", "-.", (0, (5, 1, 1, 1)), (0, (1, 2))]
 
 
 def _png(fig) -> bytes:
@@ -42,16 +44,16 @@ def comparison_png(curves: Mapping[str, Mapping[int, Sequence[float]]], title: s
     """``curves``: recipe -> seed -> reward per round (index = round)."""
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
     for j, (recipe, per_seed) in enumerate(curves.items()):
-        col = COLOURS[j % len(COLOURS)]
+        col, ls = COLOURS[j % len(COLOURS)], STYLES[j % len(STYLES)]
         cs = list(per_seed.values())
         for c in cs:
             pts = [(i, y) for i, y in enumerate(c) if y is not None and math.isfinite(y)]
             if pts:
-                ax.plot(*zip(*pts), color=col, lw=0.7, alpha=0.45)
+                ax.plot(*zip(*pts), color=col, lw=0.7, alpha=0.45, ls=ls)
         xs, mean, lo, hi = _stats(cs)
         if xs:
             ax.fill_between(xs, lo, hi, color=col, alpha=0.18, lw=0)
-            ax.plot(xs, mean, color=col, lw=2.2, label=f"{recipe} (n={len(cs)})")
+            ax.plot(xs, mean, color=col, lw=2.2, ls=ls, label=f"{recipe} (n={len(cs)})")
         else:
             ax.plot([], [], color=col, lw=2.2, label=f"{recipe} (no runs)")
     ax.set_xlabel("round (redeployment)")
