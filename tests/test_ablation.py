@@ -145,6 +145,10 @@ def test_aggregate_exact_numbers():
     assert a["best_mean"] == pytest.approx((0.5 + 0.5 + 0.1) / 3)
     assert a["auc_mean"] == pytest.approx((0.45 + 0.475 + 0.1) / 3)
     assert a["worst_mean"] == pytest.approx((0.4 + 0.45 + 0.1) / 3)
+    gains = (0.2, 0.15, -0.1)
+    gm = sum(gains) / 3
+    assert a["gain_sd"] == pytest.approx(math.sqrt(sum((g - gm) ** 2 for g in gains) / 2))
+    assert a["jitter_mean"] == pytest.approx((0.1 + 0.05 + 0.0) / 3)
     assert a["base_mean"] == pytest.approx(0.8 / 3)
     assert a["gain_mean"] == pytest.approx((0.2 + 0.15 - 0.1) / 3)
     assert a["collapsed"] == 1  # seed 2: 0.1 < 0.2 - 0.05
@@ -206,7 +210,8 @@ def test_quick_ablation_end_to_end(tmp_path, monkeypatch, capsys):
     assert "injected failure" in failed["error"] and Path(failed["log"]).exists()
 
     report = (root / "report.md").read_text()
-    assert "| recipe | seeds | base | final mean ± sd | best mean | worst mean |" in report
+    assert ("| recipe | seeds | base | final mean ± sd | best mean | worst mean | mean rounds>=1 | sd(gain) | jitter |"
+            in report)
     for rec in ("tis", "score_centering", "broken"):
         assert f"| {rec} |" in report
     assert "## Failed or missing runs" in report and "injected failure" in report
@@ -283,7 +288,7 @@ def test_report_from_synthetic_results(tmp_path, monkeypatch):
     rep = write_report(cfg, tmp_path, results, failures, wall_s=125.0)
     md = rep["report"].read_text()
     assert "2 seed(s) [0, 1], 2 rounds each; 5 runs finished, 1 failed, 0 not run; runner wall time 2.1 min" in md
-    assert "| a | 2 | 0.300 | 0.475 ± 0.035 | 0.500 | 0.425 | 0.463 | 0.035 | 0/2 | 0 | 0.1000 | 1.5 (-) |" in md
+    assert "| a | 2 | 0.300 | 0.475 ± 0.035 | 0.500 | 0.425 | 0.463 | 0.035 | 0.075 | 0/2 | 0 | 0.1000 | 1.5 (-) |" in md
     assert "| c | 1 (+1 failed) |" in md
     assert "- c beats a: **holds** — final_mean `c` 0.600 > `a` 0.475; per-seed final differences c - a: +0.100" in md
     assert "`a` = `b` (2 seeds)" in md and "`b` = `c`" not in md

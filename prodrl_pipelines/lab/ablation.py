@@ -88,8 +88,8 @@ class CollapseRule(BaseModel):
         return final < base - self.below_base or final < best - self.drop_from_best
 
 
-METRICS = ("final_mean", "final_sd", "best_mean", "worst_mean", "auc_mean", "base_mean", "gain_mean",
-           "collapsed",
+METRICS = ("final_mean", "final_sd", "best_mean", "worst_mean", "auc_mean", "base_mean", "gain_mean", "gain_sd",
+           "jitter_mean", "collapsed",
            "gate_failures", "mismatch_mean")
 
 
@@ -543,10 +543,12 @@ def curve(result: dict) -> list[float]:
 def aggregate(cfg: AblationConfig, results: list[dict], failures: list[dict] | None = None) -> dict[str, dict]:
     """Per recipe: the table row (see module docstring). ``results`` = result.json documents.
 
-    final = reward at the last round; best = max over rounds >= 1; auc = mean over rounds >= 1;
-    gain = final - base; sd = sample sd across seeds (ddof=1); collapsed = seeds meeting
-    ``cfg.collapse``; gate_failures = rounds whose gate failed (all seeds); mismatch = mean over
-    rounds and seeds of |log pi_k - log mu|.
+    final = reward at the last round; best / worst = max / min over rounds >= 1; auc = mean over rounds
+    >= 1; gain = final - base; sd = sample sd across seeds (ddof=1) -- ``gain_sd`` is the spread across
+    seeds net of the base policies' own spread (each seed has its own base); jitter = mean over rounds
+    t >= 2 of abs(reward_t - reward_{t-1}) (round-to-round volatility), averaged over seeds;
+    collapsed = seeds meeting ``cfg.collapse``; gate_failures = rounds whose gate failed (all seeds);
+    mismatch = mean over rounds and seeds of |log pi_k - log mu|.
     """
     failures = failures or []
     table: dict[str, dict] = {}
@@ -558,6 +560,7 @@ def aggregate(cfg: AblationConfig, results: list[dict], failures: list[dict] | N
         bests = [max(_finite(c[1:]), default=float("nan")) for c in curves]
         aucs = [_mean(c[1:]) for c in curves]
         worsts = [min(_finite(c[1:]), default=float("nan")) for c in curves]
+        jitters = [_mean([abs(c[i] - c[i - 1]) for i in range(2, len(c))]) for c in curves]
         gates = sum(1 for r in rs for x in r["rounds"] if x["round"] > 0 and x.get("gate_passed") is False)
         mism = [x.get("mismatch_abs_logp") for r in rs for x in r["rounds"] if x["round"] > 0]
         table[recipe] = {
@@ -570,6 +573,7 @@ def aggregate(cfg: AblationConfig, results: list[dict], failures: list[dict] | N
             "final_max": max(_finite(finals), default=float("nan")),
             "best_mean": _mean(bests), "worst_mean": _mean(worsts), "auc_mean": _mean(aucs),
             "gain_mean": _mean([f - b for f, b in zip(finals, bases)]),
+            "gain_sd": _sd([f - b for f, b in zip(finals, bases)]), "jitter_mean": _mean(jitters),
             "collapsed": sum(1 for c in curves if cfg.collapse.collapsed(c)),
             "gate_failures": gates, "mismatch_mean": _mean(mism),
             "wall_s_mean": _mean([r.get("wall_s") for r in rs]), "cpu_s_mean": _mean([r.get("cpu_s") for r in rs]),
@@ -637,7 +641,7 @@ def _f(x, nd=3) -> str:
 
 
 TABLE_COLUMNS = ["recipe", "seeds", "base", "final mean ± sd", "best mean", "worst mean", "mean rounds>=1",
-                 "sd(final)", "collapsed", "gate failures", "engine mismatch", "min/run (CPU)"]
+                 "sd(gain)", "jitter", "collapsed", "gate failures", "engine mismatch", "min/run (CPU)"]
 
 
 def table_rows(table: dict[str, dict]) -> list[list[str]]:
@@ -647,7 +651,8 @@ def table_rows(table: dict[str, dict]) -> list[list[str]]:
             [f"+{r.get('seeds_missing', 0)} not run"] * bool(r.get("seeds_missing"))
         seeds = f"{r['seeds_ok']}" + (f" ({', '.join(extra)})" if extra else "")
         rows.append([r["recipe"], seeds, _f(r["base_mean"]), f"{_f(r['final_mean'])} ± {_f(r['final_sd'])}",
-                     _f(r["best_mean"]), _f(r["worst_mean"]), _f(r["auc_mean"]), _f(r["final_sd"]),
+                     _f(r["best_mean"]), _f(r["worst_mean"]), _f(r["auc_mean"]), _f(r["gain_sd"]),
+                     _f(r["jitter_mean"]),
                      f"{r['collapsed']}/{r['seeds_ok']}",
                      str(r["gate_failures"]), _f(r["mismatch_mean"], 4),
                      f"{_f(r['wall_s_mean'] / 60, 1)} ({_f(r['cpu_s_mean'] / 60, 1)})"])
@@ -712,8 +717,10 @@ def write_report(cfg: AblationConfig, root: Path, results: list[dict], failures:
     for row in table_rows(table):
         L.append("| " + " | ".join(row) + " |")
     L += ["", f"final = held-out reward after round {cfg.rounds}; best / worst = max / min over rounds "
-          f"1..{cfg.rounds} (per seed, then averaged); "
-          "sd = sample sd across seeds; collapsed: final < base - "
+          f"1..{cfg.rounds} (per seed, then averaged); sd = sample sd across seeds; sd(gain) = sd across seeds "
+          "of final - base (the spread net of each seed's own base policy); jitter = mean abs change of the "
+          "reward between consecutive rounds from round 2 on (plateau stability), averaged over seeds; "
+          "collapsed: final < base - "
           f"{cfg.collapse.below_base} or final < best - {cfg.collapse.drop_from_best} (per seed); gate failures: "
           "rounds whose candidate the gate refused (all seeds); engine mismatch = mean over rounds and seeds of "
           "mean abs(log pi_k - log mu) on the round's data; min/run = wall minutes per run (CPU minutes).", ""]
