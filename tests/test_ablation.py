@@ -3,6 +3,7 @@ results (exact numbers), and the whole path on the quick config: worker subproce
 recipe, resume/skip, report, plots, MLflow."""
 
 import json
+import os
 import math
 from pathlib import Path
 
@@ -297,3 +298,48 @@ def test_report_from_synthetic_results(tmp_path, monkeypatch):
     uri, rid = log_to_mlflow(cfg, tmp_path, rep)
     run = MlflowClient(uri).get_run(rid)
     assert run.data.metrics["a.final_mean"] == pytest.approx(0.475) and run.data.params["seeds"] == "[0, 1]"
+
+
+def _pids_with(fragment: str) -> list[int]:
+    out = []
+    for d in Path("/proc").iterdir():
+        if d.name.isdigit():
+            try:
+                if fragment in (d / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace"):
+                    out.append(int(d.name))
+            except OSError:
+                pass
+    return out
+
+
+def test_sigterm_to_the_runner_stops_its_runs(tmp_path):
+    """`kill <runner>` must not leave a run behind that would race the rerun in the same home."""
+    import signal
+    import subprocess
+    import sys
+    import time
+
+    runs = tmp_path / "runs"
+    env = {**os.environ, "PYTHONUNBUFFERED": "1"}
+    runner = subprocess.Popen([sys.executable, "-m", "prodrl_pipelines.cli", "lab", "ablate", "--config",
+                               "ablations/quick.yaml", "--runs-dir", str(runs), "--no-mlflow", "--workers", "1",
+                               "--rounds", "200"],  # a run that outlives the checks below
+                              env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    try:
+        deadline = time.time() + 120
+        workers: list[int] = []
+        while time.time() < deadline and not workers:  # a run (not the quick base build, which ends fast)
+            workers = _pids_with(f"_worker {runs}/quick/runs/")
+            time.sleep(0.2)
+        assert workers, "no run subprocess started"
+        runner.send_signal(signal.SIGTERM)
+        assert runner.wait(timeout=60) != 0
+        deadline = time.time() + 30
+        while time.time() < deadline and _pids_with(f"_worker {runs}"):
+            time.sleep(0.2)
+        assert _pids_with(f"_worker {runs}") == []
+    finally:
+        if runner.poll() is None:
+            runner.kill()
+        for pid in _pids_with(f"_worker {runs}"):
+            os.kill(pid, signal.SIGKILL)

@@ -837,6 +837,18 @@ def add_ablate_parser(lab_sub) -> None:
     a.set_defaults(fn=cmd_ablate)
 
 
+def _terminate_runs_on_sigterm() -> None:
+    """`kill` of the runner (not only Ctrl-C) must stop its run subprocesses too: a run left behind
+    would race the rerun that restarts it in the same home. SIGTERM becomes SystemExit, which
+    `run_ablation`'s cleanup handles like KeyboardInterrupt (terminate, then kill, the workers)."""
+    import signal
+
+    def _exit(signum, frame):  # noqa: ARG001
+        raise SystemExit(128 + signum)
+
+    signal.signal(signal.SIGTERM, _exit)
+
+
 def cmd_ablate(args) -> int:
     try:
         cfg = load_config(args.config, quick=args.quick, name=args.name, seeds=args.seeds, recipes=args.recipes,
@@ -849,6 +861,7 @@ def cmd_ablate(args) -> int:
         return 2
     root = (Path(args.runs_dir) / cfg.name).resolve()
     t0 = time.time()
+    _terminate_runs_on_sigterm()
     out = run_ablation(cfg, root, workers=args.workers, progress=sys.stderr.isatty())
     wall = time.time() - t0
     results, failures = load_results(cfg, root)
