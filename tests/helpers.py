@@ -64,3 +64,23 @@ def make_reward(trajectory_id: str, reward: float = 1.0, *, minutes: int = 0, so
         "source": source,
         "created_at": T0 + timedelta(minutes=minutes),
     }
+
+
+def wait_healthy(proc, url: str, headers: dict | None = None, timeout_s: float = 120.0, what: str = "the service"):
+    """Poll ``url`` until it answers 200; raise (with the process's stderr) if ``proc`` exits or it times out."""
+    import time
+
+    import httpx
+
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise RuntimeError(f"{what} exited: {proc.stderr.read().decode()[-2000:]}")
+        try:
+            if httpx.get(url, headers=headers, timeout=1).status_code == 200:
+                return proc
+        except httpx.HTTPError:
+            pass
+        time.sleep(0.05)
+    proc.kill()
+    raise RuntimeError(f"{what} did not come up")

@@ -38,6 +38,7 @@ from prodrl_pipelines.recorder.service import RecorderConfig, build_recorder_app
 from prodrl_pipelines.recorder.wal import WriteAheadLog, encode_entry
 from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
 from prodrl_pipelines.trajectories.store import TrajectoryStore
+from tests.helpers import wait_healthy
 
 EOS = 2
 TOKEN = "rec-token"
@@ -620,18 +621,7 @@ def _spawn_recorder(upstream_url: str, store: Path, port: int) -> subprocess.Pop
     cmd = [sys.executable, "-m", "prodrl_pipelines.cli", "record", "--upstream", upstream_url, "--store", str(store),
            "--port", str(port), "--flush-rows", "25", "--flush-interval", "0.1"]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 60
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"the recorder exited: {proc.stderr.read().decode()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", headers=AUTH, timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError("the recorder did not come up")
+    return wait_healthy(proc, f"http://127.0.0.1:{port}/health", AUTH, 60, "the recorder")
 
 
 def test_sigkill_under_load_loses_no_acknowledged_record(fake, tmp_path):

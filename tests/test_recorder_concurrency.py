@@ -16,7 +16,6 @@ import signal
 import socket
 import subprocess
 import sys
-import time
 from collections import Counter
 from pathlib import Path
 
@@ -26,6 +25,7 @@ import pytest
 
 from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
 from prodrl_pipelines.trajectories.store import TrajectoryStore
+from tests.helpers import wait_healthy
 
 TOKEN = "conc-token"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
@@ -44,18 +44,7 @@ def _spawn(args: list[str], port: int, headers: dict | None = None) -> subproces
     env = {**os.environ, "PRODRL_RECORDER_TOKEN": TOKEN, "TOKENIZERS_PARALLELISM": "false"}
     proc = subprocess.Popen([sys.executable, "-m", "prodrl_pipelines.cli", *args, "--port", str(port)], env=env,
                             cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"{args[0]} exited: {proc.stderr.read().decode()[-2000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", headers=headers, timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"{args[0]} did not come up")
+    return wait_healthy(proc, f"http://127.0.0.1:{port}/health", headers, 120, args[0])
 
 
 def _stop(proc: subprocess.Popen) -> None:
