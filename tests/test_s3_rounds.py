@@ -4,6 +4,8 @@ worker): it fetches what it needs, verified against the manifest."""
 
 import shutil
 
+import pytest
+
 from prodrl_pipelines import rounds
 from prodrl_pipelines.checkpoints import S3CheckpointStore
 from prodrl_pipelines.lab.traffic import simulate_traffic
@@ -63,8 +65,6 @@ def test_round_steps_run_on_fresh_machines_from_the_s3_stores(tmp_path, s3_endpo
     # a version that was never published is reported where it was expected, naming the store
     svc.blobs.delete(f"checkpoints/{rkey}/checkpoint_manifest.json")
     _fresh_machine(home)
-    import pytest
-
     with pytest.raises(rounds.RoundError, match=r"live checkpoint round-000001 is missing at .* and in"):
         svc.live()
 

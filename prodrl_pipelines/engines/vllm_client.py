@@ -220,9 +220,9 @@ class VLLMClient:
             body[EXTRA_DRAW_FIELD] = True
         return body
 
-    def _one(self, prompt: list[int], params: SamplingParams, seed: int | None) -> CallRecord:
+    def _one(self, prompt: list[int], params: SamplingParams, seed: int | None, headers: dict | None = None) -> CallRecord:
         body = self.request_body(prompt, params, seed)
-        data = self._request("POST", "/v1/completions", json=body).json()
+        data = self._request("POST", "/v1/completions", json=body, headers=headers).json()
         return record_from_completion(data, params)
 
     def generate(
@@ -230,8 +230,10 @@ class VLLMClient:
         prompts: Sequence[Sequence[int]],
         params: SamplingParams,
         seed: int | None = None,
+        headers: Sequence[dict] | None = None,
     ) -> list[CallRecord]:
-        """One record per prompt, in order; prompts are sent concurrently (``max_concurrency``)."""
+        """One record per prompt, in order; prompts are sent concurrently (``max_concurrency``).
+        ``headers``: extra HTTP headers per prompt (e.g. the recorder's ``X-Trajectory-Id``)."""
         prompts = [[int(t) for t in p] for p in prompts]
         if not prompts:
             return []
@@ -240,7 +242,10 @@ class VLLMClient:
                 raise ValueError(f"prompt {i} is empty: a prompt needs at least one token")
         seeds = [None if seed is None else request_seed(seed, i) for i in range(len(prompts))]
         self.model  # resolve once before fanning out
-        futures = [self._pool.submit(self._one, p, params, s) for p, s in zip(prompts, seeds)]
+        if headers is not None and len(headers) != len(prompts):
+            raise ValueError(f"{len(headers)} header sets for {len(prompts)} prompts")
+        per_prompt = headers if headers is not None else [None] * len(prompts)
+        futures = [self._pool.submit(self._one, p, params, s, h) for p, s, h in zip(prompts, seeds, per_prompt)]
         return [f.result() for f in futures]
 
 

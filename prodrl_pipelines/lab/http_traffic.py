@@ -48,7 +48,7 @@ from pathlib import Path
 import httpx
 
 from prodrl_pipelines.engines.types import CallRecord, SamplingParams
-from prodrl_pipelines.engines.vllm_client import VLLMClient, record_from_completion, request_seed
+from prodrl_pipelines.engines.vllm_client import VLLMClient
 from prodrl_pipelines.lab.episodes import assistant_content, run_episodes, stop_token_ids
 from prodrl_pipelines.lab.tasks import ARITHMETIC, get_task
 
@@ -131,27 +131,11 @@ class _Proc:
         self._fh.close()
 
 
-class RecordingClient(VLLMClient):
-    """``VLLMClient`` whose calls carry per-prompt headers (trajectory / task id, policy version)."""
-
-    def generate_with_headers(self, prompts, params: SamplingParams, seed: int | None,
-                              headers: list[dict]) -> list[CallRecord]:
-        seeds = [None if seed is None else request_seed(seed, i) for i in range(len(prompts))]
-        self.model
-
-        def one(p, s, h):
-            body = self.request_body(p, params, s)
-            return record_from_completion(self._request("POST", "/v1/completions", json=body, headers=h).json(), params)
-
-        futures = [self._pool.submit(one, [int(t) for t in p], s, h) for p, s, h in zip(prompts, seeds, headers)]
-        return [f.result() for f in futures]
-
-
 class _EpisodeEngine:
     """The engine ``run_episodes`` sees: it tracks which episodes are still active (with the same
     ``env_reply`` rule as ``run_episodes``) so each prompt is sent with its episode's headers."""
 
-    def __init__(self, client: RecordingClient, tokenizer, tasks, traj_ids, policy_version: str, seeded: bool,
+    def __init__(self, client: VLLMClient, tokenizer, tasks, traj_ids, policy_version: str, seeded: bool,
                  env=ARITHMETIC):
         self.client, self.tokenizer, self.tasks, self.traj_ids, self.env = client, tokenizer, tasks, traj_ids, env
         self.policy_version, self.seeded = policy_version, seeded
@@ -164,7 +148,7 @@ class _EpisodeEngine:
             raise RuntimeError(f"episode tracking lost sync: {len(prompts)} prompts for {len(self.active)} episodes")
         headers = [{"X-Trajectory-Id": self.traj_ids[i], "X-Task-Id": self.tasks[i].task_id,
                     "X-Policy-Version": self.policy_version} for i in self.active]
-        recs = self.client.generate_with_headers(prompts, params, seed if self.seeded else None, headers)
+        recs = self.client.generate(prompts, params, seed if self.seeded else None, headers=headers)
         still = []
         for i, rec in zip(self.active, recs):
             content = assistant_content(self.tokenizer, rec.output_token_ids)
@@ -187,7 +171,7 @@ class LabDeployment:
         self.token = secrets.token_hex(16)
         self.policy_version: str | None = None
         self.export_dir: str | None = None
-        self.client: RecordingClient | None = None
+        self.client: VLLMClient | None = None
         self.recorder_url = ""
         self.serve_url = ""
         self._procs: list[_Proc] = []
@@ -231,9 +215,9 @@ class LabDeployment:
         self._tokenizer = None
         return self
 
-    def new_client(self) -> RecordingClient:
+    def new_client(self) -> VLLMClient:
         """A client of the recorder (its own connection pool)."""
-        return RecordingClient(self.recorder_url, api_key=self.token, model=self.policy_version,
+        return VLLMClient(self.recorder_url, api_key=self.token, model=self.policy_version,
                                max_concurrency=self.concurrency)
 
     def stop(self) -> None:

@@ -160,12 +160,12 @@ def _reference_logprobs(reference, b: PackedBatch, versions: list[str], chunk: i
     missing = sorted(set(versions) - set(reference))
     if missing:
         raise ValueError(f"no reference model for policy versions {missing} (have {sorted(reference)})")
-    tok_version = [versions[j] for j in b.traj_index.tolist()]
+    names = sorted(set(versions))
+    tok_version = torch.tensor([names.index(v) for v in versions], dtype=torch.long)[b.traj_index]
     out = None
-    for v in sorted(set(versions)):
+    for i, v in enumerate(names):
         lp = policy_logprobs(reference[v], b, chunk)
-        mask = torch.tensor([tv == v for tv in tok_version], dtype=torch.bool)[:, None]
-        out = lp if out is None else torch.where(mask, lp, out)
+        out = lp if out is None else torch.where((tok_version == i)[:, None], lp, out)
     return out
 
 
