@@ -26,10 +26,12 @@ test: $(STAMP)
 	bash scripts/ensure_postgres.sh
 	$(BIN)/python -m pytest -q
 
-# The production-shaped stack on loopback: S3 endpoint, MLflow server, Dagster webserver + daemon.
+# The whole loop on loopback: S3 endpoint, MLflow server, Dagster webserver + daemon, the deployment
+# (prodrl serve) and its recorder. Database: DAGSTER_PG_URL (default postgresql+psycopg2://postgres@127.0.0.1:5432/test).
+STACK_HOME ?= runs/stack
 up: $(STAMP)
 	bash scripts/ensure_postgres.sh
-	$(BIN)/prodrl up --home runs/stack
+	$(BIN)/prodrl up --home $(STACK_HOME)
 
 bench: $(STAMP)
 	for b in bench/*.py; do $(BIN)/python $$b || exit 1; done

@@ -183,12 +183,12 @@ def cmd_demo(args) -> int:
 
 
 def cmd_up(args) -> int:
-    from prodrl_pipelines.devstack import up
+    from prodrl_pipelines.stack import up
 
     settings = dict(DEMO_SETTINGS)
     if args.settings:
         settings.update(json.loads(Path(args.settings).read_text()))
-    return up(Path(args.home), args.pg_url, settings)
+    return up(Path(args.home), args.pg_url, settings, schema=args.schema_prefix)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,10 +200,13 @@ def main(argv: list[str] | None = None) -> int:
     d.add_argument("--runs-dir", default="runs")
     d.add_argument("--settings", help="JSON file of ProdRLSettings overrides")
     d.set_defaults(fn=cmd_demo)
-    u = sub.add_parser("up", help="start S3 endpoint, MLflow server, Dagster webserver + daemon (PostgreSQL)")
+    u = sub.add_parser("up", help="start the whole loop on loopback: S3 endpoint, MLflow server, Dagster "
+                       "webserver + daemon (PostgreSQL), the deployment and its recorder")
     u.add_argument("--home", default="runs/stack")
     u.add_argument("--pg-url", default=os.environ.get("DAGSTER_PG_URL",
                                                       "postgresql+psycopg2://postgres@127.0.0.1:5432/test"))
+    u.add_argument("--schema-prefix", default="prodrl",
+                   help="PostgreSQL schemas <prefix>_dagster and <prefix>_mlflow (created if missing, kept)")
     u.add_argument("--settings", help="JSON file of ProdRLSettings overrides")
     u.set_defaults(fn=cmd_up)
     lab = sub.add_parser("lab", help="laboratory commands (ablate: recipes x seeds -> report)")

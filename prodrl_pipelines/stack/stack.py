@@ -1,0 +1,247 @@
+"""A local production-shaped stack on loopback, the whole loop in one command.
+
+    prodrl up --home runs/stack --pg-url postgresql+psycopg2://...      (make up)
+
+Services, in start order:
+- S3: ``moto_server`` (bucket ``prodrl``; its in-memory objects are mirrored to ``<home>/s3_snapshot``
+  on stop and restored on start, ``s3_snapshot``);
+- MLflow: a tracking server with its backend in PostgreSQL schema ``<prefix>_mlflow`` and artifacts
+  on S3;
+- Dagster: ``dagster-webserver`` and ``dagster-daemon`` on the instance of this repo's dagster.yaml,
+  storage in schema ``<prefix>_dagster``; the daemon runs the data-volume sensor;
+- the deployment: ``prodrl serve`` on the live export and ``prodrl record`` in front of it
+  (``serving``), up as soon as a policy is live.
+
+Each schema is created if missing and kept (``postgres``), so ``prodrl up`` run again on the same
+home and database continues the same instance, runs, registry and stores. Ports: the preferred ones
+(Dagster 3000, MLflow 5000, S3 9000, deployment 8000, recorder 8100) when free, else free ones; the
+URLs, pids and the token's source are printed and written to ``<home>/stack.json``. Ctrl-C or
+SIGTERM stops every process (deployment first, so the recorder flushes; then Dagster; then the S3
+mirror is saved; then MLflow and S3).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import secrets
+import shutil
+import signal
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prodrl_pipelines.preflight import PreflightError, check_postgres, redact
+from prodrl_pipelines.stack import s3_snapshot
+from prodrl_pipelines.stack.postgres import prepare_schemas, with_schema
+from prodrl_pipelines.stack.processes import ManagedProcess, pick_port, stop_all
+from prodrl_pipelines.stack.serving import TOKEN_ENV, LiveServing
+
+REPO = Path(__file__).resolve().parents[2]
+BIN = Path(sys.executable).parent
+PREFERRED_PORTS = {"dagster": 3000, "mlflow": 5000, "s3": 9000, "deployment": 8000, "recorder": 8100}
+S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
+
+
+@dataclass
+class Stack:
+    home: Path
+    pg_url: str  # postgresql+psycopg2://... (the Dagster instance and the MLflow backend)
+    settings: dict = field(default_factory=dict)  # ProdRLSettings fields
+    schema: str = "prodrl"  # prefix of the services' schemas: <schema>_dagster, <schema>_mlflow
+    sensor_interval_s: int = 15
+    bucket: str = "prodrl"
+    preferred_ports: dict = field(default_factory=lambda: dict(PREFERRED_PORTS))
+    log: object = print
+    procs: list[ManagedProcess] = field(default_factory=list)
+    ports: dict[str, int] = field(default_factory=dict)
+    serving: LiveServing | None = None
+    token_source: str = ""
+    schemas: dict = field(default_factory=dict)
+
+    @property
+    def env(self) -> dict:
+        return self._env
+
+    def _token(self) -> str:
+        if os.environ.get(TOKEN_ENV):
+            self.token_source = f"${TOKEN_ENV}"
+            return os.environ[TOKEN_ENV]
+        path = self.home / "recorder_token"
+        if not path.exists():
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+            with os.fdopen(fd, "w") as fh:
+                fh.write(secrets.token_hex(16) + "\n")
+        self.token_source = f"{path} (generated once, kept; or set ${TOKEN_ENV})"
+        return path.read_text().strip()
+
+    def _s3_client(self):
+        import boto3
+
+        return boto3.client("s3", endpoint_url=self.urls["s3"], region_name="us-east-1",
+                            aws_access_key_id="testing", aws_secret_access_key="testing")
+
+    @property
+    def urls(self) -> dict[str, str]:
+        return {name: f"http://127.0.0.1:{port}" for name, port in self.ports.items()}
+
+    def start(self) -> "Stack":
+        t0 = time.monotonic()
+        check_postgres(self.pg_url, "--pg-url / DAGSTER_PG_URL")  # fail before anything starts
+        self.schemas = prepare_schemas(self.pg_url, self.schema)
+        self.home = self.home.resolve()
+        (self.home / "logs").mkdir(parents=True, exist_ok=True)
+        dh = self.home / "dagster_home"
+        dh.mkdir(exist_ok=True)
+        shutil.copy(REPO / "dagster.yaml", dh / "dagster.yaml")
+        token = self._token()
+        for name, pref in self.preferred_ports.items():
+            self.ports[name] = pick_port(pref)
+        s3 = self.urls["s3"]
+        os.environ.update(S3_CREDENTIALS)  # this process's own S3 clients (the deployment poller) talk to moto
+        s3_store = {"s3_bucket": self.bucket, "s3_prefix": "prodrl", "s3_endpoint_url": s3, "s3_region": "us-east-1"}
+        self._env = {
+            **os.environ, **S3_CREDENTIALS,
+            "DAGSTER_HOME": str(dh), "DAGSTER_PG_URL": with_schema(self.pg_url, self.schemas["dagster"]),
+            "PRODRL_HOME": str(self.home),
+            "PRODRL_SETTINGS_JSON": json.dumps({**self.settings, "home": str(self.home)}),
+            "PRODRL_SENSOR_INTERVAL_S": str(self.sensor_interval_s),
+            "MLFLOW_TRACKING_URI": self.urls["mlflow"], "MLFLOW_UI_URL": self.urls["mlflow"],
+            "MLFLOW_S3_ENDPOINT_URL": s3, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
+            "PYTHONUNBUFFERED": "1",
+            # trajectories, round documents and published checkpoints/exports on the S3 endpoint
+            **{f"PRODRL_{k.upper()}": v for k, v in s3_store.items()},
+        }
+        self._env.pop(TOKEN_ENV, None)  # only the deployment's recorder gets it
+        self._spawn("s3", [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(self.ports["s3"])]).wait_http(s3)
+        client = self._s3_client()
+        client.create_bucket(Bucket=self.bucket)
+        restored = s3_snapshot.restore(client, self.bucket, self.home / "s3_snapshot")
+        if restored:
+            self.log(f"S3: restored {restored} objects from {self.home / 's3_snapshot'}")
+        self._spawn("mlflow", [str(BIN / "mlflow"), "server",
+                               "--backend-store-uri", with_schema(self.pg_url, self.schemas["mlflow"]),
+                               "--artifacts-destination", f"s3://{self.bucket}/mlflow", "--host", "127.0.0.1",
+                               "--port", str(self.ports["mlflow"]), "--workers", "1"]
+                    ).wait_http(f"{self.urls['mlflow']}/health")
+        self._spawn("webserver", [str(BIN / "dagster-webserver"), "-m", "prodrl_pipelines.definitions",
+                                  "-h", "127.0.0.1", "-p", str(self.ports["dagster"])]
+                    ).wait_http(f"{self.urls['dagster']}/server_info", timeout_s=180)
+        self._spawn("daemon", [str(BIN / "dagster-daemon"), "run", "-m", "prodrl_pipelines.definitions"])
+        self.serving = LiveServing(env=self._env, home=self.home, serve_port=self.ports["deployment"],
+                                   record_port=self.ports["recorder"], token=token, s3=s3_store,
+                                   settings=self.settings, log=self.log).start()
+        self.startup_s = time.monotonic() - t0
+        self.write_state()
+        return self
+
+    def _spawn(self, name: str, cmd: list[str]) -> ManagedProcess:
+        proc = ManagedProcess(name, cmd, self._env, self.home / "logs" / f"{name}.log", cwd=REPO)
+        self.procs.append(proc)
+        return proc
+
+    def all_processes(self) -> list[ManagedProcess]:
+        return self.procs + (self.serving.processes() if self.serving else [])
+
+    def state(self) -> dict:
+        return {
+            "urls": {**self.urls, "recorder": f"{self.urls['recorder']}/v1"},
+            "pids": {p.name: p.pid for p in self.all_processes()},
+            "stack_pid": os.getpid(),
+            "token_source": self.token_source,
+            "schemas": self.schemas, "database": redact(self.pg_url),
+            "deployed_version": self.serving.version if self.serving else None,
+        }
+
+    def write_state(self) -> None:
+        tmp = self.home / ".stack.json.tmp"
+        tmp.write_text(json.dumps(self.state(), indent=1))
+        os.replace(tmp, self.home / "stack.json")
+
+    def stop(self) -> None:
+        if self.serving is not None:
+            self.serving.stop()  # the recorder flushes its WAL to S3 before S3 goes
+        by_name = {p.name: p for p in self.procs}
+        stop_all([p for p in self.procs if p.name in ("daemon", "webserver")])
+        s3 = by_name.get("s3")
+        if s3 is not None and s3.alive():
+            try:
+                n = s3_snapshot.save(self._s3_client(), self.bucket, self.home / "s3_snapshot")
+                self.log(f"S3: saved {n['objects']} objects ({n['bytes'] / 1e6:.1f} MB, {n['downloaded']} new) "
+                         f"to {self.home / 's3_snapshot'}")
+            except Exception as exc:  # noqa: BLE001 - still stop everything; say what was not kept
+                self.log(f"S3: could not save the bucket snapshot ({type(exc).__name__}: {exc}); "
+                         f"the previous snapshot is kept")
+        stop_all([p for p in self.procs if p.name not in ("daemon", "webserver")])
+        self.procs.clear()
+
+    def __enter__(self) -> "Stack":
+        try:
+            return self.start()
+        except BaseException:
+            self.stop()
+            raise
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+    def describe(self) -> str:
+        u = self.urls
+        return "\n".join([
+            f"Dagster UI    {u['dagster']}",
+            f"MLflow UI     {u['mlflow']}",
+            f"recorder      {u['recorder']}/v1   (OpenAI-compatible; send traffic and POST /v1/feedback here)",
+            f"  bearer token  {self.token_source}",
+            f"deployment    {u['deployment']}   (prodrl serve on the live export; up once a policy is live)",
+            f"S3 endpoint   {u['s3']}   (bucket {self.bucket}; mirrored to {self.home / 's3_snapshot'} on stop)",
+            f"PostgreSQL    {redact(self.pg_url)}   (schemas {self.schemas['dagster']}, {self.schemas['mlflow']})",
+            f"state, logs   {self.home / 'stack.json'}, {self.home / 'logs'}",
+        ])
+
+
+def up(home: Path, pg_url: str, settings: dict, schema: str = "prodrl") -> int:
+    """Run the stack in the foreground until Ctrl-C or SIGTERM (the `make up` target)."""
+    def on_term(signum, frame):
+        raise KeyboardInterrupt
+
+    # explicit, so a stack started from a script (where SIGINT may be ignored) still stops on Ctrl-C
+    signal.signal(signal.SIGTERM, on_term)
+    signal.signal(signal.SIGINT, on_term)
+    stack = Stack(home=home, pg_url=pg_url, settings=settings, schema=schema,
+                  log=lambda m: print(m, flush=True))
+    try:
+        stack.start()
+    except PreflightError as e:
+        print(f"prodrl: {e}", file=sys.stderr)
+        stack.stop()
+        return 2
+    except KeyboardInterrupt:
+        stack.stop()
+        return 130
+    except BaseException:
+        stack.stop()
+        raise
+    print(stack.describe(), flush=True)
+    print(f"up in {stack.startup_s:.0f}s. Next: launch the `bootstrap_lab` job in the Dagster UI; send traffic "
+          "with any OpenAI client to the recorder; the data-volume sensor starts rounds. Ctrl-C stops everything.",
+          flush=True)
+    code = 0
+    try:
+        last_version = None
+        while all(p.alive() for p in stack.procs):
+            if stack.serving.version != last_version:
+                last_version = stack.serving.version
+                stack.write_state()
+            time.sleep(1)
+        dead = [p.name for p in stack.procs if not p.alive()]
+        print(f"{', '.join(dead)} exited; stopping the stack (see {stack.home / 'logs'})", file=sys.stderr)
+        code = 1
+    except KeyboardInterrupt:
+        print("stopping the stack ...", flush=True)
+    finally:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        stack.stop()
+        print("stopped.", flush=True)
+    return code

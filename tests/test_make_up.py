@@ -1,0 +1,234 @@
+"""`make up` exactly as the README shows it, on a database created for this test, driven over HTTP only.
+
+The stack (S3 endpoint, MLflow server, Dagster webserver + daemon, `prodrl serve` + `prodrl record`)
+is started by the Makefile target; the test bootstraps through the webserver's GraphQL API, plays lab
+episodes through the recorder with the official `openai` client, posts rewards, waits for the
+daemon's sensor to run a round to its gate decision, reads the registry through MLflow's REST API,
+stops the stack with Ctrl-C (SIGINT to the terminal's process group) and checks that no process it
+started is left. Then it starts the stack again on the same home and database: the previous round
+is there, the deployment serves the live version, and a second round runs from new traffic.
+"""
+
+import json
+import os
+import signal
+import subprocess
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import psycopg2
+import pytest
+from dagster_graphql import DagsterGraphQLClient
+from openai import OpenAI
+
+from prodrl_pipelines.lab.tasks import ARITHMETIC
+from prodrl_pipelines.preflight import libpq_dsn
+
+from conftest import PG_URL, REPO
+
+RUNS = """query($name: String!) { runsOrError(filter: {pipelineName: $name}) {
+  ... on Runs { results { runId status tags { key value } } } } }"""
+MATS = """query($key: AssetKeyInput!) { assetOrError(assetKey: $key) { ... on Asset {
+  assetMaterializations { partition } } } }"""
+
+
+def _db_url(name: str) -> str:
+    return PG_URL.rsplit("/", 1)[0] + "/" + name
+
+
+def _admin(sql: str) -> None:
+    conn = psycopg2.connect(libpq_dsn(PG_URL))
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute(sql)
+    conn.close()
+
+
+@pytest.fixture
+def fresh_database():
+    name = f"prodrl_up_{os.getpid()}"
+    _admin(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+    _admin(f"CREATE DATABASE {name}")
+    yield _db_url(name)
+    _admin(f"DROP DATABASE IF EXISTS {name} WITH (FORCE)")
+
+
+class MakeUp:
+    """`make up` in a process group of its own, as a terminal would run it."""
+
+    def __init__(self, home: Path, db_url: str, log: Path):
+        self.home, self.log = home, log
+        env = {**os.environ, "DAGSTER_PG_URL": db_url}
+        for k in ("DAGSTER_HOME", "PRODRL_HOME", "PRODRL_SETTINGS_JSON", "MLFLOW_TRACKING_URI", "PRODRL_RECORDER_TOKEN"):
+            env.pop(k, None)
+        (home / "stack.json").unlink(missing_ok=True)
+        self.fh = open(log, "ab")
+        self.proc = subprocess.Popen(["make", "up", f"STACK_HOME={home}"], cwd=REPO, env=env, stdout=self.fh,
+                                     stderr=subprocess.STDOUT, start_new_session=True)
+        self.t0 = time.monotonic()
+        self.state = self.wait(lambda: self._state_if_up(), "the stack to come up", 300)
+        self.startup_s = time.monotonic() - self.t0
+
+    def _state_if_up(self):
+        p = self.home / "stack.json"
+        return json.loads(p.read_text()) if p.exists() and "up in" in self.log.read_text() else None
+
+    def wait(self, cond, what: str, timeout_s: float = 600):
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                pytest.fail(f"make up exited with {self.proc.returncode} while waiting for {what}:\n"
+                            f"{self.log.read_text()[-4000:]}")
+            v = cond()
+            if v:
+                return v
+            time.sleep(1)
+        logs = {n: (self.home / "logs" / f"{n}.log").read_text(errors="replace")[-3000:]
+                for n in ("daemon", "webserver", "serve", "record") if (self.home / "logs" / f"{n}.log").exists()}
+        pytest.fail(f"timed out waiting for {what}; make up: {self.log.read_text()[-3000:]}; logs: {logs}")
+
+    def current_state(self) -> dict:
+        return json.loads((self.home / "stack.json").read_text())
+
+    def stop(self, sig=signal.SIGINT) -> float:
+        """Ctrl-C (or ``sig``) to the group, as a terminal sends it; returns the seconds it took."""
+        pids = self.current_state()["pids"]
+        t0 = time.monotonic()
+        os.killpg(self.proc.pid, sig)
+        assert self.proc.wait(timeout=240) == 0, self.log.read_text()[-3000:]
+        self.fh.close()
+        left = _processes_in_sessions(set(pids.values()))
+        assert not left, f"processes left after the stack stopped: {left}"
+        return time.monotonic() - t0
+
+
+def _processes_in_sessions(sids: set[int]) -> list[str]:
+    """Live processes whose session is one the stack started (each service leads its own)."""
+    left = []
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
+        try:
+            fields = (d / "stat").read_text().rsplit(")", 1)[1].split()
+            state, sid = fields[0], int(fields[3])
+            if sid in sids and state != "Z":
+                cmd = (d / "cmdline").read_bytes().replace(b"\0", b" ")[:120]
+                left.append(f"{d.name}: {cmd!r}")
+        except (OSError, IndexError, ValueError):
+            continue
+    return left
+
+
+def _rss_mb(pids: dict) -> dict:
+    out = {}
+    for name, pid in pids.items():
+        try:
+            rss = [ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("VmRSS")]
+            out[name] = int(rss[0].split()[1]) // 1024
+        except (OSError, IndexError):
+            pass
+    return out
+
+
+def _play(recorder: str, token: str, n: int, seed: int) -> tuple[str, int]:
+    """``n`` arithmetic episodes through the recorder with the openai client, rewards posted after."""
+    client = OpenAI(base_url=recorder, api_key=token, max_retries=0, timeout=120)
+    model = client.models.list().data[0].id  # the served policy version
+    tasks = ARITHMETIC.generate_tasks(n, seed)
+
+    def episode(i):
+        task, tid = tasks[i], f"up-{seed}-{i}"
+        messages, texts = ARITHMETIC.initial_messages(task), []
+        for turn in range(task.n_turns):
+            r = client.chat.completions.create(model=model, messages=messages, max_tokens=8,
+                                               extra_headers={"X-Trajectory-Id": tid, "X-Task-Id": task.task_id})
+            text = r.choices[0].message.content or ""
+            texts.append(text)
+            messages.append({"role": "assistant", "content": text})
+            reply = ARITHMETIC.env_reply(task, turn, text)
+            if reply is None:
+                break
+            messages.append(reply)
+        return tid, ARITHMETIC.reward(task, texts)
+
+    with ThreadPoolExecutor(16) as pool:
+        done = list(pool.map(episode, range(n)))
+    with httpx.Client(base_url=recorder.removesuffix("/v1"), headers={"Authorization": f"Bearer {token}"},
+                      timeout=60) as http:
+        for tid, reward in done:
+            r = http.post("/v1/feedback", json={"trajectory_id": tid, "reward": reward, "source": "test/up"})
+            assert r.status_code == 200, r.text
+    return model, len(done)
+
+
+def _round_succeeded(gql, k: int):
+    runs = gql._execute(RUNS, {"name": "prod_rl_round"})["runsOrError"]["results"]
+    return [r for r in runs if r["status"] == "SUCCESS"
+            and {"key": "dagster/partition", "value": f"round-{k:06d}"} in r["tags"]]
+
+
+def _mlflow(url: str, path: str, **params) -> dict:
+    r = httpx.get(f"{url}/api/2.0/mlflow/{path}", params=params, timeout=30)
+    assert r.status_code == 200, r.text
+    return r.json()
+
+
+def test_make_up_runs_the_loop_and_continues_after_a_restart(tmp_path, fresh_database):
+    home = tmp_path / "stack"
+    home.mkdir()
+    figures = {}
+    up = MakeUp(home, fresh_database, tmp_path / "make_up.log")
+    figures["startup_s"] = round(up.startup_s, 1)
+    urls = up.state["urls"]
+    assert up.state["schemas"] == {"dagster": "prodrl_dagster", "mlflow": "prodrl_mlflow"}
+    token = (home / "recorder_token").read_text().strip()
+    assert str(home / "recorder_token") in up.state["token_source"]
+    printed = up.log.read_text()
+    for url in (urls["dagster"], urls["mlflow"], urls["recorder"], urls["deployment"], urls["s3"]):
+        assert url in printed
+    gql = DagsterGraphQLClient(urls["dagster"].split("//")[1].split(":")[0], port_number=int(urls["dagster"].rsplit(":", 1)[1]))
+
+    gql.submit_job_execution("bootstrap_lab")
+    up.wait(lambda: any(r["status"] == "SUCCESS" for r in
+                        gql._execute(RUNS, {"name": "bootstrap_lab"})["runsOrError"]["results"]), "bootstrap")
+    up.wait(lambda: up.current_state()["deployed_version"] == "round-000000" and "recorder" in up.current_state()["pids"],
+            "the deployment of round-000000")
+    t_traffic = time.monotonic()
+    model, n = _play(urls["recorder"], token, 1024, seed=1)
+    assert model == "round-000000" and n == 1024
+    up.wait(lambda: _round_succeeded(gql, 1), "round 1 through the sensor")
+    figures["traffic_to_decision_s"] = round(time.monotonic() - t_traffic, 1)
+
+    ml = urls["mlflow"]
+    champion = _mlflow(ml, "registered-models/alias", name="prodrl-policy", alias="champion")["model_version"]
+    challenger = _mlflow(ml, "registered-models/alias", name="prodrl-policy", alias="challenger")["model_version"]
+    tags = {t["key"]: t["value"] for t in challenger.get("tags", [])}
+    assert tags["prodrl.round"] == "round-000001" and tags["gate"] in ("passed", "failed")
+    assert (tags.get("deployed") == "true") == (tags["gate"] == "passed")
+    assert challenger["source"].startswith("s3://prodrl/")
+    deployed_1 = champion["version"] == challenger["version"]
+    figures["rss_mb"] = _rss_mb(up.current_state()["pids"])
+    figures["stop_s"] = round(up.stop(signal.SIGINT), 1)
+
+    # the same home and database again: the previous round is there and the loop goes on
+    up = MakeUp(home, fresh_database, tmp_path / "make_up_2.log")
+    figures["restart_s"] = round(up.startup_s, 1)
+    urls = up.state["urls"]
+    gql = DagsterGraphQLClient("127.0.0.1", port_number=int(urls["dagster"].rsplit(":", 1)[1]))
+    assert _round_succeeded(gql, 1)
+    live = "round-000001" if deployed_1 else "round-000000"
+    up.wait(lambda: up.current_state()["deployed_version"] == live, f"the deployment of {live} after the restart")
+    again = _mlflow(urls["mlflow"], "registered-models/alias", name="prodrl-policy", alias="challenger")["model_version"]
+    assert again["version"] == challenger["version"]
+    model, _ = _play(urls["recorder"], token, 1024, seed=2)
+    assert model == live
+    up.wait(lambda: _round_succeeded(gql, 2), "round 2 after the restart")
+    parts = {m["partition"] for m in gql._execute(MATS, {"key": {"path": ["heldout_eval"]}})
+             ["assetOrError"]["assetMaterializations"]}
+    assert {"round-000001", "round-000002"} <= parts
+    runs = gql._execute(RUNS, {"name": "prod_rl_round"})["runsOrError"]["results"]
+    assert len(runs) == 2  # one run per round (run key = partition key), across the restart
+    up.stop(signal.SIGTERM)
+    print("stack figures:", json.dumps(figures))
