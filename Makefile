@@ -31,7 +31,7 @@ test: $(STAMP)
 STACK_HOME ?= runs/stack
 up: $(STAMP)
 	bash scripts/ensure_postgres.sh
-	$(BIN)/prodrl up --home $(STACK_HOME)
+	$(BIN)/prodrl up --home $(STACK_HOME) --settings examples/lab-demo.json
 
 bench: $(STAMP)
 	for b in bench/*.py; do $(BIN)/python $$b || exit 1; done

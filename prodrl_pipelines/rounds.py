@@ -41,6 +41,20 @@ class Services:
         return DeploymentRegistry(self.blobs)
 
     @property
+    def s3_endpoint_url(self) -> str | None:
+        return getattr(self.blobs, "endpoint_url", None)
+
+    @property
+    def suite(self):
+        """The held-out evaluation suite of the settings (``eval.suite``), loaded once."""
+        if getattr(self, "_suite", None) is None:
+            from prodrl_pipelines.evaluation import load_suite
+
+            self._suite = load_suite(self.settings.eval.suite, self.settings.eval.reward_fn, self.settings,
+                                     self.s3_endpoint_url)
+        return self._suite
+
+    @property
     def store(self):
         from prodrl_pipelines.trajectories.store import TrajectoryStore
 
@@ -50,7 +64,7 @@ class Services:
         live = self.registry.live()
         if live is None:
             raise RoundError(
-                "no live deployment: bootstrap the round-0 policy first (asset `base_policy` or `prodrl lab init`)"
+                "no live deployment: bootstrap the round-0 policy first (asset `base_policy` or `prodrl bootstrap`)"
             )
         # On a fresh machine (another pod, a restarted worker) the live policy comes from the stores.
         ensure_local(self, "checkpoints", live.policy_version, Path(live.checkpoint_dir))
@@ -169,7 +183,7 @@ def select_data(svc: Services, rkey: str) -> dict:
             f"{s.recipe.trajectories_per_round} trajectories per round exceed the available data: {e}"
         ) from e
     ds = sel.dataset
-    # >>> replay: retokenized baseline (DESIGN.md s.5; issue 5 item 6): rebuild the ids from the texts
+    # the retokenized baseline (DESIGN.md s.5) rebuilds the ids from the texts, as a naive pipeline would
     replay_stats: dict = {"replay": s.recipe.replay}
     if s.recipe.replay == "retokenized":
         from transformers import AutoTokenizer
@@ -178,7 +192,6 @@ def select_data(svc: Services, rkey: str) -> dict:
 
         ds, rstats = retokenize_calls(ds, AutoTokenizer.from_pretrained(live.checkpoint_dir))
         replay_stats.update(rstats.as_dict())
-    # <<< replay
     _put_table(svc.blobs, f"rounds/{rkey}/dataset.parquet", ds)
     rewards = np.asarray(ds.group_by("trajectory_id").aggregate([("reward", "max")])["reward_max"])
     versions = sorted(set(ds["policy_version"].to_pylist()))
@@ -299,7 +312,7 @@ SMOKE_PROMPTS = 4
 
 
 def _calibration_prompts(svc: Services, rkey: str | None, n: int = 64) -> list[list[int]]:
-    """Recorded prompts of the round (its selected traffic), else lab training-task prompts (round 0)."""
+    """Recorded prompts of the round (its selected traffic), else the suite's prompts (round 0)."""
     key = f"rounds/{rkey}/dataset.parquet" if rkey else None
     if key and svc.blobs.exists(key):
         seen, out = set(), []
@@ -312,27 +325,26 @@ def _calibration_prompts(svc: Services, rkey: str | None, n: int = 64) -> list[l
         return out
     from transformers import AutoTokenizer
 
-    from prodrl_pipelines.lab.episodes import render_prompt
-    from prodrl_pipelines.lab.tasks import get_task
+    from prodrl_pipelines.evaluation.episodes import render_prompt
+    from prodrl_pipelines.evaluation.suite import calibration_messages
 
-    env = get_task(svc.settings.lab.task)
     tok = AutoTokenizer.from_pretrained(svc.settings.checkpoints_root / BASE_VERSION)
-    return [render_prompt(tok, env.initial_messages(t))[1] for t in env.generate_tasks(n, svc.settings.recipe.seed)]
+    tools = getattr(svc.suite, "tools", None)
+    return [render_prompt(tok, m, tools)[1] for m in calibration_messages(svc.suite, n, svc.settings.recipe.seed)]
 
 
-def export_smoke(settings: Settings, export_dir: Path) -> dict:
+def export_smoke(settings: Settings, export_dir: Path, suite) -> dict:
     """The export's own smoke generation: loaded as deployed (LocalEngine), a few held-out prompts."""
     from transformers import AutoTokenizer
 
-    from prodrl_pipelines.lab.episodes import render_prompt, stop_token_ids
-    from prodrl_pipelines.lab.tasks import get_task
+    from prodrl_pipelines.evaluation.episodes import render_prompt, stop_token_ids
     from prodrl_pipelines.quant.export import smoke_generate
 
     try:
-        env = get_task(settings.lab.task)
         tok = AutoTokenizer.from_pretrained(export_dir)
-        prompts = [render_prompt(tok, env.initial_messages(t))[1] for t in env.heldout_tasks(SMOKE_PROMPTS)]
-        params = settings.deploy.sampling(stop_token_ids=stop_token_ids(tok))
+        tools = getattr(suite, "tools", None)
+        prompts = [render_prompt(tok, suite.initial_messages(t), tools)[1] for t in suite.heldout_tasks(SMOKE_PROMPTS)]
+        params = settings.deploy.sampling(stop_token_ids=stop_token_ids(tok, export_dir))
         return {"samples": smoke_generate(export_dir, prompts, params, seed=settings.eval.eval_seed), "error": ""}
     except Exception as e:  # noqa: BLE001 - reported; heldout_eval and the gate judge it
         return {"samples": [], "error": f"{type(e).__name__}: {e}"}
@@ -363,29 +375,34 @@ def export(svc: Services, rkey: str) -> dict:
         raise RoundError(f"{rkey}: {e}") from e
     except ExportError as e:  # permanent for this checkpoint: no retries
         raise RoundError(f"{rkey}: {e}") from e
-    stats["smoke"] = export_smoke(s, Path(stats["export_dir"]))
+    stats["smoke"] = export_smoke(s, Path(stats["export_dir"]), svc.suite)
     svc.registry.update_round(rkey, export_scheme=scheme, export_bytes=stats["export_bytes"],
                               export_max_rel_error=stats["max_rel_fro_error"])
     return stats
 
 
 # --- 5. heldout_eval ----------------------------------------------------------------------------
-def evaluate_policy(settings: Settings, export_dir: Path, policy_version: str) -> dict:
-    """Held-out reward per task of one exported policy, served as the deployment would serve it."""
-    from prodrl_pipelines.engines.local import LocalEngine
-    from prodrl_pipelines.lab.episodes import run_episodes
-    from prodrl_pipelines.lab.tasks import get_task
+def evaluate_policy(svc: Services, export_dir: Path, policy_version: str) -> dict:
+    """Held-out reward per task of one exported policy on the suite, served as the deployment would."""
+    from prodrl_pipelines.evaluation import evaluate_policy as _evaluate
 
-    env = get_task(settings.lab.task)
-    engine = LocalEngine.from_pretrained(export_dir)
-    tok = engine.tokenizer
-    tasks = env.heldout_tasks(settings.eval.heldout_size)
-    params = settings.deploy.sampling(stop_token_ids=(tok.convert_tokens_to_ids("<|im_end|>"),))
-    eps = run_episodes(engine, tok, tasks, params, policy_version, seed=settings.eval.eval_seed, env=env)
-    rewards = [float(r) for r in eps.rewards]
-    mean, ci = mean_confidence_interval(np.asarray(rewards))
-    return {"policy_version": policy_version, "task_ids": [t.task_id for t in tasks], "rewards": rewards,
-            "mean": mean, "ci95": ci}
+    return _evaluate(svc.settings, svc.suite, export_dir, policy_version)
+
+
+def _evaluate_endpoint(svc: Services, endpoint: str, export_dir: Path, policy_version: str) -> dict:
+    """The suite through a serving endpoint (the tokenizer from the export renders the prompts)."""
+    from transformers import AutoTokenizer
+
+    from prodrl_pipelines import environment
+    from prodrl_pipelines.engines.vllm_client import VLLMClient
+    from prodrl_pipelines.evaluation import evaluate_policy as _evaluate
+
+    with VLLMClient(endpoint, api_key=environment.eval_api_key(),
+                    tokenizer=AutoTokenizer.from_pretrained(export_dir)) as client:
+        if client.model != policy_version:
+            raise RoundError(f"eval.live_endpoint {endpoint} serves {client.model!r}, but the live version is "
+                             f"{policy_version!r}: the deployment is not serving the live policy")
+        return _evaluate(svc.settings, svc.suite, export_dir, policy_version, engine=client)
 
 
 def evaluate(svc: Services, rkey: str) -> dict:
@@ -393,12 +410,12 @@ def evaluate(svc: Services, rkey: str) -> dict:
     export_dir = ensure_local(svc, "exports", rkey)
     cand, smoke_error = None, ""
     try:
-        cand = evaluate_policy(s, export_dir, rkey)
+        cand = evaluate_policy(svc, export_dir, rkey)
     except Exception as e:  # noqa: BLE001 - a candidate that cannot serve is a gate failure, not a crash
         smoke_error = f"{type(e).__name__}: {e}"
     live_eval = svc.registry.eval(live.policy_version)
     if live_eval is None or (cand is not None and live_eval["task_ids"] != cand["task_ids"]):
-        live_eval = evaluate_policy(s, Path(live.export_dir), live.policy_version)
+        live_eval = evaluate_policy(svc, Path(live.export_dir), live.policy_version)
         svc.registry.record_eval(live.policy_version, live_eval)
     if cand is not None:
         svc.registry.record_eval(rkey, cand)
@@ -447,28 +464,73 @@ def deploy(svc: Services, rkey: str, model_version: str | None = None) -> LiveDe
 
 # --- round 0 ----------------------------------------------------------------------------------
 def bootstrap_base_policy(svc: Services, progress: bool = True) -> dict:
-    """Build the lab base policy, export it, evaluate it and make it the live deployment."""
-    from prodrl_pipelines.lab.warmstart import build_base_policy
+    """Round 0: import the base model (``base_model``: the user's HF directory or s3:// URI, or a
+    registered source such as the lab's), export it, evaluate it on the suite and make it live.
+
+    The trainer state starts fresh: the first round finds no optimizer state beside the checkpoint
+    and creates Adam's, and the baseline starts empty. Re-running it after a crash reuses an already
+    imported checkpoint."""
+    from prodrl_pipelines.model_source import import_base_model
     from prodrl_pipelines.quant.export import export_policy
 
     s = svc.settings
+    suite = svc.suite  # a bad suite fails before the (possibly long) import
     ckpt = s.checkpoints_root / BASE_VERSION
+    facts = {}
     if not (ckpt / "config.json").exists():
-        tmp = s.checkpoints_root / f".{BASE_VERSION}.build"
-        shutil.rmtree(tmp, ignore_errors=True)
-        build_base_policy(tmp, size=s.lab.size, seed=s.lab.seed, sft_steps=s.lab.sft_steps, task=s.lab.task)
-        tmp.rename(ckpt)
+        facts = import_base_model(s.base_model, ckpt, s, svc.s3_endpoint_url)
     publish_checkpoint(svc, BASE_VERSION, ckpt)
     scheme = s.deploy.export_scheme
     exp = export_policy(ckpt, s.exports_root / BASE_VERSION, scheme,
                         calibration_prompts=_calibration_prompts(svc, None) if scheme == "nvfp4-w4a4" else None)
-    ev = evaluate_policy(s, s.exports_root / BASE_VERSION, BASE_VERSION)
+    ev = evaluate_policy(svc, s.exports_root / BASE_VERSION, BASE_VERSION)
     svc.registry.record_eval(BASE_VERSION, ev)
     dep = LiveDeployment(BASE_VERSION, str(ckpt), str(s.exports_root / BASE_VERSION))
     svc.registry.deploy(dep)
     svc.registry.update_round(BASE_VERSION, heldout_reward=ev["mean"], heldout_reward_ci=ev["ci95"],
-                              gate_passed=True, deployed=True, policy_version=BASE_VERSION, num_trajectories=0)
-    return {"checkpoint_dir": str(ckpt), "export": exp, "heldout_reward": ev["mean"], "heldout_ci95": ev["ci95"]}
+                              gate_passed=True, deployed=True, policy_version=BASE_VERSION, num_trajectories=0,
+                              base_model=s.base_model, suite=suite.name)
+    return {"checkpoint_dir": str(ckpt), "export": exp, "heldout_reward": ev["mean"], "heldout_ci95": ev["ci95"],
+            "reward_errors": ev["reward_errors"], "base_model": s.base_model,
+            **{k: v for k, v in facts.items() if k in ("source", "architectures", "parameters", "vocab_size")}}
+
+
+def bootstrap(svc: Services) -> dict:
+    """``bootstrap_base_policy`` plus its lineage: an MLflow run for round 0 and the base export
+    registered as a model version with alias ``champion`` (what the `base_policy` asset and
+    ``prodrl bootstrap`` both run)."""
+    stats = bootstrap_base_policy(svc)
+    if svc.lineage is None:
+        return stats
+    s = svc.settings
+    run_id = svc.lineage.round_run(BASE_VERSION, params={"base_model": s.base_model, "eval_suite": s.eval.suite,
+                                                         "export_scheme": s.deploy.export_scheme})
+    source = publish_export(svc, BASE_VERSION, Path(stats["export"]["export_dir"]))
+    version = svc.lineage.register_candidate(source, run_id, BASE_VERSION, {
+        "format": s.deploy.export_scheme, "gate": "base", "heldout_reward": f"{stats['heldout_reward']:.4f}",
+        "base_model": s.base_model})
+    svc.lineage.log_metrics(run_id, {"heldout_reward": stats["heldout_reward"]}, 0)
+    svc.lineage.promote(version)
+    svc.lineage.finish(run_id)
+    live = svc.registry.live()
+    live.model_version = version
+    svc.registry.deploy(live)
+    svc.registry.update_round(BASE_VERSION, model_version=version, mlflow_run_id=run_id)
+    return {**stats, "model_version": version, "mlflow_run_id": run_id}
+
+
+def evaluate_version(svc: Services, policy_version: str | None = None) -> dict:
+    """Held-out reward of ``policy_version`` (default: the live one) on the suite, from its export."""
+    live = svc.registry.live()
+    if policy_version is None:
+        if live is None:
+            raise RoundError("no live deployment: bootstrap first (`prodrl bootstrap`), or name --policy")
+        policy_version = live.policy_version
+    export_dir = ensure_local(svc, "exports", policy_version)
+    if not (export_dir / "config.json").exists():
+        raise RoundError(f"no export of {policy_version!r} at {export_dir}"
+                         + ("" if svc.exports_store is None else f" nor in {svc.exports_store!r}"))
+    return evaluate_policy(svc, export_dir, policy_version)
 
 
 # --- sensor ---------------------------------------------------------------------------------
@@ -498,6 +560,10 @@ def next_round_decision(svc: Services, existing_rounds: list[str], in_flight: bo
 def evaluate_live(svc: Services) -> dict:
     """Held-out reward of the live deployment now (a point of the drift time series)."""
     live = svc.live()
-    ev = evaluate_policy(svc.settings, Path(live.export_dir), live.policy_version)
-    return {"policy_version": live.policy_version, "heldout_reward": ev["mean"], "heldout_ci95": ev["ci95"],
-            "num_tasks": len(ev["rewards"])}
+    endpoint = svc.settings.eval.live_endpoint
+    if endpoint:
+        ev = _evaluate_endpoint(svc, endpoint, Path(live.export_dir), live.policy_version)
+    else:
+        ev = evaluate_policy(svc, Path(live.export_dir), live.policy_version)
+    return {"policy_version": live.policy_version, "engine": endpoint or "local", "heldout_reward": ev["mean"], "heldout_ci95": ev["ci95"],
+            "num_tasks": len(ev["rewards"]), "reward_errors": ev["reward_errors"]}

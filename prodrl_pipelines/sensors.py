@@ -1,14 +1,13 @@
 """Data-volume sensor: starts round k+1 when round k finished and S*B eligible trajectories exist."""
 
 
-import os
 
 from dagster import (
     DagsterRunStatus, DefaultSensorStatus, RunRequest, RunsFilter, SensorEvaluationContext, SensorResult,
     SkipReason, define_asset_job, sensor, AssetSelection,
 )
 
-from prodrl_pipelines import rounds
+from prodrl_pipelines import environment, rounds
 from prodrl_pipelines.assets.partitions import ROUND_TAG, rounds_partitions
 from prodrl_pipelines.resources.settings import ProdRLSettings, StoreResource, services
 
@@ -24,7 +23,7 @@ IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunSt
              DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
 
 
-@sensor(job=round_job, minimum_interval_seconds=int(os.environ.get("PRODRL_SENSOR_INTERVAL_S", "30")),
+@sensor(job=round_job, minimum_interval_seconds=environment.sensor_interval_s(),
         default_status=DefaultSensorStatus.RUNNING)
 def data_volume_sensor(context: SensorEvaluationContext, settings: ProdRLSettings, store: StoreResource):
     """Adds the next `rounds` partition and requests its run in one tick (run_key = partition key)."""

@@ -37,7 +37,15 @@ class DeploySettings(BaseModel):
 
 
 class EvalSettings(BaseModel):
+    """The held-out evaluation and the gate. ``suite``: ``lab`` (the lab task), ``lab:NAME``, a JSONL
+    file (local or s3://) with ``reward_fn`` = ``package.module:function``, or ``package.module:Suite``
+    (see ``evaluation.loading``)."""
+
     model_config = ConfigDict(extra="forbid", frozen=True)
+    suite: str = "lab"
+    reward_fn: str = ""
+    # live monitoring through the serving endpoint (OpenAI-compatible, e.g. vLLM); empty: the local engine
+    live_endpoint: str = ""
     heldout_size: int = Field(256, ge=2)
     eval_seed: int = 1234
     gate_tolerance: float = Field(0.05, ge=0)
@@ -55,6 +63,8 @@ class LabSettings(BaseModel):
 class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
     home: str = ".prodrl"
+    # round 0: a Hugging Face model directory, an s3:// URI, or a registered source ("lab": the lab's toy model)
+    base_model: str = "lab"
     recipe: Recipe = Recipe()
     deploy: DeploySettings = DeploySettings()
     eval: EvalSettings = EvalSettings()
@@ -65,16 +75,6 @@ class Settings(BaseModel):
         if self.recipe.correction == "score_centering_sampled" and not self.deploy.record_extra_draw:
             raise ValueError("correction 'score_centering_sampled' needs deploy.record_extra_draw = true "
                              "(the deployment must record an extra draw per position)")
-        return self
-
-    @model_validator(mode="after")
-    def _answers_fit_max_tokens(self) -> "Settings":
-        from prodrl_pipelines.lab.tasks import get_task
-
-        need = get_task(self.lab.task).min_max_tokens
-        if self.deploy.max_tokens < need:
-            raise ValueError(f"lab task {self.lab.task!r} needs deploy.max_tokens >= {need} (a correct answer is "
-                             f"that long); got {self.deploy.max_tokens}")
         return self
 
     @property
@@ -100,3 +100,99 @@ class Settings(BaseModel):
     @property
     def mlflow_artifacts(self) -> str:
         return (self.home_path / "mlartifacts").as_uri()
+
+
+def check_settings(settings: Settings, s3_endpoint_url: str | None = None):
+    """What can fail before any work starts beyond field types: the evaluation suite loads and fits
+    the serving settings (e.g. a task whose answers need more ``max_tokens``). Returns the suite."""
+    from prodrl_pipelines.evaluation import load_suite
+
+    return load_suite(settings.eval.suite, settings.eval.reward_fn, settings, s3_endpoint_url)
+
+
+class SettingsFileError(ValueError):
+    """A settings file cannot be read; the message names the file."""
+
+
+def load_settings_file(path: str | Path) -> dict:
+    """Flat ``ProdRLSettings`` fields from a JSON or YAML file. A relative ``home`` resolves against the
+    file's directory (a copied settings file never writes into the original's home); a file without
+    ``home`` leaves it to ``PRODRL_HOME`` (default ``./.prodrl``)."""
+    import json
+    import os
+
+    p = Path(path)
+    if not p.is_file():
+        raise SettingsFileError(f"settings file {str(path)!r} does not exist")
+    text = p.read_text(encoding="utf-8")
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as e:  # noqa: BLE001 - JSON and YAML errors alike
+        raise SettingsFileError(f"settings file {str(path)!r} does not parse: {e}") from None
+    if not isinstance(data, dict):
+        raise SettingsFileError(f"settings file {str(path)!r} must hold an object of settings fields, "
+                                f"got {type(data).__name__}")
+    home = data.get("home")
+    if isinstance(home, str) and home and not Path(home).expanduser().is_absolute():
+        data["home"] = str((p.resolve().parent / home).resolve())
+    elif home is None:
+        data["home"] = os.environ.get("PRODRL_HOME", ".prodrl")
+    return data
+
+
+# --- flat names: one namespace for the Dagster resource, settings files, PRODRL_SETTINGS_JSON -------
+# Each field of a section is reachable by one flat name, derived here (never re-declared): recipe and
+# deploy fields by their own names, eval fields as eval_<name> (the gate's historic names stay bare),
+# lab fields as lab_<name>; home and base_model at the top.
+SECTIONS = {"recipe": Recipe, "deploy": DeploySettings, "eval": EvalSettings, "lab": LabSettings}
+_EVAL_BARE = {"heldout_size", "gate_tolerance", "gate_z", "eval_seed"}
+TOP_FIELDS = ("home", "base_model")
+
+
+def _flat_name(section: str, name: str) -> str:
+    if section in ("recipe", "deploy") or (section == "eval" and name in _EVAL_BARE):
+        return name
+    return f"{section}_{name}"
+
+
+def flat_fields() -> dict[str, tuple[str | None, str]]:
+    """Flat name -> (section or None for top-level fields, field name)."""
+    out: dict[str, tuple[str | None, str]] = {name: (None, name) for name in TOP_FIELDS}
+    for section, model in SECTIONS.items():
+        for name in model.model_fields:
+            flat = _flat_name(section, name)
+            if flat in out:
+                raise AssertionError(f"flat settings name {flat!r} is ambiguous")
+            out[flat] = (section, name)
+    return out
+
+
+def field_info(flat: str):
+    section, name = flat_fields()[flat]
+    return (Settings if section is None else SECTIONS[section]).model_fields[name]
+
+
+def settings_from_flat(flat: dict) -> Settings:
+    """Core settings from flat names; an unknown name fails naming it (and the valid ones)."""
+    table = flat_fields()
+    nested: dict = {}
+    for key, value in flat.items():
+        if key not in table:
+            raise ValueError(f"unknown setting {key!r}; valid settings: {', '.join(sorted(table))}")
+        section, name = table[key]
+        if section is None:
+            nested[name] = value
+        else:
+            nested.setdefault(section, {})[name] = value
+    return Settings(**nested)
+
+
+def settings_to_flat(settings: Settings) -> dict:
+    dumped = settings.model_dump(mode="json")
+    return {flat: (dumped[name] if section is None else dumped[section][name])
+            for flat, (section, name) in flat_fields().items()}

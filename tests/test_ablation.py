@@ -1,4 +1,4 @@
-"""Ablation runner (issue 7 items 3-4): config validation, aggregation and collapse on synthetic
+"""Ablation runner: config validation, aggregation and collapse on synthetic
 results (exact numbers), and the whole path on the quick config: worker subprocesses, a failing
 recipe, resume/skip, report, plots, MLflow."""
 

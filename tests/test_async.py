@@ -1,4 +1,4 @@
-"""One-round asynchronous prod RL (DESIGN.md s.5, issue 7 item 1): round k trains on mu_{k-1}'s data
+"""One-round asynchronous prod RL (DESIGN.md s.5): round k trains on mu_{k-1}'s data
 while mu_k collects, so the policy lag is S..2S-1 optimizer steps instead of 0..S-1."""
 
 import json
@@ -65,7 +65,7 @@ def _train_steps(home, rkey):
 
 @pytest.mark.parametrize("correction", ["tis", "ref_is"])
 def test_async_loop_trains_each_round_on_the_previous_policys_data(tmp_path, monkeypatch, correction):
-    from prodrl_pipelines.cli import run_loop
+    from prodrl_pipelines.lab.demo import run_loop
 
     monkeypatch.setenv("PRODRL_LAB_TRAFFIC", "in_process")
     monkeypatch.delenv("PRODRL_DAGSTER_HOME", raising=False)

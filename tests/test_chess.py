@@ -1,4 +1,4 @@
-"""The chess puzzle task (issue 7 item 2): puzzles verified by an independent search, the tool-call
+"""The chess puzzle task: puzzles verified by an independent search, the tool-call
 environment, episodes, the SFT warm start, and play through the HTTP serving path."""
 
 from __future__ import annotations
@@ -222,8 +222,10 @@ def test_task_registry_and_settings():
     assert ARITHMETIC.heldout_tasks(5) == arithmetic.heldout_tasks(5)
     assert build_tokenizer().get_vocab() == build_tokenizer(task="arithmetic").get_vocab()
     assert ProdRLSettings().settings().lab.task == "arithmetic"
+    from prodrl_pipelines.settings import check_settings
+
     with pytest.raises(ValueError, match=f"'chess' needs deploy.max_tokens >= {MIN_MAX_TOKENS}"):
-        ProdRLSettings(lab_task="chess").settings()
+        check_settings(ProdRLSettings(lab_task="chess").settings())
     assert ProdRLSettings(lab_task="chess", max_tokens=MIN_MAX_TOKENS).settings().lab.task == "chess"
     with pytest.raises(ValueError, match="chess"):
         ProdRLSettings(lab_task="checkers", max_tokens=64).settings()
@@ -392,5 +394,5 @@ def test_chess_lab_bootstrap_and_traffic_over_prodrl_serve(tmp_path):
     assert len(calls) == stats["calls"]
     assert all(c["prompt_text"].startswith("<|im_start|>user\nWhite to move, mate in ") for c in calls)
     assert set(svc.store.read_rewards()["source"].to_pylist()) == {"lab/chess"}
-    smoke = rounds.export_smoke(svc.settings, tmp_path / "home" / "exports" / "round-000000")
+    smoke = rounds.export_smoke(svc.settings, tmp_path / "home" / "exports" / "round-000000", svc.suite)
     assert smoke["error"] == "" and len(smoke["samples"]) == rounds.SMOKE_PROMPTS

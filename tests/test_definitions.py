@@ -17,7 +17,7 @@ def test_code_location_contents():
     check = AssetCheckKey(AssetKey("heldout_eval"), "deployment_gate")
     assert check in graph.asset_check_keys
     assert graph.get_check_spec(check).blocking
-    assert {j.name for j in defs.resolve_all_job_defs()} >= {"prod_rl_round", "bootstrap_lab", "lab_traffic_job"}
+    assert {j.name for j in defs.resolve_all_job_defs()} >= {"prod_rl_round", "bootstrap", "lab_traffic_job"}
     assert defs.resolve_sensor_def("data_volume_sensor") is not None
     # the round chain, in order
     chain = ["recorded_trajectories", "training_batch", "trained_checkpoint", "exported_policy", "heldout_eval",

@@ -1,5 +1,5 @@
 """Lab traffic over loopback HTTP (episodes -> prodrl record -> prodrl serve) records the same rows
-the round uses from the in-process path (issue 5 item 3)."""
+the round uses from the in-process path."""
 
 import numpy as np
 import pytest

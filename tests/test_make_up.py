@@ -92,12 +92,28 @@ class MakeUp:
     def current_state(self) -> dict:
         return json.loads((self.home / "stack.json").read_text())
 
+    def kill(self) -> None:
+        """After a failure: stop whatever is left (TERM to the stack, then KILL its services)."""
+        if self.proc.poll() is None:
+            os.killpg(self.proc.pid, signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=120)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
+        for pid in self.current_state()["pids"].values() if (self.home / "stack.json").exists() else []:
+            try:
+                os.killpg(pid, signal.SIGKILL)
+            except (ProcessLookupError, PermissionError):
+                pass
+
     def stop(self, sig=signal.SIGINT) -> float:
         """Ctrl-C (or ``sig``) to the group, as a terminal sends it; returns the seconds it took."""
         pids = self.current_state()["pids"]
         t0 = time.monotonic()
         os.killpg(self.proc.pid, sig)
-        assert self.proc.wait(timeout=240) == 0, self.log.read_text()[-3000:]
+        # make dies of the signal once its recipe is done, as after a Ctrl-C in a terminal
+        assert self.proc.wait(timeout=240) in (0, -sig), self.log.read_text()[-3000:]
+        assert "\nstopped.\n" in self.log.read_text(), self.log.read_text()[-3000:]
         self.fh.close()
         left = _processes_in_sessions(set(pids.values()))
         assert not left, f"processes left after the stack stopped: {left}"
@@ -178,8 +194,18 @@ def _mlflow(url: str, path: str, **params) -> dict:
 def test_make_up_runs_the_loop_and_continues_after_a_restart(tmp_path, fresh_database):
     home = tmp_path / "stack"
     home.mkdir()
+    started = []
+    try:
+        _loop_and_restart(home, tmp_path, fresh_database, started)
+    finally:
+        for up in started:
+            up.kill()
+
+
+def _loop_and_restart(home, tmp_path, fresh_database, started):
     figures = {}
     up = MakeUp(home, fresh_database, tmp_path / "make_up.log")
+    started.append(up)
     figures["startup_s"] = round(up.startup_s, 1)
     urls = up.state["urls"]
     assert up.state["schemas"] == {"dagster": "prodrl_dagster", "mlflow": "prodrl_mlflow"}
@@ -190,10 +216,10 @@ def test_make_up_runs_the_loop_and_continues_after_a_restart(tmp_path, fresh_dat
         assert url in printed
     gql = DagsterGraphQLClient(urls["dagster"].split("//")[1].split(":")[0], port_number=int(urls["dagster"].rsplit(":", 1)[1]))
 
-    gql.submit_job_execution("bootstrap_lab")
+    gql.submit_job_execution("bootstrap")
     up.wait(lambda: any(r["status"] == "SUCCESS" for r in
-                        gql._execute(RUNS, {"name": "bootstrap_lab"})["runsOrError"]["results"]), "bootstrap")
-    up.wait(lambda: up.current_state()["deployed_version"] == "round-000000" and "recorder" in up.current_state()["pids"],
+                        gql._execute(RUNS, {"name": "bootstrap"})["runsOrError"]["results"]), "bootstrap")
+    up.wait(lambda: up.current_state()["deployed_version"] == "round-000000" and "prodrl record" in up.current_state()["pids"],
             "the deployment of round-000000")
     t_traffic = time.monotonic()
     model, n = _play(urls["recorder"], token, 1024, seed=1)
@@ -214,6 +240,7 @@ def test_make_up_runs_the_loop_and_continues_after_a_restart(tmp_path, fresh_dat
 
     # the same home and database again: the previous round is there and the loop goes on
     up = MakeUp(home, fresh_database, tmp_path / "make_up_2.log")
+    started.append(up)
     figures["restart_s"] = round(up.startup_s, 1)
     urls = up.state["urls"]
     gql = DagsterGraphQLClient("127.0.0.1", port_number=int(urls["dagster"].rsplit(":", 1)[1]))

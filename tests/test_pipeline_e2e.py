@@ -45,7 +45,7 @@ def test_two_rounds_on_postgres(tmp_path, pg_instance):
     # Before bootstrap the sensor explains why it waits.
     assert "no live deployment" in tick(instance, defs, res).skip_message
 
-    assert defs.resolve_job_def("bootstrap_lab").execute_in_process(instance=instance).success
+    assert defs.resolve_job_def("bootstrap").execute_in_process(instance=instance).success
     lineage = res["mlflow"].lineage(svc.settings)
     assert lineage.alias_version(CHAMPION) == "1"
 
@@ -136,7 +136,7 @@ def test_bad_settings_fail_before_work(tmp_path):
 def test_round_without_enough_data_names_the_setting(tmp_path, pg_instance):
     res = make_resources({**TINY, "home": str(tmp_path / "home")})
     defs = build_definitions(res)
-    assert defs.resolve_job_def("bootstrap_lab").execute_in_process(instance=pg_instance).success
+    assert defs.resolve_job_def("bootstrap").execute_in_process(instance=pg_instance).success
     svc = services(res["settings"], res["store"])
     simulate_traffic(svc, 3)
     pg_instance.add_dynamic_partitions("rounds", ["round-000001"])
@@ -171,7 +171,7 @@ def test_one_round_at_a_time(tmp_path, pg_instance):
 
     res = make_resources({**TINY, "home": str(tmp_path / "home")})
     defs = build_definitions(res)
-    assert defs.resolve_job_def("bootstrap_lab").execute_in_process(instance=pg_instance).success
+    assert defs.resolve_job_def("bootstrap").execute_in_process(instance=pg_instance).success
     simulate_traffic(services(res["settings"], res["store"]), 8)
     run = DagsterRun(job_name="prod_rl_round", run_id=make_new_run_id(), status=DagsterRunStatus.STARTED,
                      tags={"prodrl/round": "train"})

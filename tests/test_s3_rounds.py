@@ -1,4 +1,4 @@
-"""Rounds on an S3 store (issue 5 item 5): trained checkpoints and exports are published to the bucket,
+"""Rounds on an S3 store: trained checkpoints and exports are published to the bucket,
 and every step can run on a machine whose local disk holds none of them (another pod, a restarted
 worker): it fetches what it needs, verified against the manifest."""
 
@@ -71,13 +71,13 @@ def test_round_steps_run_on_fresh_machines_from_the_s3_stores(tmp_path, s3_endpo
 
 def test_torchrun_workers_rebuild_the_same_stores(monkeypatch, tmp_path):
     from prodrl_pipelines.ops.train_worker import _services
-    from prodrl_pipelines.ops.training import store_env
+    from prodrl_pipelines import environment
 
     fields = {"root": "", "s3_bucket": "b", "s3_prefix": "team/p", "s3_endpoint_url": "http://127.0.0.1:9",
               "s3_region": "us-east-1"}
-    for k, v in store_env(fields).items():
+    for k, v in environment.write(settings={"home": str(tmp_path / "h")}, store=fields).items():
         monkeypatch.setenv(k, v)
-    monkeypatch.setenv("PRODRL_SETTINGS_JSON", '{"home": "%s"}' % (tmp_path / "h"))
+    assert environment.read_store() == fields
     svc = _services()
     assert type(svc.blobs).__name__ == "S3BlobStore" and svc.blobs.bucket == "b" and svc.blobs.prefix == "team/p"
     assert isinstance(svc.checkpoints_store, S3CheckpointStore) and isinstance(svc.exports_store, S3CheckpointStore)

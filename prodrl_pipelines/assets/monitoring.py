@@ -16,7 +16,7 @@ def live_heldout_eval(context: AssetExecutionContext, settings: ProdRLSettings, 
     res = rounds.evaluate_live(svc)
     run_id = svc.lineage.round_run("live-monitoring")
     svc.lineage.log_metrics(run_id, {"live_heldout_reward": res["heldout_reward"]}, int(time.time()))
-    svc.lineage.set_tags(run_id, {"live_policy_version": res["policy_version"]})
+    svc.lineage.set_tags(run_id, {"live_policy_version": res["policy_version"], "engine": res["engine"]})
     return MaterializeResult(metadata={**res, "mlflow_run_id": run_id})
 
 

@@ -121,6 +121,8 @@ def heldout_eval(context: AssetExecutionContext, settings: ProdRLSettings, store
         "candidate_ci95": cand["ci95"] if cand else float("nan"),
         "live_reward": res["live"]["mean"], "live_version": res["live_version"],
         "num_tasks": len(res["live"]["rewards"]), "smoke_error": res["smoke_error"] or "none",
+        "suite": svc.suite.name, "reward_errors": cand.get("reward_errors", 0) if cand else 0,
+        "first_reward_error": (cand.get("first_reward_error") or "none") if cand else "none",
         "reward_curve": MetadataValue.md(markdown_image(png, "held-out reward")),
     })
 

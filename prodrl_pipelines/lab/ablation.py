@@ -11,7 +11,7 @@
 2. **Seeds**: seed ``k`` sets both ``seed`` (minibatch order, sampling) and ``lab_seed`` (tokenizer-free
    parts of the base policy: init weights, SFT data), so each seed is a different base policy too.
    All recipes of one seed start from the *same* base policy (the comparison is paired by seed).
-3. **Runner**: every (recipe, seed) runs ``cli.run_loop`` in its own subprocess with its own home
+3. **Runner**: every (recipe, seed) runs ``lab.demo.run_loop`` in its own subprocess with its own home
    ``runs/<name>/runs/<recipe>/seed<k>/`` (SQLite Dagster instance, MLflow SQLite, stores), in-process
    deterministic lab traffic (``PRODRL_LAB_TRAFFIC=in_process``) and one torch thread; ``--workers``
    subprocesses run at a time. The round-0 SFT checkpoint depends only on the lab settings, so it is
@@ -442,7 +442,7 @@ def _worker(spec_path: str) -> int:
         shutil.rmtree(home, ignore_errors=True)  # an unfinished earlier attempt starts over
         (home / "checkpoints").mkdir(parents=True)
         shutil.copytree(spec["base"], home / "checkpoints" / "round-000000")
-        from prodrl_pipelines.cli import run_loop
+        from prodrl_pipelines.lab.demo import run_loop
 
         rows = run_loop(home, spec["settings"], spec["rounds"], log=log)
         boot = (marks[0] - t0) if marks else None

@@ -1,24 +1,20 @@
-"""Run multi-turn lab episodes through an engine, batched turn by turn.
+"""Lab episodes as recorded traffic: the production episode loop (``evaluation.episodes``) on a
+lab task, each call turned into one row of the recorded-trajectory contract (``CALL_SCHEMA``).
 
-Any lab task (``tasks.TaskEnv``: arithmetic by default, chess) plays through the same loop.
-
-Every model call is rendered exactly as a chat server would: the chat template applied to the
-conversation so far with ``add_generation_prompt=True``, then tokenized. The assistant message fed
-back into the next turn is the decoded output without the stop token. Each call becomes one row of
-the recorded-trajectory contract (``CALL_SCHEMA``); each episode gets a verifiable reward.
+Any lab task (``tasks.TaskEnv``: arithmetic by default, chess) is an evaluation suite too, so it
+plays through the same loop as a user's suite.
 """
 
 from __future__ import annotations
 
-import random
-import uuid
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from datetime import datetime, timezone
 from typing import Protocol
 
 import pyarrow as pa
 
 from prodrl_pipelines.engines.types import CallRecord, SamplingParams
+from prodrl_pipelines.evaluation import episodes as _core
 from prodrl_pipelines.lab.tasks import ARITHMETIC, TaskEnv
 from prodrl_pipelines.lab.tokenizer import IM_END
 from prodrl_pipelines.trajectories.schema import CALL_FIELDS, CALL_SCHEMA, REWARD_SCHEMA
@@ -75,13 +71,8 @@ class EpisodeBatch:
 
 
 def render_prompt(tokenizer, messages: list[dict], tools: list[dict] | None = None) -> tuple[str, list[int]]:
-    """The prompt text and ids a chat server would feed the engine for ``messages`` (and ``tools``:
-    a tool-aware chat template such as Qwen's renders their schema and call format; the lab
-    template ignores them)."""
-    kw = {"tools": list(tools)} if tools else {}
-    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False, **kw)
-    ids = tokenizer.encode(text, add_special_tokens=False)
-    return text, list(ids)
+    """The prompt text and ids a chat server would feed the engine (``evaluation.episodes``)."""
+    return _core.render_prompt(tokenizer, messages, tools)
 
 
 def stop_token_ids(tokenizer) -> tuple[int, ...]:
@@ -90,28 +81,17 @@ def stop_token_ids(tokenizer) -> tuple[int, ...]:
 
 def with_stop_tokens(params: SamplingParams, tokenizer) -> SamplingParams:
     """``params`` with ``<|im_end|>`` among its stop tokens."""
-    stops = tuple(sorted(set(params.stop_token_ids) | set(stop_token_ids(tokenizer))))
-    if stops == tuple(params.stop_token_ids):
-        return params
-    return replace(params, stop_token_ids=stops)
+    return _core.with_stop_tokens(params, stop_token_ids(tokenizer))
 
 
 def assistant_content(tokenizer, output_ids: list[int]) -> str:
     """The assistant message content: the decoded output without the trailing stop token."""
-    ids = list(output_ids)
-    stops = set(stop_token_ids(tokenizer))
-    if ids and ids[-1] in stops:
-        ids = ids[:-1]
-    return tokenizer.decode(ids, skip_special_tokens=False)
+    return _core.assistant_content(tokenizer, output_ids, stop_token_ids(tokenizer))
 
 
 def _extra_ids(rec: CallRecord) -> list[int] | None:
     extra = getattr(rec, "extra_token_ids", None)
     return None if extra is None else [int(t) for t in extra]
-
-
-def _turn_seed(seed: int, turn: int) -> int:
-    return (int(seed) * 1_000_003 + 7919 * turn) % (2**31 - 1)
 
 
 def run_episodes(
@@ -123,68 +103,44 @@ def run_episodes(
     seed: int,
     env: TaskEnv = ARITHMETIC,
 ) -> EpisodeBatch:
-    """Play one episode per task of ``env``, all episodes batched through ``engine`` turn by turn.
+    """Play one episode per task of ``env`` (``evaluation.episodes.play_episodes``) and turn each call
+    into a row of the recorded-trajectory contract.
 
     ``<|im_end|>`` is always a stop token. Trajectory ids are uuid4 hex strings drawn from an RNG
     seeded by ``(policy_version, seed)``, so reruns produce the same ids.
     """
     params = with_stop_tokens(params, tokenizer)
-    rng = random.Random(f"episodes:{policy_version}:{seed}")
-    traj_ids = [uuid.UUID(int=rng.getrandbits(128), version=4).hex for _ in tasks]
-    messages = [env.initial_messages(t) for t in tasks]
-    texts: list[list[str]] = [[] for _ in tasks]
-    calls: list[list[dict]] = [[] for _ in tasks]
-    active = list(range(len(tasks)))
-    turn = 0
-    while active:
-        rendered = [render_prompt(tokenizer, messages[i], env.tools) for i in active]
-        records = engine.generate([ids for _, ids in rendered], params, seed=_turn_seed(seed, turn))
-        if len(records) != len(active):
-            raise RuntimeError(f"engine returned {len(records)} records for {len(active)} prompts")
-        now = datetime.now(timezone.utc)
-        still: list[int] = []
-        for i, (ptext, pids), rec in zip(active, rendered, records):
-            content = assistant_content(tokenizer, rec.output_token_ids)
-            calls[i].append(
-                {
-                    "trajectory_id": traj_ids[i],
-                    "call_index": turn,
-                    "task_id": tasks[i].task_id,
-                    "policy_version": policy_version,
-                    "prompt_token_ids": list(pids),
-                    "output_token_ids": [int(t) for t in rec.output_token_ids],
-                    "output_logprobs": [float(x) for x in rec.output_logprobs],
-                    "top_token_ids": [[int(t) for t in row] for row in rec.top_token_ids],
-                    "top_logprobs": [[float(x) for x in row] for row in rec.top_logprobs],
-                    "support_complete": bool(rec.support_complete),
-                    "temperature": float(params.temperature),
-                    "top_p": float(params.top_p),
-                    "top_k": int(params.top_k),
-                    "prompt_text": ptext,
-                    "output_text": content,
-                    "created_at": now,
-                }
-            )
+    played = _core.play_episodes(engine, tokenizer, env, tasks, params, policy_version, seed,
+                                 stops=stop_token_ids(tokenizer))
+    episodes = []
+    for ep in played:
+        if ep.reward_error:
+            raise RuntimeError(f"lab task {env.name!r}: reward of {ep.task_id} failed: {ep.reward_error}")
+        rows = []
+        for turn, c in enumerate(ep.calls):
+            rec = c.record
+            rows.append({
+                "trajectory_id": ep.trajectory_id,
+                "call_index": turn,
+                "task_id": ep.task_id,
+                "policy_version": policy_version,
+                "prompt_token_ids": list(c.prompt_token_ids),
+                "output_token_ids": [int(t) for t in rec.output_token_ids],
+                "output_logprobs": [float(x) for x in rec.output_logprobs],
+                "top_token_ids": [[int(t) for t in row] for row in rec.top_token_ids],
+                "top_logprobs": [[float(x) for x in row] for row in rec.top_logprobs],
+                "support_complete": bool(rec.support_complete),
+                "temperature": float(params.temperature),
+                "top_p": float(params.top_p),
+                "top_k": int(params.top_k),
+                "prompt_text": c.prompt_text,
+                "output_text": c.content,
+                "created_at": c.created_at,
+            })
             if _HAS_EXTRA:
-                calls[i][-1]["extra_token_ids"] = _extra_ids(rec)
-            texts[i].append(content)
-            messages[i].append({"role": "assistant", "content": content})
-            reply = env.env_reply(tasks[i], turn, content)
-            if reply is not None:
-                messages[i].append(reply)
-                still.append(i)
-        active = still
-        turn += 1
-    episodes = [
-        Episode(
-            trajectory_id=traj_ids[i],
-            task_id=t.task_id,
-            reward=env.reward(t, texts[i]),
-            calls=calls[i],
-            assistant_texts=texts[i],
-        )
-        for i, t in enumerate(tasks)
-    ]
+                rows[-1]["extra_token_ids"] = _extra_ids(rec)
+        episodes.append(Episode(trajectory_id=ep.trajectory_id, task_id=ep.task_id, reward=ep.reward, calls=rows,
+                                assistant_texts=ep.assistant_texts))
     return EpisodeBatch(episodes=episodes, policy_version=policy_version, source=env.reward_source)
 
 

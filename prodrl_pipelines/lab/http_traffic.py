@@ -1,4 +1,4 @@
-"""Lab traffic over loopback HTTP: episodes -> ``prodrl record`` -> ``prodrl serve`` (issue 5 item 3).
+"""Lab traffic over loopback HTTP: episodes -> ``prodrl record`` -> ``prodrl serve``.
 
 ``served_deployment(svc)`` starts ``prodrl serve <live export>`` and ``prodrl record --upstream ...
 --store <svc store root> --policy-version <live version>`` (for an S3-backed ``svc``: ``--s3-bucket
@@ -49,6 +49,7 @@ import httpx
 
 from prodrl_pipelines.engines.types import CallRecord, SamplingParams
 from prodrl_pipelines.engines.vllm_client import VLLMClient
+from prodrl_pipelines.stack.serving import recorder_store_args
 from prodrl_pipelines.lab.episodes import assistant_content, run_episodes, stop_token_ids
 from prodrl_pipelines.lab.tasks import ARITHMETIC, get_task
 
@@ -72,20 +73,10 @@ def _tail(path: Path, n: int = 30) -> str:
 
 
 def _store_args(svc, wal_dir: Path) -> list[str]:
-    """The ``prodrl record`` flags naming ``svc``'s trajectory store: ``--store DIR`` for a local
-    store, the ``--s3-*`` flags (WAL in ``wal_dir`` on local disk) for an S3 one."""
-    from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
-    from prodrl_pipelines.trajectories.s3 import S3BlobStore
-
-    blobs = svc.blobs
-    if isinstance(blobs, LocalBlobStore):
-        return ["--store", str(blobs.root)]
-    if isinstance(blobs, S3BlobStore):
-        return ["--s3-bucket", blobs.bucket, "--s3-prefix", blobs.prefix,
-                "--s3-endpoint-url", blobs.endpoint_url or "", "--s3-region", blobs.region or "",
-                "--wal-dir", str(wal_dir)]
-    raise RuntimeError(f"lab traffic over HTTP needs a local or S3 trajectory store (what `prodrl record` can "
-                       f"write to); got {blobs!r}: set {TRAFFIC_ENV}=in_process")
+    try:
+        return recorder_store_args(svc, wal_dir)
+    except RuntimeError as e:
+        raise RuntimeError(f"lab traffic over HTTP: {e}: set {TRAFFIC_ENV}=in_process") from None
 
 
 def _default_log_dir(svc) -> Path:

@@ -39,6 +39,10 @@ class TaskEnv:
     sft: dict[str, dict] = field(default_factory=dict)
     tools: tuple[dict, ...] | None = None
 
+    def calibration_messages(self, n: int, seed: int) -> list[list[dict]]:
+        """W4A4 calibration prompts: training tasks, not held-out ones (``evaluation.suite``)."""
+        return [self.initial_messages(t) for t in self.generate_tasks(n, seed)]
+
 
 ARITHMETIC = TaskEnv(
     name="arithmetic",

@@ -15,14 +15,13 @@ from prodrl_pipelines.lab.tasks import get_task
 def simulate_traffic(svc, n_episodes: int, via: str = "in_process", deployment=None) -> dict:
     """Serve ``n_episodes`` fresh tasks of the lab task (``settings.lab.task``) with the live deployment
     and record them."""
-    # >>> lab traffic over HTTP (issue 5 item 3): via="http" goes episodes -> prodrl record -> prodrl serve
+    # via="http": episodes -> prodrl record -> prodrl serve on loopback
     if via == "http":
         from prodrl_pipelines.lab.http_traffic import simulate_traffic_http
 
         return simulate_traffic_http(svc, n_episodes, deployment=deployment)
     if via != "in_process":
         raise ValueError(f"via must be 'http' or 'in_process', got {via!r}")
-    # <<< lab traffic over HTTP
     live = svc.live()
     blobs = svc.blobs
     key = "traffic/batches.json"

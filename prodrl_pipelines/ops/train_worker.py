@@ -39,12 +39,9 @@ def _services():
     """The round's settings and stores, from the environment `ops.training.train_op` sets."""
     from prodrl_pipelines.resources.settings import ProdRLSettings, StoreResource, services
 
-    raw = json.loads(os.environ.get("PRODRL_SETTINGS_JSON", "{}") or "{}")
-    raw.setdefault("home", os.environ.get("PRODRL_HOME", ".prodrl"))
-    store = StoreResource(root=os.environ.get("PRODRL_STORE_ROOT", ""),
-                          **{f"s3_{k}": os.environ.get(f"PRODRL_S3_{k.upper()}", "")
-                             for k in ("bucket", "prefix", "endpoint_url", "region")})
-    return services(ProdRLSettings(**raw), store)
+    from prodrl_pipelines import environment
+
+    return services(ProdRLSettings(**environment.read_settings()), StoreResource(**environment.read_store()))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -56,7 +53,9 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     if world > 1:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    torch.set_num_threads(max(1, int(os.environ.get("PRODRL_THREADS_PER_RANK", "1"))))
+    from prodrl_pipelines.environment import threads_per_rank
+
+    torch.set_num_threads(threads_per_rank())
     pipes_ctx = contextlib.nullcontext(None)
     if rank == 0 and os.environ.get("DAGSTER_PIPES_CONTEXT"):
         from dagster_pipes import open_dagster_pipes

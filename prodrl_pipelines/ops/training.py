@@ -11,7 +11,7 @@ import sys
 
 from dagster import AssetExecutionContext, PipesSubprocessClient
 
-from prodrl_pipelines import rounds
+from prodrl_pipelines import environment, rounds
 from prodrl_pipelines.rounds import Services
 
 
@@ -27,21 +27,12 @@ def torchrun_command(rkey: str, nproc: int, port: int | None = None) -> list[str
             "-m", "prodrl_pipelines.ops.train_worker", "--round", rkey]
 
 
-def store_env(store_fields: dict) -> dict:
-    """The environment `train_worker` rebuilds the StoreResource from (local root, or S3 location)."""
-    env = {"PRODRL_STORE_ROOT": store_fields.get("root", "") or ""}
-    for k in ("bucket", "prefix", "endpoint_url", "region"):
-        env[f"PRODRL_S3_{k.upper()}"] = store_fields.get(f"s3_{k}", "") or ""
-    return env
-
-
 def train_op(context: AssetExecutionContext, svc: Services, rkey: str, nproc: int, settings_fields: dict,
              store_fields: dict, pipes: PipesSubprocessClient, on_step) -> dict:
     """Train the round; returns the stats of `rounds.train` (with per-step metrics under "steps")."""
     if nproc <= 1:
         return rounds.train(svc, rkey, on_step=on_step)
-    env = {**os.environ, "PRODRL_SETTINGS_JSON": json.dumps(settings_fields), **store_env(store_fields),
-           "PYTHONUNBUFFERED": "1"}
+    env = {**os.environ, **environment.write(settings=settings_fields, store=store_fields), "PYTHONUNBUFFERED": "1"}
     inv = pipes.run(context=context, command=torchrun_command(rkey, nproc), env=env)
     mat = inv.get_materialize_result()
     md = {k: v.value for k, v in (mat.metadata or {}).items()}

@@ -1,59 +1,49 @@
 """Dagster resources: thin typed wrappers that build the core objects (validated at run start)."""
 
 
-import os
+from types import UnionType
+from typing import Literal, Optional, Union, get_args, get_origin
 
 from dagster import ConfigurableResource, InitResourceContext
-from pydantic import PrivateAttr
+from pydantic import Field, PrivateAttr, create_model
 
-from prodrl_pipelines.rl.config import Recipe
+from prodrl_pipelines import environment
 from prodrl_pipelines.rounds import Services
-from prodrl_pipelines.settings import DeploySettings, EvalSettings, LabSettings, Settings
+from prodrl_pipelines.settings import Settings, check_settings, field_info, flat_fields, settings_from_flat
 from prodrl_pipelines.tracking import Lineage
 
-_R, _D, _E = Recipe.model_fields, DeploySettings.model_fields, EvalSettings.model_fields
+
+def _config_type(annotation):
+    """A Dagster-config-friendly type for a core field (the core model re-validates the value)."""
+    origin, args = get_origin(annotation), get_args(annotation)
+    if annotation in (int, float, str, bool):
+        return annotation
+    if origin is Literal:
+        return type(args[0])
+    if origin is tuple:
+        return list[args[0]]
+    if origin in (Union, UnionType) and type(None) in args:
+        inner = [a for a in args if a is not type(None)]
+        return Optional[_config_type(inner[0])]
+    raise TypeError(f"no Dagster config type for settings annotation {annotation!r}")
 
 
-class ProdRLSettings(ConfigurableResource):
-    """The loop's recipe, serving parameters, gate and paths (defaults: DESIGN.md)."""
-
-    home: str = ".prodrl"
-    # recipe (DESIGN.md s.4)
-    steps_per_round: int = _R["steps_per_round"].default
-    batch_size: int = _R["batch_size"].default
-    learning_rate: float = _R["learning_rate"].default
-    correction: str = _R["correction"].default
-    baseline: str = _R["baseline"].default
-    normalize_adv_std: bool = _R["normalize_adv_std"].default
-    kl_beta: float = _R["kl_beta"].default
-    tis_cap: float = _R["tis_cap"].default
-    ppo_eps: float = _R["ppo_eps"].default
-    cis_lambda: float = _R["cis_lambda"].default
-    cis_kappa: float = _R["cis_kappa"].default
-    icepop_low: float = _R["icepop_low"].default
-    icepop_high: float = _R["icepop_high"].default
-    max_policy_lag: int = _R["max_policy_lag"].default
-    replay: str = _R["replay"].default  # "recorded" | "retokenized" (lab baseline, DESIGN.md s.5)
-    seed: int = _R["seed"].default
-    # serving (recorded with each call)
-    temperature: float = _D["temperature"].default
-    top_p: float = _D["top_p"].default
-    top_k: int = _D["top_k"].default
-    max_tokens: int = _D["max_tokens"].default
-    num_top_logprobs: int = _D["num_top_logprobs"].default
-    record_extra_draw: bool = _D["record_extra_draw"].default
-    export_scheme: str = _D["export_scheme"].default  # "nvfp4-w4a16" | "nvfp4-w4a4" | "bf16"
-    # held-out evaluation and gate
-    heldout_size: int = _E["heldout_size"].default
-    gate_tolerance: float = _E["gate_tolerance"].default
-    gate_z: float = _E["gate_z"].default
-    # laboratory
-    lab_size: str = "demo"
-    lab_seed: int = 0
-    lab_sft_steps: int = -1  # -1: the lab size's default
-    lab_task: str = "arithmetic"  # "arithmetic" | "chess" (chess needs max_tokens >= 48)
+def _resource_fields() -> dict:
+    out = {}
+    for flat in flat_fields():
+        info = field_info(flat)
+        default = list(info.default) if isinstance(info.default, tuple) else info.default
+        out[flat] = (_config_type(info.annotation), Field(default, description=info.description))
     # execution: >1 launches torchrun with this many ranks through Dagster Pipes
-    train_processes: int = 1
+    out["train_processes"] = (int, Field(1, description="training ranks (1: in-process)"))
+    return out
+
+
+class ProdRLSettings(create_model("_ProdRLSettingsFields", __base__=ConfigurableResource, __module__=__name__,
+                                  **_resource_fields())):
+    """Every core setting under one flat name (``settings.flat_fields``): the recipe, serving, the
+    evaluation suite and gate, the base model, the lab. Generated from the core models, so a field
+    added there is settable here, in settings files and in PRODRL_SETTINGS_JSON at once."""
 
     def fields(self) -> dict:
         """Plain field values (to hand the same settings to a subprocess)."""
@@ -61,25 +51,12 @@ class ProdRLSettings(ConfigurableResource):
 
     def settings(self) -> Settings:
         """Validate into the core settings; a bad value fails here, naming the setting."""
-        return Settings(
-            home=self.home,
-            recipe=Recipe(
-                steps_per_round=self.steps_per_round, batch_size=self.batch_size, learning_rate=self.learning_rate,
-                correction=self.correction, baseline=self.baseline, normalize_adv_std=self.normalize_adv_std,
-                kl_beta=self.kl_beta, max_policy_lag=self.max_policy_lag, seed=self.seed, tis_cap=self.tis_cap,
-                ppo_eps=self.ppo_eps, cis_lambda=self.cis_lambda, cis_kappa=self.cis_kappa,
-                icepop_low=self.icepop_low, icepop_high=self.icepop_high, replay=self.replay,
-            ),
-            deploy=DeploySettings(temperature=self.temperature, top_p=self.top_p, top_k=self.top_k,
-                                  max_tokens=self.max_tokens, num_top_logprobs=self.num_top_logprobs,
-                                  record_extra_draw=self.record_extra_draw, export_scheme=self.export_scheme),
-            eval=EvalSettings(heldout_size=self.heldout_size, gate_tolerance=self.gate_tolerance, gate_z=self.gate_z),
-            lab=LabSettings(size=self.lab_size, seed=self.lab_seed,
-                            sft_steps=None if self.lab_sft_steps < 0 else self.lab_sft_steps, task=self.lab_task),
-        )
+        flat = self.fields()
+        flat.pop("train_processes")
+        return settings_from_flat(flat)
 
     def setup_for_execution(self, context: InitResourceContext) -> None:
-        self.settings()  # fail before any asset runs
+        check_settings(self.settings())  # fail before any asset runs
 
 
 class MlflowResource(ConfigurableResource):
@@ -154,24 +131,24 @@ def make_resources(settings: dict, store_root: str = "", tracking_uri: str = "",
     ``s3`` optional StoreResource S3 fields (s3_bucket, s3_prefix, s3_endpoint_url, s3_region)."""
     from dagster import PipesSubprocessClient
 
+    settings_from_flat({k: v for k, v in settings.items() if k != "train_processes"})  # unknown names fail here
     res = {
         "settings": ProdRLSettings(**settings),
         "store": StoreResource(root=store_root, **(s3 or {})),
         "mlflow": MlflowResource(tracking_uri=tracking_uri),
         "pipes": PipesSubprocessClient(),
     }
-    res["settings"].settings()  # a bad setting fails at load time, naming the field
+    check_settings(res["settings"].settings(), (s3 or {}).get("s3_endpoint_url") or None)  # fails at load time
     return res
 
 
-def default_resources() -> dict:
-    """Resources from the environment: PRODRL_HOME (default ./.prodrl), PRODRL_SETTINGS_JSON (a JSON
-    object of ProdRLSettings fields), PRODRL_STORE_ROOT, MLFLOW_TRACKING_URI, and for S3
-    PRODRL_S3_BUCKET / PRODRL_S3_PREFIX / PRODRL_S3_ENDPOINT_URL / PRODRL_S3_REGION."""
-    import json
+def resources_from_env(overrides: dict) -> dict:
+    """Resources from ``overrides`` (flat settings) and the stores and tracking URI of the environment
+    (``environment``)."""
+    store = environment.read_store()
+    return make_resources(overrides, store.pop("root"), environment.tracking_uri(), store)
 
-    overrides = json.loads(os.environ.get("PRODRL_SETTINGS_JSON", "{}") or "{}")
-    overrides.setdefault("home", os.environ.get("PRODRL_HOME", ".prodrl"))
-    s3 = {f"s3_{k}": os.environ.get(f"PRODRL_S3_{k.upper()}", "") for k in ("bucket", "prefix", "endpoint_url", "region")}
-    return make_resources(overrides, os.environ.get("PRODRL_STORE_ROOT", ""),
-                          os.environ.get("MLFLOW_TRACKING_URI", ""), s3)
+
+def default_resources() -> dict:
+    """Resources of the code location, all from the environment (``environment.read_settings``)."""
+    return resources_from_env(environment.read_settings())

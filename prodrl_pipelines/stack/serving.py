@@ -24,13 +24,31 @@ from prodrl_pipelines.stack.processes import ManagedProcess
 TOKEN_ENV = "PRODRL_RECORDER_TOKEN"
 
 
+def recorder_store_args(svc, wal_dir: Path) -> list[str]:
+    """The ``prodrl record`` flags naming ``svc``'s trajectory store: ``--store DIR`` for a local
+    store, the ``--s3-*`` flags (and a local ``--wal-dir``) for an S3 one."""
+    from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
+    from prodrl_pipelines.trajectories.s3 import S3BlobStore
+
+    blobs = svc.blobs
+    if isinstance(blobs, LocalBlobStore):
+        return ["--store", str(blobs.root)]
+    if isinstance(blobs, S3BlobStore):
+        return ["--s3-bucket", blobs.bucket, "--s3-prefix", blobs.prefix,
+                "--s3-endpoint-url", blobs.endpoint_url or "", "--s3-region", blobs.region or "",
+                "--wal-dir", str(wal_dir)]
+    raise RuntimeError(f"`prodrl record` writes to a local or S3 trajectory store; got {blobs!r}")
+
+
 class LiveServing:
+    """``services``: a callable returning the round ``Services`` (their registry says what is live)."""
+
     def __init__(self, *, env: dict, home: Path, serve_port: int, record_port: int, token: str,
-                 s3: dict, settings: dict, poll_s: float = 2.0, log=print) -> None:
+                 services, poll_s: float = 2.0, log=print) -> None:
         self.env = {**env, TOKEN_ENV: token}
         self.env.pop("VLLM_API_KEY", None)
         self.home, self.serve_port, self.record_port, self.token = home, serve_port, record_port, token
-        self.s3, self.settings, self.poll_s, self.log = s3, settings, poll_s, log
+        self._services_factory, self.poll_s, self.log = services, poll_s, log
         self.serve: ManagedProcess | None = None
         self.record: ManagedProcess | None = None
         self.version: str | None = None
@@ -52,10 +70,7 @@ class LiveServing:
 
     def _services(self):
         if self._svc is None:
-            from prodrl_pipelines.resources.settings import make_resources, services
-
-            res = make_resources({**self.settings, "home": str(self.home)}, s3=self.s3)
-            self._svc = services(res["settings"], res["store"])
+            self._svc = self._services_factory()
         return self._svc
 
     def start(self) -> "LiveServing":
@@ -93,12 +108,18 @@ class LiveServing:
             self.serve.stop()
         k = svc.settings.deploy.num_top_logprobs
         exe = [sys.executable, "-m", "prodrl_pipelines.cli"]
-        self.serve = ManagedProcess("prodrl serve", exe + [
+        self.serve = None
+        serve = ManagedProcess("prodrl serve", exe + [
             "serve", str(live.export_dir), "--port", str(self.serve_port),
             "--served-model-name", live.policy_version, "--max-logprobs", str(max(k, 20)),
             "--generation-config", "vllm", "--threads", "1", "--max-batch-size", "256"],
             self.env, self.home / "logs" / "serve.log")
-        self.serve.wait_http(f"{self.serve_url}/health", timeout_s=180, cancel=self._stop)
+        try:
+            serve.wait_http(f"{self.serve_url}/health", timeout_s=180, cancel=self._stop)
+        except BaseException:
+            serve.stop()
+            raise
+        self.serve = serve
         self.log(f"deployment: {live.policy_version} serving at {self.serve_url} "
                  f"(switch {time.monotonic() - t0:.1f}s)")
         self.version, self._export_dir = live.policy_version, str(live.export_dir)
@@ -108,16 +129,19 @@ class LiveServing:
     def _start_recorder(self, svc) -> None:
         k = svc.settings.deploy.num_top_logprobs
         exe = [sys.executable, "-m", "prodrl_pipelines.cli"]
-        store = ["--s3-bucket", self.s3["s3_bucket"], "--s3-prefix", self.s3["s3_prefix"],
-                 "--s3-endpoint-url", self.s3["s3_endpoint_url"], "--s3-region", self.s3["s3_region"],
-                 "--wal-dir", str(self.home / "recorder_wal")]
-        self.record = ManagedProcess("prodrl record", exe + [
+        store = recorder_store_args(svc, self.home / "recorder_wal")
+        record = ManagedProcess("prodrl record", exe + [
             "record", "--upstream", self.serve_url, *store, "--port", str(self.record_port),
             "--tokenizer", self._export_dir, "--top-logprobs", str(k), "--upstream-max-logprobs", str(max(k, 20)),
             *(["--record-extra-draw"] if svc.settings.deploy.record_extra_draw else [])],
             self.env, self.home / "logs" / "record.log")
-        self.record.wait_http(f"{self.record_url}/health", timeout_s=120,
-                              headers={"Authorization": f"Bearer {self.token}"}, cancel=self._stop)
+        try:
+            record.wait_http(f"{self.record_url}/health", timeout_s=120,
+                             headers={"Authorization": f"Bearer {self.token}"}, cancel=self._stop)
+        except BaseException:
+            record.stop()
+            raise
+        self.record = record  # listed (stack.json) once it answers
         self.log(f"recorder: {self.record_url}/v1 in front of {self.serve_url}")
 
     def stop(self) -> None:

@@ -32,6 +32,7 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prodrl_pipelines import environment
 from prodrl_pipelines.preflight import PreflightError, check_postgres, redact
 from prodrl_pipelines.stack import s3_snapshot
 from prodrl_pipelines.stack.postgres import prepare_schemas, with_schema
@@ -101,17 +102,17 @@ class Stack:
         s3 = self.urls["s3"]
         os.environ.update(S3_CREDENTIALS)  # this process's own S3 clients (the deployment poller) talk to moto
         s3_store = {"s3_bucket": self.bucket, "s3_prefix": "prodrl", "s3_endpoint_url": s3, "s3_region": "us-east-1"}
+        # live monitoring scores what the deployment really serves
+        self.settings = {"eval_live_endpoint": self.urls["deployment"], **self.settings}
         self._env = {
             **os.environ, **S3_CREDENTIALS,
             "DAGSTER_HOME": str(dh), "DAGSTER_PG_URL": with_schema(self.pg_url, self.schemas["dagster"]),
-            "PRODRL_HOME": str(self.home),
-            "PRODRL_SETTINGS_JSON": json.dumps({**self.settings, "home": str(self.home)}),
-            "PRODRL_SENSOR_INTERVAL_S": str(self.sensor_interval_s),
+            **environment.write(settings={**self.settings, "home": str(self.home)}, store=s3_store,
+                                home=str(self.home)),
+            environment.SENSOR_INTERVAL: str(self.sensor_interval_s),
             "MLFLOW_TRACKING_URI": self.urls["mlflow"], "MLFLOW_UI_URL": self.urls["mlflow"],
             "MLFLOW_S3_ENDPOINT_URL": s3, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
             "PYTHONUNBUFFERED": "1",
-            # trajectories, round documents and published checkpoints/exports on the S3 endpoint
-            **{f"PRODRL_{k.upper()}": v for k, v in s3_store.items()},
         }
         self._env.pop(TOKEN_ENV, None)  # only the deployment's recorder gets it
         self._spawn("s3", [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(self.ports["s3"])]).wait_http(s3)
@@ -129,9 +130,15 @@ class Stack:
                                   "-h", "127.0.0.1", "-p", str(self.ports["dagster"])]
                     ).wait_http(f"{self.urls['dagster']}/server_info", timeout_s=180)
         self._spawn("daemon", [str(BIN / "dagster-daemon"), "run", "-m", "prodrl_pipelines.definitions"])
+        def round_services():
+            from prodrl_pipelines.resources.settings import make_resources, services
+
+            res = make_resources({**self.settings, "home": str(self.home)}, s3=s3_store)
+            return services(res["settings"], res["store"])
+
         self.serving = LiveServing(env=self._env, home=self.home, serve_port=self.ports["deployment"],
-                                   record_port=self.ports["recorder"], token=token, s3=s3_store,
-                                   settings=self.settings, log=self.log).start()
+                                   record_port=self.ports["recorder"], token=token, services=round_services,
+                                   log=self.log).start()
         self.startup_s = time.monotonic() - t0
         self.write_state()
         return self
@@ -223,15 +230,16 @@ def up(home: Path, pg_url: str, settings: dict, schema: str = "prodrl") -> int:
         stack.stop()
         raise
     print(stack.describe(), flush=True)
-    print(f"up in {stack.startup_s:.0f}s. Next: launch the `bootstrap_lab` job in the Dagster UI; send traffic "
+    print(f"up in {stack.startup_s:.0f}s. Next: launch the `bootstrap` job in the Dagster UI; send traffic "
           "with any OpenAI client to the recorder; the data-volume sensor starts rounds. Ctrl-C stops everything.",
           flush=True)
     code = 0
     try:
-        last_version = None
+        last = None
         while all(p.alive() for p in stack.procs):
-            if stack.serving.version != last_version:
-                last_version = stack.serving.version
+            now = (stack.serving.version, tuple(p.pid for p in stack.all_processes()))
+            if now != last:  # a (re)deploy: new version, new pids
+                last = now
                 stack.write_state()
             time.sleep(1)
         dead = [p.name for p in stack.procs if not p.alive()]

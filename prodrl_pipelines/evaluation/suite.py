@@ -1,0 +1,53 @@
+"""The evaluation-suite protocol: what a round needs to know about the user's held-out tasks.
+
+A suite hands out held-out tasks and plays the environment between model calls:
+
+- ``heldout_tasks(n)``: the first ``n`` held-out tasks, always the same ones (the gate pairs the
+  candidate's and the live policy's rewards task by task); each has a ``task_id``;
+- ``initial_messages(task)``: the chat messages of the first model call;
+- ``env_reply(task, turn, content)``: after assistant turn ``turn`` (0-based) answered ``content``,
+  the next message (a user turn, or a ``{"role": "tool", ...}`` result), or None when the episode ends;
+- ``reward(task, assistant_texts)``: the episode's reward (a float; [0, 1] is usual, not required);
+- ``tools``: tool schemas for the chat template (or None); ``name``; ``min_max_tokens``: the
+  smallest ``max_tokens`` an answer fits in (checked against the settings at load time).
+
+Optional: ``calibration_messages(n, seed)``: prompts for W4A4 activation calibration (default:
+the held-out tasks' first messages).
+"""
+
+from __future__ import annotations
+
+from typing import Protocol, runtime_checkable
+
+
+@runtime_checkable
+class EvalSuite(Protocol):
+    name: str
+    tools: tuple[dict, ...] | None
+    min_max_tokens: int
+
+    def heldout_tasks(self, n: int) -> list: ...
+
+    def initial_messages(self, task) -> list[dict]: ...
+
+    def env_reply(self, task, turn: int, content: str) -> dict | None: ...
+
+    def reward(self, task, assistant_texts: list[str]) -> float: ...
+
+
+REQUIRED = ("heldout_tasks", "initial_messages", "env_reply", "reward")
+
+
+def missing_members(obj) -> list[str]:
+    """The protocol members ``obj`` lacks (callables and attributes)."""
+    out = [m for m in REQUIRED if not callable(getattr(obj, m, None))]
+    out += [a for a in ("name",) if not hasattr(obj, a)]
+    return out
+
+
+def calibration_messages(suite, n: int, seed: int) -> list[list[dict]]:
+    """Prompts for activation calibration: the suite's own, else its held-out first messages."""
+    own = getattr(suite, "calibration_messages", None)
+    if callable(own):
+        return list(own(n, seed))
+    return [suite.initial_messages(t) for t in suite.heldout_tasks(n)]
