@@ -59,9 +59,9 @@ def cmd_bootstrap(args) -> int:
 
     res = _resources(args.settings)
     svc = services(res["settings"], res["store"], res["mlflow"])
-    if svc.registry.live() is not None and not args.force:
-        print(f"prodrl: {svc.registry.live().policy_version} is already live in {svc.settings.home_path}; "
-              "round 0 exists (use --force to import the base model again)", file=sys.stderr)
+    if svc.registry.live() is not None:
+        print(f"prodrl: {svc.registry.live().policy_version} is already live in {svc.settings.home_path}: round 0 "
+              "exists (a new base model starts a new home)", file=sys.stderr)
         return 1
     out = rounds.bootstrap(svc)
     print(json.dumps({k: v for k, v in out.items() if k != "export"}, indent=1, default=str))
@@ -97,7 +97,6 @@ def build_parser() -> argparse.ArgumentParser:
     c.set_defaults(fn=cmd_check_settings)
     b = sub.add_parser("bootstrap", help="import the base model as round-000000, evaluate it and make it live")
     b.add_argument("--settings", required=True, help="JSON or YAML file of ProdRLSettings fields")
-    b.add_argument("--force", action="store_true", help="bootstrap again even if a policy is live")
     b.set_defaults(fn=cmd_bootstrap)
     e = sub.add_parser("eval", help="held-out reward of a policy version on the evaluation suite (JSON)")
     e.add_argument("--settings", required=True, help="JSON or YAML file of ProdRLSettings fields")
@@ -127,11 +126,12 @@ def main(argv: list[str] | None = None) -> int:
     from prodrl_pipelines.evaluation import SuiteError
     from prodrl_pipelines.model_source import ModelSourceError
     from prodrl_pipelines.preflight import PreflightError
+    from prodrl_pipelines.rounds import RoundError
     from prodrl_pipelines.settings import SettingsFileError
 
     try:
         return args.fn(args)
-    except (PreflightError, SuiteError, ModelSourceError, SettingsFileError) as e:
+    except (PreflightError, SuiteError, ModelSourceError, SettingsFileError, RoundError) as e:
         print(f"prodrl: {e}", file=sys.stderr)
         return 2
 

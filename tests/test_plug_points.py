@@ -150,6 +150,8 @@ def _copy(src, dst):
 def test_a_base_model_is_imported_validated_and_copied(their_model, tmp_path):
     facts = import_base_model(str(their_model), tmp_path / "ckpt" / "round-000000")
     assert facts["source"] == "directory" and facts["architectures"] == ["Qwen3ForCausalLM"]
+    moe = import_base_model(str(build_model(tmp_path / "their_moe", moe=True)), tmp_path / "moe" / "round-000000")
+    assert moe["architectures"] == ["Qwen3MoeForCausalLM"] and moe["smoke_text"]
     assert facts["smoke_text"] is not None and facts["tokenizer_size"] <= facts["vocab_size"]
     assert (tmp_path / "ckpt" / "round-000000" / "model.safetensors").exists()
     assert not list((tmp_path / "ckpt").glob(".*"))  # no staging left behind
@@ -239,3 +241,45 @@ def test_check_settings_prints_the_resolved_settings_or_names_the_field(tmp_path
     bad.write_text(json.dumps({"no_such_field": 1}))
     out = _cli("check-settings", str(bad))
     assert out.returncode == 1 and "no_such_field" in out.stderr
+
+
+def test_make_up_runs_the_demo_recipe():
+    from prodrl_pipelines.lab.demo import DEMO_SETTINGS
+
+    from conftest import REPO
+
+    assert json.loads((REPO / "examples" / "lab-demo.json").read_text()) == DEMO_SETTINGS
+    assert "--settings examples/lab-demo.json" in (REPO / "Makefile").read_text()
+
+
+def test_python_chess_is_only_needed_for_the_chess_task():
+    code = ("import sys; sys.modules['chess'] = None\n"
+            "from prodrl_pipelines.lab.tasks import TASKS, get_task\n"
+            "assert get_task('arithmetic').name == 'arithmetic' and set(TASKS) == {'arithmetic', 'chess'}\n"
+            "try:\n    get_task('chess')\nexcept ValueError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "needs python-chess" in out.stdout and "prodrl_pipelines[lab]" in out.stdout
+
+
+def test_prodrl_bootstrap_then_eval_from_the_command_line(their_model, user_pkg, tmp_path):
+    f = tmp_path / "mine.json"
+    f.write_text(json.dumps({"home": "home", "base_model": str(their_model), **user_pkg, "heldout_size": 5,
+                             "max_tokens": 4}))
+    env = {**__import__("os").environ, "PYTHONPATH": str(tmp_path / "user")}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    out = _cli("bootstrap", "--settings", str(f), env=env)
+    assert out.returncode == 0, out.stderr
+    boot = json.loads(out.stdout)
+    assert boot["source"] == "directory" and boot["reward_errors"] == 1 and boot["model_version"] == "1"
+    assert (tmp_path / "home" / "exports" / "round-000000" / "config.json").exists()
+    again = _cli("bootstrap", "--settings", str(f), env=env)
+    assert again.returncode == 1 and "already live" in again.stderr
+    ev = _cli("eval", "--settings", str(f), env=env)
+    assert ev.returncode == 0, ev.stderr
+    got = json.loads(ev.stdout)
+    assert (got["policy_version"], got["num_tasks"], got["reward_errors"]) == ("round-000000", 5, 1)
+    assert got["mean"] == boot["heldout_reward"]  # the same seeded evaluation
+    missing = _cli("eval", "--settings", str(f), "--policy", "round-000009", env=env)
+    assert missing.returncode == 2 and "no export of 'round-000009'" in missing.stderr
+    assert "Traceback" not in missing.stderr

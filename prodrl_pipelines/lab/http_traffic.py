@@ -37,7 +37,6 @@ import os
 import random
 import secrets
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -49,6 +48,7 @@ import httpx
 
 from prodrl_pipelines.engines.types import CallRecord, SamplingParams
 from prodrl_pipelines.engines.vllm_client import VLLMClient
+from prodrl_pipelines.stack.processes import pick_port, tail
 from prodrl_pipelines.stack.serving import recorder_store_args
 from prodrl_pipelines.lab.episodes import assistant_content, run_episodes, stop_token_ids
 from prodrl_pipelines.lab.tasks import ARITHMETIC, get_task
@@ -57,19 +57,6 @@ __all__ = ["LabDeployment", "served_deployment", "simulate_traffic_http", "TRAFF
 
 TRAFFIC_ENV = "PRODRL_LAB_TRAFFIC"  # "http" (default in the demo) or "in_process"
 SOURCE = "lab/arithmetic"
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def _tail(path: Path, n: int = 30) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
 
 
 def _store_args(svc, wal_dir: Path) -> list[str]:
@@ -102,14 +89,14 @@ class _Proc:
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
-                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{_tail(self.log)}")
+                raise RuntimeError(f"{self.name} exited with {self.proc.returncode}:\n{tail(self.log, 30)}")
             try:
                 if httpx.get(url, headers=headers, timeout=2).status_code == 200:
                     return
             except httpx.HTTPError:
                 pass
             time.sleep(0.1)
-        raise RuntimeError(f"{self.name} did not answer {url} within {timeout_s:.0f}s:\n{_tail(self.log)}")
+        raise RuntimeError(f"{self.name} did not answer {url} within {timeout_s:.0f}s:\n{tail(self.log, 30)}")
 
     def stop(self, timeout_s: float = 60.0) -> None:
         if self.proc.poll() is None:
@@ -179,7 +166,7 @@ class LabDeployment:
         env = {**os.environ, "PRODRL_RECORDER_TOKEN": self.token, "PYTHONUNBUFFERED": "1"}
         env.pop("VLLM_API_KEY", None)
         env.pop("PRODRL_UPSTREAM_API_KEY", None)
-        sp, rp = _free_port(), _free_port()
+        sp, rp = pick_port(), pick_port()
         exe = [sys.executable, "-m", "prodrl_pipelines.cli"]
         try:
             serve = _Proc("prodrl serve", exe + [

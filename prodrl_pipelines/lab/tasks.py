@@ -8,9 +8,10 @@ The arithmetic entry is the original module's functions unchanged (the demo's nu
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from collections.abc import Mapping
 from typing import Callable
 
-from prodrl_pipelines.lab import arithmetic, chess_env
+from prodrl_pipelines.lab import arithmetic
 
 
 @dataclass(frozen=True)
@@ -57,32 +58,63 @@ ARITHMETIC = TaskEnv(
     reward_source="lab/arithmetic",
 )
 
-CHESS = TaskEnv(
-    name="chess",
-    generate_tasks=chess_env.generate_tasks,
-    heldout_tasks=chess_env.heldout_tasks,
-    initial_messages=chess_env.initial_messages,
-    env_reply=chess_env.env_reply,
-    reward=chess_env.reward,
-    reference_messages=chess_env.reference_messages,
-    noisy_messages=chess_env.noisy_messages,
-    corpus_text=chess_env.corpus_text,
-    reward_source="lab/chess",
-    min_max_tokens=chess_env.MIN_MAX_TOKENS,
-    tokenizer_vocab_size=192,
-    # the pool is 4096 puzzles (chess_puzzles.TRAIN_CHUNKS x CHUNK); "tiny" needs one cached chunk
-    sft={"tiny": dict(n_tasks=64), "demo": dict(n_tasks=2048, format_noise=0.2)},
-    tools=(chess_env.MOVE_TOOL,),
-)
+def _chess() -> TaskEnv:
+    # python-chess is the `lab` extra: only the chess task needs it
+    try:
+        from prodrl_pipelines.lab import chess_env
+    except ImportError as e:
+        raise ValueError(f"lab task 'chess' needs python-chess ({e}): pip install 'prodrl_pipelines[lab]'") from None
+    return TaskEnv(
+        name="chess",
+        generate_tasks=chess_env.generate_tasks,
+        heldout_tasks=chess_env.heldout_tasks,
+        initial_messages=chess_env.initial_messages,
+        env_reply=chess_env.env_reply,
+        reward=chess_env.reward,
+        reference_messages=chess_env.reference_messages,
+        noisy_messages=chess_env.noisy_messages,
+        corpus_text=chess_env.corpus_text,
+        reward_source="lab/chess",
+        min_max_tokens=chess_env.MIN_MAX_TOKENS,
+        tokenizer_vocab_size=192,
+        # the pool is 4096 puzzles (chess_puzzles.TRAIN_CHUNKS x CHUNK); "tiny" needs one cached chunk
+        sft={"tiny": dict(n_tasks=64), "demo": dict(n_tasks=2048, format_noise=0.2)},
+        tools=(chess_env.MOVE_TOOL,),
+    )
 
-TASKS: dict[str, TaskEnv] = {t.name: t for t in (ARITHMETIC, CHESS)}
+
+_FACTORIES: dict[str, Callable[[], TaskEnv]] = {"arithmetic": lambda: ARITHMETIC, "chess": _chess}
+_BUILT: dict[str, TaskEnv] = {}
+
+
+class _Tasks(Mapping):
+    """Task name -> ``TaskEnv``, each built on first use."""
+
+    def __getitem__(self, name: str) -> TaskEnv:
+        if name not in _BUILT:
+            _BUILT[name] = _FACTORIES[name]()
+        return _BUILT[name]
+
+    def __iter__(self):
+        return iter(_FACTORIES)
+
+    def __len__(self) -> int:
+        return len(_FACTORIES)
+
+
+TASKS: Mapping[str, TaskEnv] = _Tasks()
+
+
+def __getattr__(name: str):
+    if name == "CHESS":
+        return TASKS["chess"]
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def get_task(name: str | TaskEnv) -> TaskEnv:
     """The task environment called ``name`` (a ``TaskEnv`` passes through)."""
     if isinstance(name, TaskEnv):
         return name
-    try:
-        return TASKS[name]
-    except KeyError:
-        raise ValueError(f"unknown lab task {name!r}; valid tasks: {', '.join(sorted(TASKS))}") from None
+    if name not in _FACTORIES:
+        raise ValueError(f"unknown lab task {name!r}; valid tasks: {', '.join(sorted(TASKS))}")
+    return TASKS[name]
