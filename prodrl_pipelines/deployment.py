@@ -1,17 +1,17 @@
 """Which policy is live, in what order versions were deployed, and each round's decisions.
 
-Small JSON documents on the same blob store as the trajectories, so the sensor, the assets and
-the demo all read one source of truth:
-  deploy/live.json                the live deployment
-  deploy/history.json             deployed policy versions, oldest first (for max_policy_lag)
-  rounds/<round>/decision.json    the gate decision of a round (its presence = round finished)
-  evals/<policy_version>.json     held-out rewards per task of a policy (reused as "live" later)
+Small JSON documents on the same blob store as the trajectories (keys: ``keys``), so the sensor,
+the assets and the demo all read one source of truth: the live deployment, the deployed versions
+oldest first (for max_policy_lag), each round's gate decision (its presence = round finished) and
+summary, and the held-out rewards per task of each policy (reused as "live" later).
 """
 
 from __future__ import annotations
 
 from dataclasses import asdict, dataclass
 from datetime import datetime, timezone
+
+from prodrl_pipelines import keys
 
 BASE_VERSION = "round-000000"
 
@@ -49,7 +49,7 @@ class DeploymentRegistry:
         self._docs.put_json(key, obj)
 
     def live(self) -> LiveDeployment | None:
-        raw = self._get("deploy/live.json")
+        raw = self._get(keys.LIVE)
         return LiveDeployment(**raw) if raw else None
 
     def deploy(self, dep: LiveDeployment) -> None:
@@ -57,34 +57,34 @@ class DeploymentRegistry:
         history = self.version_order()
         if dep.policy_version not in history:
             history.append(dep.policy_version)
-            self._put("deploy/history.json", history)
-        self._put("deploy/live.json", asdict(dep))
+            self._put(keys.HISTORY, history)
+        self._put(keys.LIVE, asdict(dep))
 
     def version_order(self) -> list[str]:
-        return list(self._get("deploy/history.json", []))
+        return list(self._get(keys.HISTORY, []))
 
     def record_decision(self, rkey: str, decision: dict) -> None:
-        self._put(f"rounds/{rkey}/decision.json", decision)
+        self._put(keys.decision(rkey), decision)
 
     def decision(self, rkey: str) -> dict | None:
-        return self._get(f"rounds/{rkey}/decision.json")
+        return self._get(keys.decision(rkey))
 
     def update_round(self, rkey: str, **fields) -> dict:
         """Merge fields into the round's summary document."""
-        cur = self._get(f"rounds/{rkey}/summary.json", {"round": round_index(rkey)})
+        cur = self._get(keys.summary(rkey), {"round": round_index(rkey)})
         cur.update(fields)
-        self._put(f"rounds/{rkey}/summary.json", cur)
+        self._put(keys.summary(rkey), cur)
         return cur
 
     def round_summary(self, rkey: str) -> dict:
-        return self._get(f"rounds/{rkey}/summary.json", {"round": round_index(rkey)})
+        return self._get(keys.summary(rkey), {"round": round_index(rkey)})
 
     def round_summaries(self) -> list[dict]:
-        keys = [k for k in self.blobs.list("rounds/") if k.endswith("/summary.json")]
-        return sorted((self._get(k) for k in keys), key=lambda d: d["round"])
+        docs = [k for k in self.blobs.list(keys.ROUNDS) if k.endswith("/summary.json")]
+        return sorted((self._get(k) for k in docs), key=lambda d: d["round"])
 
     def record_eval(self, policy_version: str, payload: dict) -> None:
-        self._put(f"evals/{policy_version}.json", payload)
+        self._put(keys.policy_eval(policy_version), payload)
 
     def eval(self, policy_version: str) -> dict | None:
-        return self._get(f"evals/{policy_version}.json")
+        return self._get(keys.policy_eval(policy_version))

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import json
-import shutil
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -18,8 +17,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.parquet as pq
 
+from prodrl_pipelines import keys
 from prodrl_pipelines.deployment import BASE_VERSION, DeploymentRegistry, LiveDeployment, round_index
-from prodrl_pipelines.gate import GateDecision, decide, mean_confidence_interval
+from prodrl_pipelines.gate import GateDecision, decide
 from prodrl_pipelines.settings import Settings
 from prodrl_pipelines.tracking import Lineage
 
@@ -192,7 +192,7 @@ def select_data(svc: Services, rkey: str) -> dict:
 
         ds, rstats = retokenize_calls(ds, AutoTokenizer.from_pretrained(live.checkpoint_dir))
         replay_stats.update(rstats.as_dict())
-    _put_table(svc.blobs, f"rounds/{rkey}/dataset.parquet", ds)
+    _put_table(svc.blobs, keys.dataset(rkey), ds)
     rewards = np.asarray(ds.group_by("trajectory_id").aggregate([("reward", "max")])["reward_max"])
     versions = sorted(set(ds["policy_version"].to_pylist()))
     gen_tokens = int(sum(len(x) for x in ds["output_token_ids"].to_pylist()))
@@ -216,7 +216,7 @@ def build_batch(svc: Services, rkey: str) -> dict:
     from prodrl_pipelines.rl.trainer import plan_minibatches, round_advantages
 
     s, live = svc.settings, svc.live()
-    trajs = trajectories_from_table(_get_table(svc.blobs, f"rounds/{rkey}/dataset.parquet"))
+    trajs = trajectories_from_table(_get_table(svc.blobs, keys.dataset(rkey)))
     state = load_trainer_state(Path(live.checkpoint_dir))
     adv = round_advantages(trajs, s.recipe, state)
     plan = plan_minibatches(trajs, s.recipe, round_seed(s, rkey))
@@ -227,7 +227,7 @@ def build_batch(svc: Services, rkey: str) -> dict:
         "baseline_state": asdict(state.baseline),
         "recipe": s.recipe.model_dump(),
     }
-    svc.store.put_json(f"rounds/{rkey}/batch.json", batch)
+    svc.store.put_json(keys.batch(rkey), batch)
     nz = float(np.mean(adv != 0))
     return {
         "steps": len(plan), "batch_size": s.recipe.batch_size, "baseline": s.recipe.baseline,
@@ -249,8 +249,8 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
     from prodrl_pipelines.rl.trainer import build_optimizer, train_round
 
     s, live = svc.settings, svc.live()
-    batch = _get_json(svc, f"rounds/{rkey}/batch.json")
-    trajs = {t.trajectory_id: t for t in trajectories_from_table(_get_table(svc.blobs, f"rounds/{rkey}/dataset.parquet"))}
+    batch = _get_json(svc, keys.batch(rkey))
+    trajs = {t.trajectory_id: t for t in trajectories_from_table(_get_table(svc.blobs, keys.dataset(rkey)))}
     trajs = [trajs[i] for i in batch["trajectory_ids"]]
     model, tokenizer = load_policy(Path(live.checkpoint_dir), dtype=torch.float32)
     state = load_trainer_state(Path(live.checkpoint_dir))
@@ -281,7 +281,7 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
         save_checkpoint(out, model, tokenizer, opt, state)
         if out_dir is None:  # the round's own checkpoint (not a worker's scratch copy)
             publish_checkpoint(svc, rkey, out)
-        svc.store.put_json(f"rounds/{rkey}/train_steps.json", res.steps)
+        svc.store.put_json(keys.train_steps(rkey), res.steps)
         svc.registry.update_round(rkey, mismatch_abs_logp=res.mismatch_abs_logp, trained_from=live.policy_version,
                                   train_processes=world_size)
     resume.unlink(missing_ok=True)  # the round's checkpoint is complete
@@ -301,9 +301,9 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
 def training_history(svc: Services) -> tuple[list[dict], list[int]]:
     """Every trained step of every round so far, in order, and the index where each round starts."""
     steps, starts = [], []
-    for key in sorted(k.split("/")[1] for k in svc.blobs.list("rounds/") if k.endswith("/train_steps.json")):
+    for key in sorted(k.split("/")[1] for k in svc.blobs.list(keys.ROUNDS) if k.endswith("/train_steps.json")):
         starts.append(len(steps))
-        steps += [m for m in _get_json(svc, f"rounds/{key}/train_steps.json") if not m.get("skipped")]
+        steps += [m for m in _get_json(svc, keys.train_steps(key)) if not m.get("skipped")]
     return steps, starts
 
 
@@ -313,7 +313,7 @@ SMOKE_PROMPTS = 4
 
 def _calibration_prompts(svc: Services, rkey: str | None, n: int = 64) -> list[list[int]]:
     """Recorded prompts of the round (its selected traffic), else the suite's prompts (round 0)."""
-    key = f"rounds/{rkey}/dataset.parquet" if rkey else None
+    key = keys.dataset(rkey) if rkey else None
     if key and svc.blobs.exists(key):
         seen, out = set(), []
         for p in _get_table(svc.blobs, key)["prompt_token_ids"].to_pylist():
@@ -338,7 +338,7 @@ def export_smoke(settings: Settings, export_dir: Path, suite) -> dict:
     from transformers import AutoTokenizer
 
     from prodrl_pipelines.evaluation.episodes import render_prompt, stop_token_ids
-    from prodrl_pipelines.quant.export import smoke_generate
+    from prodrl_pipelines.evaluation.smoke import smoke_generate
 
     try:
         tok = AutoTokenizer.from_pretrained(export_dir)
@@ -406,7 +406,7 @@ def _evaluate_endpoint(svc: Services, endpoint: str, export_dir: Path, policy_ve
 
 
 def evaluate(svc: Services, rkey: str) -> dict:
-    s, live = svc.settings, svc.live()
+    live = svc.live()
     export_dir = ensure_local(svc, "exports", rkey)
     cand, smoke_error = None, ""
     try:
@@ -420,7 +420,7 @@ def evaluate(svc: Services, rkey: str) -> dict:
     if cand is not None:
         svc.registry.record_eval(rkey, cand)
     result = {"candidate": cand, "live": live_eval, "smoke_error": smoke_error, "live_version": live.policy_version}
-    svc.store.put_json(f"rounds/{rkey}/heldout.json", result)
+    svc.store.put_json(keys.heldout(rkey), result)
     if cand is not None:
         svc.registry.update_round(rkey, heldout_reward=cand["mean"], heldout_reward_ci=cand["ci95"],
                                   live_heldout_reward=live_eval["mean"])
@@ -432,7 +432,7 @@ def gate(svc: Services, rkey: str) -> GateDecision:
     from prodrl_pipelines.quant.export import export_nonfinite
 
     s = svc.settings
-    ev = _get_json(svc, f"rounds/{rkey}/heldout.json")
+    ev = _get_json(svc, keys.heldout(rkey))
     nonfinite = export_nonfinite(ensure_local(svc, "exports", rkey))  # packed NVFP4 weights checked dequantized
     cand = ev["candidate"]
     live = ev["live"]

@@ -115,9 +115,10 @@ class SettingsFileError(ValueError):
 
 
 def load_settings_file(path: str | Path) -> dict:
-    """Flat ``ProdRLSettings`` fields from a JSON or YAML file. A relative ``home`` resolves against the
-    file's directory (a copied settings file never writes into the original's home); a file without
-    ``home`` leaves it to ``PRODRL_HOME`` (default ``./.prodrl``)."""
+    """Flat settings from a JSON or YAML file. A relative ``home`` resolves against the file's directory
+    (a copied settings file never writes into the original's home), and so do relative local paths
+    of ``base_model`` and ``eval_suite``; a file without ``home`` leaves it to ``PRODRL_HOME``
+    (default ``./.prodrl``)."""
     import json
     import os
 
@@ -137,11 +138,17 @@ def load_settings_file(path: str | Path) -> dict:
     if not isinstance(data, dict):
         raise SettingsFileError(f"settings file {str(path)!r} must hold an object of settings fields, "
                                 f"got {type(data).__name__}")
+    here = p.resolve().parent
     home = data.get("home")
     if isinstance(home, str) and home and not Path(home).expanduser().is_absolute():
-        data["home"] = str((p.resolve().parent / home).resolve())
+        data["home"] = str((here / home).resolve())
     elif home is None:
         data["home"] = os.environ.get("PRODRL_HOME", ".prodrl")
+    for key in ("base_model", "eval_suite"):  # local paths (not s3://, not a source name) are relative to the file
+        v = data.get(key)
+        if (isinstance(v, str) and "://" not in v and not Path(v).expanduser().is_absolute()
+                and ("/" in v or v.endswith(".jsonl"))):
+            data[key] = str((here / v).resolve())
     return data
 
 
@@ -189,7 +196,19 @@ def settings_from_flat(flat: dict) -> Settings:
             nested[name] = value
         else:
             nested.setdefault(section, {})[name] = value
-    return Settings(**nested)
+    from pydantic import ValidationError
+
+    try:
+        return Settings(**nested)
+    except ValidationError as e:  # report the flat names the user wrote, not the nested location
+        flat_of = {v: k for k, v in table.items()}
+        problems = []
+        for err in e.errors():
+            loc = tuple(str(x) for x in err["loc"])
+            where = (flat_of.get((loc[0], loc[1])) if len(loc) >= 2 else flat_of.get((None, loc[0])) if loc else None)
+            msg = err["msg"].removeprefix("Value error, ")
+            problems.append(f"{where or '.'.join(loc) or 'settings'}: {msg}")
+        raise ValueError("; ".join(problems)) from None
 
 
 def settings_to_flat(settings: Settings) -> dict:

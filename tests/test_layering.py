@@ -60,3 +60,10 @@ def test_the_lab_plugs_in_through_entry_points():
               "prodrl_pipelines.cli")
     for g in groups:
         assert any(ep.value.startswith("prodrl_pipelines.lab.") for ep in entry_points(group=g)), g
+
+
+def test_quant_depends_on_neither_engines_nor_training():
+    bad = {str(rel): _hits(imps, "prodrl_pipelines.engines") + _hits(imps, "prodrl_pipelines.rl")
+           for rel, imps in _modules() if rel.parts[0] == "quant"
+           and (_hits(imps, "prodrl_pipelines.engines") or _hits(imps, "prodrl_pipelines.rl"))}
+    assert not bad, bad

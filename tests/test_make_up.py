@@ -246,7 +246,8 @@ def _loop_and_restart(home, tmp_path, fresh_database, started):
     gql = DagsterGraphQLClient("127.0.0.1", port_number=int(urls["dagster"].rsplit(":", 1)[1]))
     assert _round_succeeded(gql, 1)
     live = "round-000001" if deployed_1 else "round-000000"
-    up.wait(lambda: up.current_state()["deployed_version"] == live, f"the deployment of {live} after the restart")
+    up.wait(lambda: up.current_state()["deployed_version"] == live and "prodrl record" in up.current_state()["pids"],
+            f"the deployment of {live} after the restart")
     again = _mlflow(urls["mlflow"], "registered-models/alias", name="prodrl-policy", alias="challenger")["model_version"]
     assert again["version"] == challenger["version"]
     model, _ = _play(urls["recorder"], token, 1024, seed=2)

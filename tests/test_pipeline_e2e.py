@@ -125,12 +125,12 @@ def test_two_rounds_on_postgres(tmp_path, pg_instance):
 
 
 def test_bad_settings_fail_before_work(tmp_path):
-    from pydantic import ValidationError
-
-    with pytest.raises(ValidationError, match="correction"):
+    with pytest.raises(ValueError, match="correction: unknown correction 'magic'"):
         make_resources({"home": str(tmp_path), "correction": "magic"})
-    with pytest.raises(ValidationError, match="batch_size"):
+    with pytest.raises(ValueError, match="batch_size: Input should be greater than or equal to 2"):
         make_resources({"home": str(tmp_path), "batch_size": 0})
+    with pytest.raises(ValueError, match="unknown setting 'batchsize'"):
+        make_resources({"home": str(tmp_path), "batchsize": 4})
 
 
 def test_round_without_enough_data_names_the_setting(tmp_path, pg_instance):

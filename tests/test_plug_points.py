@@ -7,7 +7,6 @@ import sys
 from dataclasses import dataclass
 
 import pytest
-import torch
 from safetensors.torch import load_file, save_file
 
 from prodrl_pipelines.engines.types import CallRecord
@@ -283,3 +282,29 @@ def test_prodrl_bootstrap_then_eval_from_the_command_line(their_model, user_pkg,
     missing = _cli("eval", "--settings", str(f), "--policy", "round-000009", env=env)
     assert missing.returncode == 2 and "no export of 'round-000009'" in missing.stderr
     assert "Traceback" not in missing.stderr
+
+
+def test_the_readme_example_works_as_written(tmp_path):
+    """README "Use it with your own model": the same commands, on a copy of examples/own_model."""
+    from conftest import REPO
+
+    shutil.copytree(REPO / "examples" / "own_model", tmp_path / "examples" / "own_model",
+                    ignore=shutil.ignore_patterns("__pycache__"))
+    env = {**__import__("os").environ, "PYTHONPATH": "examples/own_model"}
+    env.pop("MLFLOW_TRACKING_URI", None)
+    settings = "examples/own_model/settings.yaml"
+
+    def run(*cmd):
+        out = subprocess.run(list(cmd), cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+        assert out.returncode == 0, (cmd, out.stderr[-2000:])
+        return out.stdout
+
+    run(sys.executable, "examples/own_model/build_model.py", "runs/their-qwen3")
+    resolved = json.loads(run(sys.executable, "-m", "prodrl_pipelines.cli", "check-settings", settings))
+    assert resolved["base_model"] == str(tmp_path / "runs" / "their-qwen3")
+    assert resolved["eval"]["suite"] == str(tmp_path / "examples" / "own_model" / "heldout.jsonl")
+    boot = json.loads(run(sys.executable, "-m", "prodrl_pipelines.cli", "bootstrap", "--settings", settings))
+    assert boot["source"] == "directory" and boot["reward_errors"] == 0
+    ev = json.loads(run(sys.executable, "-m", "prodrl_pipelines.cli", "eval", "--settings", settings))
+    assert ev["num_tasks"] == 16 and ev["policy_version"] == "round-000000"
+    assert (tmp_path / "runs" / "own-model" / "exports" / "round-000000" / "config.json").exists()

@@ -46,6 +46,7 @@ from pathlib import Path
 
 import httpx
 
+from prodrl_pipelines import keys
 from prodrl_pipelines.engines.types import CallRecord, SamplingParams
 from prodrl_pipelines.engines.vllm_client import VLLMClient
 from prodrl_pipelines.stack.processes import pick_port, tail
@@ -283,7 +284,7 @@ def simulate_traffic_http(svc, n_episodes: int, deployment: LabDeployment | None
     dep = deployment.ensure(svc)
     live = svc.live()
     blobs = svc.blobs
-    key = "traffic/batches.json"
+    key = keys.TRAFFIC_BATCHES
     batches = json.loads(blobs.get_bytes(key)) if blobs.exists(key) else []
     seed = svc.settings.lab.seed * 7_919 + 104_729 * (len(batches) + 1)
     tok = dep.tokenizer

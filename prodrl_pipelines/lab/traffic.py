@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 
+from prodrl_pipelines import keys
 from prodrl_pipelines.engines.local import LocalEngine
 from prodrl_pipelines.lab.episodes import run_episodes, stop_token_ids
 from prodrl_pipelines.lab.tasks import get_task
@@ -24,7 +25,7 @@ def simulate_traffic(svc, n_episodes: int, via: str = "in_process", deployment=N
         raise ValueError(f"via must be 'http' or 'in_process', got {via!r}")
     live = svc.live()
     blobs = svc.blobs
-    key = "traffic/batches.json"
+    key = keys.TRAFFIC_BATCHES
     batches = json.loads(blobs.get_bytes(key)) if blobs.exists(key) else []
     seed = svc.settings.lab.seed * 7_919 + 104_729 * (len(batches) + 1)
     engine = LocalEngine.from_pretrained(live.export_dir)

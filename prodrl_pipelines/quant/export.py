@@ -20,7 +20,6 @@ from __future__ import annotations
 
 import io
 import json
-import math
 import re
 import shutil
 from collections import defaultdict
@@ -30,12 +29,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from prodrl_pipelines.atomic import atomic_directory
 from prodrl_pipelines.quant import nvfp4
 from prodrl_pipelines.quant.nvfp4 import NVFP4Error
-from prodrl_pipelines.rl.checkpoint import atomic_directory
 
 __all__ = ["SCHEMES", "ExportError", "NonFiniteWeightsError", "export_policy", "export_nonfinite",
-           "layer_error_png", "layer_error_markdown", "smoke_generate"]
+           "layer_error_png", "layer_error_markdown"]
 
 SCHEMES = ("nvfp4-w4a16", "nvfp4-w4a4", "bf16")
 MARKER = "prodrl_export.json"
@@ -344,18 +343,3 @@ def layer_error_png(rows: list[dict]) -> bytes:
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
     plt.close(fig)
     return buf.getvalue()
-
-
-def smoke_generate(export_dir: str | PathLike, prompts: list[list[int]], params, seed: int = 0) -> list[dict]:
-    """Load the export as the deployment does (LocalEngine) and generate on ``prompts``."""
-    from prodrl_pipelines.engines.local import LocalEngine
-
-    engine = LocalEngine.from_pretrained(export_dir)
-    recs = engine.generate(prompts, params, seed=seed)
-    out = []
-    for p, r in zip(prompts, recs):
-        lp = r.output_logprobs
-        out.append({"prompt": engine.tokenizer.decode(p, skip_special_tokens=False) if engine.tokenizer else "",
-                    "output": r.output_text, "mean_logprob": sum(lp) / len(lp) if lp else float("nan"),
-                    "finite": all(math.isfinite(x) for x in lp)})
-    return out

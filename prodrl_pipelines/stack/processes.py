@@ -13,6 +13,8 @@ from pathlib import Path
 
 def port_free(port: int) -> bool:
     with socket.socket() as s:
+        # as the servers bind: connections of a stopped server in TIME_WAIT do not block the port
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind(("127.0.0.1", port))
         except OSError:

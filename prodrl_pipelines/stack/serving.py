@@ -12,7 +12,6 @@ recorded for them.
 
 from __future__ import annotations
 
-import os
 import sys
 import threading
 import time
