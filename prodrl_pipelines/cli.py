@@ -54,7 +54,7 @@ def cmd_check_settings(args) -> int:
 
 
 def cmd_bootstrap(args) -> int:
-    from prodrl_pipelines import rounds
+    from prodrl_pipelines import bootstrap
     from prodrl_pipelines.resources.settings import services
 
     res = _resources(args.settings)
@@ -63,7 +63,7 @@ def cmd_bootstrap(args) -> int:
         print(f"prodrl: {svc.registry.live().policy_version} is already live in {svc.settings.home_path}: round 0 "
               "exists (a new base model starts a new home)", file=sys.stderr)
         return 1
-    out = rounds.bootstrap(svc)
+    out = bootstrap.bootstrap(svc)
     print(json.dumps({k: v for k, v in out.items() if k != "export"}, indent=1, default=str))
     return 0
 

@@ -9,6 +9,7 @@ import random
 import chess
 import pytest
 
+from prodrl_pipelines import bootstrap
 from prodrl_pipelines.engines.types import CallRecord, SamplingParams
 from prodrl_pipelines.lab import arithmetic, chess_env, chess_puzzles
 from prodrl_pipelines.lab.chess_env import MIN_MAX_TOKENS, MoveError, parse_move, parse_tool_call, tool_call
@@ -381,7 +382,7 @@ def test_chess_lab_bootstrap_and_traffic_over_prodrl_serve(tmp_path):
     res = make_resources({"home": str(tmp_path / "home"), "lab_task": "chess", "lab_size": "tiny", "lab_sft_steps": 3,
                           "heldout_size": 4, "max_tokens": MIN_MAX_TOKENS, "steps_per_round": 1, "batch_size": 4})
     svc = services(res["settings"], res["store"])
-    boot = rounds.bootstrap_base_policy(svc, progress=False)
+    boot = bootstrap.bootstrap_base_policy(svc, progress=False)
     ev = svc.registry.eval("round-000000")
     assert ev["task_ids"] == [p.task_id for p in chess_puzzles.heldout_puzzles(4)]
     assert 0.0 <= boot["heldout_reward"] <= 1.0

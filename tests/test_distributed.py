@@ -8,6 +8,7 @@ import torch
 from dagster import materialize
 from safetensors.torch import load_file
 
+from prodrl_pipelines import bootstrap
 from prodrl_pipelines import rounds
 from prodrl_pipelines.assets.round import recorded_trajectories, trained_checkpoint, training_batch
 from prodrl_pipelines.lab.traffic import simulate_traffic
@@ -20,7 +21,7 @@ TINY = {"lab_size": "tiny", "lab_sft_steps": 5, "steps_per_round": 2, "batch_siz
 def test_two_rank_torchrun_matches_single_process(tmp_path, pg_instance):
     res = make_resources({**TINY, "home": str(tmp_path / "home"), "train_processes": 2})
     svc = services(res["settings"], res["store"])
-    rounds.bootstrap_base_policy(svc, progress=False)
+    bootstrap.bootstrap_base_policy(svc, progress=False)
     simulate_traffic(svc, 8)
     # graded rewards so every step has signal (the tiny model solves nothing)
     ids = sorted(set(svc.store.read_calls()["trajectory_id"].to_pylist()))

@@ -4,6 +4,7 @@ the round uses from the in-process path."""
 import numpy as np
 import pytest
 
+from prodrl_pipelines import bootstrap
 from prodrl_pipelines import rounds
 from prodrl_pipelines.engines.local import LocalEngine
 from prodrl_pipelines.engines.vllm_client import request_seed
@@ -37,7 +38,7 @@ def _by_key(rows):
 def test_http_traffic_records_what_the_engine_generates(tmp_path):
     res = make_resources({**TINY, "home": str(tmp_path / "home")})
     svc = services(res["settings"], res["store"])
-    rounds.bootstrap_base_policy(svc, progress=False)
+    bootstrap.bootstrap_base_policy(svc, progress=False)
     live = svc.live()
 
     with served_deployment(svc, log_dir=tmp_path / "logs") as dep:
@@ -104,7 +105,7 @@ def test_http_traffic_lands_in_an_s3_store(tmp_path, s3_endpoint, bucket):
                              "s3_region": "us-east-1"})
     svc = services(res["settings"], res["store"])
     assert type(svc.blobs).__name__ == "S3BlobStore"
-    rounds.bootstrap_base_policy(svc, progress=False)
+    bootstrap.bootstrap_base_policy(svc, progress=False)
     live = svc.live()
 
     with served_deployment(svc, log_dir=tmp_path / "logs") as dep:
@@ -129,7 +130,7 @@ def test_http_traffic_records_the_extra_draw_for_sampled_score_centering(tmp_pat
                 "correction": "score_centering_sampled"}
     res = make_resources(settings)
     svc = services(res["settings"], res["store"])
-    rounds.bootstrap_base_policy(svc, progress=False)
+    bootstrap.bootstrap_base_policy(svc, progress=False)
     with served_deployment(svc, log_dir=tmp_path / "logs") as dep:
         simulate_traffic(svc, 8, via="http", deployment=dep)
         stats = dep.stats()

@@ -6,6 +6,7 @@ import shutil
 
 import pytest
 
+from prodrl_pipelines import bootstrap
 from prodrl_pipelines import rounds
 from prodrl_pipelines.checkpoints import S3CheckpointStore
 from prodrl_pipelines.lab.traffic import simulate_traffic
@@ -29,7 +30,7 @@ def test_round_steps_run_on_fresh_machines_from_the_s3_stores(tmp_path, s3_endpo
     svc = services(res["settings"], res["store"])
     assert isinstance(svc.checkpoints_store, S3CheckpointStore) and svc.checkpoints_store.prefix == "checkpoints"
 
-    boot = rounds.bootstrap_base_policy(svc, progress=False)
+    boot = bootstrap.bootstrap_base_policy(svc, progress=False)
     rounds.publish_export(svc, "round-000000", boot["export"]["export_dir"])  # as the base_policy asset does
     assert svc.checkpoints_store.names() == ["round-000000"]
     simulate_traffic(svc, 8)

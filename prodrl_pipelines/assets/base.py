@@ -2,7 +2,7 @@
 
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset, define_asset_job
 
-from prodrl_pipelines import rounds
+from prodrl_pipelines import bootstrap
 from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, StoreResource, services
 
 
@@ -13,7 +13,7 @@ def base_policy(context: AssetExecutionContext, settings: ProdRLSettings, store:
     as the lab's toy model) imported and checked, exported with `export_scheme`, evaluated on the
     held-out suite, deployed and registered as `champion`."""
     svc = services(settings, store, mlflow)
-    stats = rounds.bootstrap(svc)
+    stats = bootstrap.bootstrap(svc)
     return MaterializeResult(metadata={
         "base_model": stats["base_model"], "heldout_reward": stats["heldout_reward"],
         "heldout_ci95": stats["heldout_ci95"], "reward_errors": stats["reward_errors"],
