@@ -138,13 +138,19 @@ def _processes_in_sessions(sids: set[int]) -> list[str]:
 
 
 def _rss_mb(pids: dict) -> dict:
-    out = {}
-    for name, pid in pids.items():
+    """Resident memory of each service with its children (its session), MB."""
+    by_sid = {pid: name for name, pid in pids.items()}
+    out: dict[str, int] = {}
+    for d in Path("/proc").iterdir():
+        if not d.name.isdigit():
+            continue
         try:
-            rss = [ln for ln in Path(f"/proc/{pid}/status").read_text().splitlines() if ln.startswith("VmRSS")]
-            out[name] = int(rss[0].split()[1]) // 1024
-        except (OSError, IndexError):
-            pass
+            sid = int((d / "stat").read_text().rsplit(")", 1)[1].split()[3])
+            if sid in by_sid:
+                rss = [ln for ln in (d / "status").read_text().splitlines() if ln.startswith("VmRSS")]
+                out[by_sid[sid]] = out.get(by_sid[sid], 0) + int(rss[0].split()[1]) // 1024
+        except (OSError, IndexError, ValueError):
+            continue
     return out
 
 
@@ -235,6 +241,8 @@ def _loop_and_restart(home, tmp_path, fresh_database, started):
     assert (tags.get("deployed") == "true") == (tags["gate"] == "passed")
     assert challenger["source"].startswith("s3://prodrl/")
     deployed_1 = champion["version"] == challenger["version"]
+    up.wait(lambda: "prodrl serve" in up.current_state()["pids"] and "prodrl record" in up.current_state()["pids"],
+            "the deployment after round 1")
     figures["rss_mb"] = _rss_mb(up.current_state()["pids"])
     figures["stop_s"] = round(up.stop(signal.SIGINT), 1)
 
