@@ -112,7 +112,7 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--settings", help="JSON or YAML file of ProdRLSettings fields")
     u.set_defaults(fn=cmd_up)
     from prodrl_pipelines.engines.server import add_serve_parser
-    from prodrl_pipelines.recorder.service import add_record_parser
+    from prodrl_pipelines.recorder.cli import add_record_parser
 
     add_serve_parser(sub)  # prodrl serve: the local engine behind vLLM's OpenAI-compatible API
     add_record_parser(sub)  # prodrl record: the recording proxy (WAL, Parquet parts, feedback)

@@ -34,7 +34,7 @@ from prodrl_pipelines.engines.server import BackgroundServer, build_app
 from prodrl_pipelines.engines.types import SamplingParams
 from prodrl_pipelines.lab.episodes import render_prompt
 from prodrl_pipelines.recorder.ingest import SKIPPED_PREFIX, Ingestor
-from prodrl_pipelines.recorder.service import RecorderConfig, build_recorder_app
+from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
 from prodrl_pipelines.recorder.wal import WriteAheadLog, encode_entry
 from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
 from prodrl_pipelines.trajectories.store import TrajectoryStore

@@ -1,0 +1,308 @@
+"""The recorder's HTTP surface: the proxied OpenAI routes, feedback, stats, bearer auth, the app."""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import math
+import re
+import time
+import uuid
+from contextlib import asynccontextmanager
+
+import aiohttp
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.routing import Route
+
+from prodrl_pipelines.engines.openai_protocol import SSE_DONE, ProtocolError, error_body, sse
+from prodrl_pipelines.recorder.answers import Rewriter, StreamAccumulator
+from prodrl_pipelines.recorder.ingest import Stats
+from prodrl_pipelines.recorder.requests import Unrecordable, _is_int, _is_num, client_ask, unrecordable_reason
+from prodrl_pipelines.recorder.service import _TRAJ_ID, Recorder, RecorderConfig
+
+
+def _err(message: str, status: int, stats: Stats | None = None, counter: str | None = None,
+         headers: dict | None = None) -> JSONResponse:
+    if stats is not None and counter:
+        stats.inc(counter)
+    return JSONResponse(error_body(message, status), status_code=status, headers=headers)
+
+
+# The connection went away under a request (retried once, see Recorder.post_upstream).
+
+
+def _dumps(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+async def _body(request: Request) -> dict:
+    raw = await request.body()
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"malformed JSON body: {exc}") from None
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    return body
+
+
+def _trajectory_id(request: Request) -> str:
+    tid = request.headers.get("x-trajectory-id")
+    if tid is None:
+        return uuid.uuid4().hex
+    if not _TRAJ_ID.match(tid):
+        raise ProtocolError("X-Trajectory-Id must be 1-256 characters of [A-Za-z0-9._:@/+=-]")
+    return tid
+
+
+def _n_up(up: dict, kind: str) -> int | None:
+    n = up.get("logprobs") if kind == "completion" else up.get("top_logprobs")
+    return int(n) if _is_int(n) else None
+
+
+async def _proxy(request: Request, kind: str) -> Response:
+    rec: Recorder = request.app.state.recorder
+    stats = rec.stats
+    stats.inc("requests")
+    t0 = time.perf_counter()
+    try:
+        body = await _body(request)
+        tid = _trajectory_id(request)
+    except ProtocolError as exc:
+        return _err(str(exc), 400, stats, "bad_requests")
+    pv = request.headers.get("x-policy-version")
+    task_id = request.headers.get("x-task-id")
+    if (pv is not None and not 0 < len(pv) <= 256) or (task_id is not None and len(task_id) > 1024):
+        return _err("X-Policy-Version must be 1-256 characters, X-Task-Id at most 1024", 400, stats, "bad_requests")
+    ask = client_ask(body, kind)
+    reason = unrecordable_reason(body, kind)
+    up = body if reason else rec.force(body, kind, ask)
+    path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
+    headers = {"X-Trajectory-Id": tid}
+    assert rec.http is not None
+    if body.get("stream"):
+        return await _proxy_stream(rec, kind, path, up, ask, reason, tid, pv, task_id)
+    t1 = time.perf_counter()
+    try:
+        async with await rec.post_upstream(path.lstrip("/"), _dumps(up)) as resp:
+            content = await resp.read()
+            status, ctype = resp.status, resp.headers.get("content-type")
+    except asyncio.TimeoutError:
+        return _err("the upstream server timed out", 504, stats, "upstream_timeouts", headers)
+    except aiohttp.ClientError as exc:
+        return _err(f"the upstream server is unreachable: {exc}", 502, stats, "upstream_unreachable", headers)
+    t2 = time.perf_counter()
+    if status != 200:
+        stats.inc("upstream_errors")
+        return Response(content, status_code=status, headers=headers, media_type=ctype)
+    try:
+        data = json.loads(content)
+    except ValueError:
+        return _err("the upstream answer is not JSON", 502, stats, "upstream_bad_answers", headers)
+    row = None
+    if reason is None:
+        try:
+            row = rec.build_row(kind, data, up, pv, task_id)
+        except Unrecordable as u:
+            reason = u.reason
+    answer = Rewriter(kind, ask, rec.tokens, stats, _n_up(up, kind)).rewrite(data) if up is not body else data
+    payload = _dumps(answer)
+    t3 = time.perf_counter()
+    try:
+        index = await rec.commit(tid, row, reason)
+    except Exception as exc:  # the WAL failed: the client must not believe the call was recorded
+        return _err(f"the call could not be recorded durably: {exc}", 503, stats, "commit_failures", headers)
+    rec.time_call(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
+    headers.update({"X-Call-Index": str(index), "X-Prodrl-Recorded": "true" if row is not None else "false"})
+    return Response(payload, media_type="application/json", headers=headers)
+
+
+async def _proxy_stream(rec: Recorder, kind, path, up, ask, reason, tid, pv, task_id) -> Response:
+    stats = rec.stats
+    headers = {"X-Trajectory-Id": tid}
+    assert rec.http is not None
+    try:
+        resp = await rec.post_upstream(path.lstrip("/"), _dumps(up), rec.stream_timeout)
+    except asyncio.TimeoutError:
+        return _err("the upstream server timed out", 504, stats, "upstream_timeouts", headers)
+    except aiohttp.ClientError as exc:
+        return _err(f"the upstream server is unreachable: {exc}", 502, stats, "upstream_unreachable", headers)
+    if resp.status != 200:
+        try:
+            content = await resp.read()
+        finally:
+            resp.release()
+        stats.inc("upstream_errors")
+        return Response(content, status_code=resp.status, headers=headers, media_type=resp.headers.get("content-type"))
+    rewriter = Rewriter(kind, ask, rec.tokens, stats, _n_up(up, kind)) if reason is None else None
+    acc = StreamAccumulator(kind)
+
+    async def events():
+        done = False
+        try:
+            async for raw in resp.content:
+                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    done = True
+                    break
+                try:
+                    chunk = json.loads(payload)
+                except ValueError:
+                    yield (line + "\n\n").encode()
+                    continue
+                acc.add(chunk)
+                yield sse(rewriter.rewrite(chunk) if rewriter is not None else chunk)
+        except asyncio.TimeoutError:
+            stats.inc("upstream_timeouts")
+            yield sse(error_body("the upstream server timed out", 504))
+            yield SSE_DONE
+            return
+        except aiohttp.ClientError as exc:
+            stats.inc("upstream_unreachable")
+            yield sse(error_body(f"the upstream stream failed: {exc}", 502))
+            yield SSE_DONE
+            return
+        finally:
+            resp.close()
+        if not done or acc.error is not None:  # the upstream failed mid-stream: not a call
+            stats.inc("upstream_errors")
+            yield SSE_DONE
+            return
+        row, why = None, reason
+        if why is None:
+            if acc.extra_choices:
+                why = "n>1"
+            else:
+                try:
+                    row = rec.build_row(kind, acc.answer(), up, pv, task_id)
+                except Unrecordable as u:
+                    why = u.reason
+        try:
+            index = await rec.commit(tid, row, why)
+        except Exception as exc:
+            stats.inc("commit_failures")
+            yield sse(error_body(f"the call could not be recorded durably: {exc}", 503))
+            yield SSE_DONE
+            return
+        yield f": prodrl trajectory_id={tid} call_index={index} recorded={'true' if row else 'false'}\n\n".encode()
+        yield SSE_DONE
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
+
+
+async def completions(request: Request) -> Response:
+    return await _proxy(request, "completion")
+
+
+async def chat_completions(request: Request) -> Response:
+    return await _proxy(request, "chat")
+
+
+async def models(request: Request) -> Response:
+    rec: Recorder = request.app.state.recorder
+    assert rec.http is not None
+    try:
+        async with rec.http.get("v1/models") as resp:
+            return Response(await resp.read(), status_code=resp.status, media_type=resp.headers.get("content-type"))
+    except asyncio.TimeoutError:
+        return _err("the upstream server timed out", 504, rec.stats, "upstream_timeouts")
+    except aiohttp.ClientError as exc:
+        return _err(f"the upstream server is unreachable: {exc}", 502, rec.stats, "upstream_unreachable")
+
+
+async def feedback(request: Request) -> Response:
+    rec: Recorder = request.app.state.recorder
+    stats = rec.stats
+    try:
+        body = await _body(request)
+    except ProtocolError as exc:
+        return _err(str(exc), 400, stats, "feedback_bad_requests")
+    tid, reward, source = body.get("trajectory_id"), body.get("reward"), body.get("source", "feedback")
+    if not isinstance(tid, str) or not tid:
+        return _err("`trajectory_id` (a non-empty string) is required", 422, stats, "feedback_invalid")
+    if not _is_num(reward) or not math.isfinite(float(reward)):
+        return _err(f"`reward` must be a finite number, got {reward!r}", 422, stats, "feedback_invalid")
+    if not isinstance(source, str) or not source:
+        return _err("`source` must be a non-empty string", 422, stats, "feedback_invalid")
+    if not rec.ingestor.known(tid):
+        return _err(f"unknown trajectory {tid!r}: no call was recorded under it", 404, stats,
+                    "feedback_unknown_trajectory")
+    created, fut = rec.ingestor.commit_reward(tid, float(reward), source)
+    try:
+        await fut
+    except Exception as exc:
+        return _err(f"the reward could not be recorded durably: {exc}", 503, stats, "commit_failures")
+    stats.inc("rewards_recorded")
+    return JSONResponse({"trajectory_id": tid, "reward": float(reward), "source": source, "created_at_us": created})
+
+
+async def stats_route(request: Request) -> Response:
+    rec: Recorder = request.app.state.recorder
+    return JSONResponse({"counters": rec.stats.as_dict(), "policy_version": rec.cfg.policy_version,
+                         "upstream": rec.cfg.upstream, "top_logprobs": rec.cfg.top_logprobs,
+                         "chat_top_logprobs": rec.chat_k, "record_extra_draw": rec.cfg.record_extra_draw})
+
+
+async def metrics(request: Request) -> Response:
+    rec: Recorder = request.app.state.recorder
+    lines = []
+    for name, value in rec.stats.as_dict().items():
+        metric = "prodrl_recorder_" + re.sub(r"[^a-zA-Z0-9_]", "_", name)
+        lines.append(f"# TYPE {metric} counter\n{metric} {value}")
+    return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+
+
+async def health(request: Request) -> Response:
+    return JSONResponse({"status": "ok"})
+
+
+class _BearerAuth:
+    """Every route needs ``Authorization: Bearer <token>``; others get 401 and are not recorded."""
+
+    def __init__(self, app, token: str, stats: Stats) -> None:
+        self.app = app
+        self.expected = f"Bearer {token}".encode()
+        self.stats = stats
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http":
+            got = dict(scope["headers"]).get(b"authorization", b"")
+            if not hmac.compare_digest(got, self.expected):
+                self.stats.inc("unauthorized")
+                resp = JSONResponse(error_body("missing or wrong bearer token", 401), status_code=401,
+                                    headers={"WWW-Authenticate": "Bearer"})
+                await resp(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def build_recorder_app(config: RecorderConfig) -> Starlette:
+    rec = Recorder(config)
+
+    @asynccontextmanager
+    async def lifespan(app):
+        await rec.start()  # replays the WAL before the server accepts connections
+        try:
+            yield
+        finally:
+            await rec.stop()
+
+    routes = [
+        Route("/v1/completions", completions, methods=["POST"]),
+        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/models", models, methods=["GET"]),
+        Route("/v1/feedback", feedback, methods=["POST"]),
+        Route("/stats", stats_route, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
+        Route("/health", health, methods=["GET"]),
+    ]
+    app = Starlette(routes=routes, lifespan=lifespan)
+    app.state.recorder = rec
+    app.add_middleware(_BearerAuth, token=config.token, stats=rec.stats)
+    return app
