@@ -111,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                    help="PostgreSQL schemas <prefix>_dagster and <prefix>_mlflow (created if missing, kept)")
     u.add_argument("--settings", help="JSON or YAML file of ProdRLSettings fields")
     u.set_defaults(fn=cmd_up)
-    from prodrl_pipelines.engines.server import add_serve_parser
+    from prodrl_pipelines.engines.serve_cli import add_serve_parser
     from prodrl_pipelines.recorder.cli import add_record_parser
 
     add_serve_parser(sub)  # prodrl serve: the local engine behind vLLM's OpenAI-compatible API
