@@ -144,6 +144,7 @@ def import_base_model(spec: str, dest: Path, settings=None, s3_endpoint_url: str
     shutil.rmtree(staging, ignore_errors=True)
     staging.parent.mkdir(parents=True, exist_ok=True)
     kind = describe(spec)
+    facts: dict = {}
     try:
         if kind == "s3":
             _fetch_s3(spec, staging, s3_endpoint_url)
@@ -151,7 +152,7 @@ def import_base_model(spec: str, dest: Path, settings=None, s3_endpoint_url: str
             src = Path(spec).expanduser()
             if not src.is_dir():
                 raise ModelSourceError(f"base_model={spec!r}: no such directory ({src.resolve()})")
-            validate_model_dir(src, spec, generate=False)  # fail before copying gigabytes
+            facts = validate_model_dir(src, spec, generate=False)  # fail before copying gigabytes
             staging.mkdir()
             for f in src.iterdir():
                 if f.is_file() and (f.suffix in (".safetensors", ".json", ".jinja", ".txt", ".model")
@@ -160,7 +161,12 @@ def import_base_model(spec: str, dest: Path, settings=None, s3_endpoint_url: str
         else:
             name, _, arg = spec.partition(":")
             registered_sources()[name].load()(arg, settings).build(staging)
-        facts = validate_model_dir(staging, spec, generate=generate)
+        if not facts:  # fetched or built: check what arrived (a copied directory was checked at its source)
+            facts = validate_model_dir(staging, spec, generate=False)
+        if generate:
+            from transformers import AutoTokenizer
+
+            facts["smoke_text"] = _smoke(staging, AutoTokenizer.from_pretrained(str(staging)), f"base_model={spec!r}")
     except BaseException:
         shutil.rmtree(staging, ignore_errors=True)
         raise

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
@@ -167,6 +168,7 @@ def _flat_name(section: str, name: str) -> str:
     return f"{section}_{name}"
 
 
+@lru_cache(maxsize=None)
 def flat_fields() -> dict[str, tuple[str | None, str]]:
     """Flat name -> (section or None for top-level fields, field name)."""
     out: dict[str, tuple[str | None, str]] = {name: (None, name) for name in TOP_FIELDS}

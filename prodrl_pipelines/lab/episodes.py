@@ -79,11 +79,6 @@ def stop_token_ids(tokenizer) -> tuple[int, ...]:
     return (int(tokenizer.convert_tokens_to_ids(IM_END)),)
 
 
-def with_stop_tokens(params: SamplingParams, tokenizer) -> SamplingParams:
-    """``params`` with ``<|im_end|>`` among its stop tokens."""
-    return _core.with_stop_tokens(params, stop_token_ids(tokenizer))
-
-
 def assistant_content(tokenizer, output_ids: list[int]) -> str:
     """The assistant message content: the decoded output without the trailing stop token."""
     return _core.assistant_content(tokenizer, output_ids, stop_token_ids(tokenizer))
@@ -109,7 +104,6 @@ def run_episodes(
     ``<|im_end|>`` is always a stop token. Trajectory ids are uuid4 hex strings drawn from an RNG
     seeded by ``(policy_version, seed)``, so reruns produce the same ids.
     """
-    params = with_stop_tokens(params, tokenizer)
     played = _core.play_episodes(engine, tokenizer, env, tasks, params, policy_version, seed,
                                  stops=stop_token_ids(tokenizer))
     episodes = []

@@ -34,13 +34,11 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import secrets
 import signal
 import subprocess
 import sys
 import time
-import uuid
 from contextlib import contextmanager
 from pathlib import Path
 
@@ -49,6 +47,7 @@ import httpx
 from prodrl_pipelines import keys
 from prodrl_pipelines.engines.types import CallRecord, SamplingParams
 from prodrl_pipelines.engines.vllm_client import VLLMClient
+from prodrl_pipelines.evaluation.episodes import trajectory_ids
 from prodrl_pipelines.stack.processes import pick_port, tail
 from prodrl_pipelines.stack.serving import recorder_store_args
 from prodrl_pipelines.lab.episodes import assistant_content, run_episodes, stop_token_ids
@@ -269,11 +268,6 @@ def served_deployment(svc, log_dir: str | os.PathLike | None = None, **kw):
         dep.stop()
 
 
-def _traj_ids(policy_version: str, seed: int, n: int) -> list[str]:
-    # the ids run_episodes draws (checked against its result below)
-    rng = random.Random(f"episodes:{policy_version}:{seed}")
-    return [uuid.UUID(int=rng.getrandbits(128), version=4).hex for _ in range(n)]
-
 
 def simulate_traffic_http(svc, n_episodes: int, deployment: LabDeployment | None = None, seeded: bool = False) -> dict:
     """``simulate_traffic`` over HTTP (recorder -> server); same stats dict. Without ``deployment``
@@ -291,13 +285,13 @@ def simulate_traffic_http(svc, n_episodes: int, deployment: LabDeployment | None
     params = svc.settings.deploy.sampling(stop_token_ids=stop_token_ids(tok))
     env = get_task(svc.settings.lab.task)
     tasks = env.generate_tasks(n_episodes, seed)
-    ids = _traj_ids(live.policy_version, seed, len(tasks))
+    ids = trajectory_ids(live.policy_version, seed, len(tasks))  # the ids run_episodes draws
     before = dep.stats()
     with dep.new_client() as client:
         engine = _EpisodeEngine(client, tok, tasks, ids, live.policy_version, seeded, env)
         eps = run_episodes(engine, tok, tasks, params, live.policy_version, seed, env=env)
         if [e.trajectory_id for e in eps.episodes] != ids:
-            raise RuntimeError("run_episodes' trajectory ids changed: update http_traffic._traj_ids")
+            raise RuntimeError("run_episodes no longer draws evaluation.episodes.trajectory_ids")
         dep.feedback([(e.trajectory_id, e.reward) for e in eps.episodes], source=env.reward_source, pool=client._pool)
     n_calls = sum(len(e.calls) for e in eps.episodes)
     counters = dep.wait_flushed()
