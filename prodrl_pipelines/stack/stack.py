@@ -210,6 +210,10 @@ class Stack:
 def up(home: Path, pg_url: str, settings: dict, schema: str = "prodrl") -> int:
     """Run the stack in the foreground until Ctrl-C or SIGTERM (the `make up` target)."""
     def on_term(signum, frame):
+        # the first signal starts the shutdown; later ones (make forwards a TERM to its recipe, a
+        # second Ctrl-C) are ignored from this instant, so they cannot cut the shutdown short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
         raise KeyboardInterrupt
 
     # explicit, so a stack started from a script (where SIGINT may be ignored) still stops on Ctrl-C
@@ -248,7 +252,7 @@ def up(home: Path, pg_url: str, settings: dict, schema: str = "prodrl") -> int:
     except KeyboardInterrupt:
         print("stopping the stack ...", flush=True)
     finally:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # a second Ctrl-C must not cut the shutdown short
+        signal.signal(signal.SIGINT, signal.SIG_IGN)  # also when the loop ended without a signal
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
         stack.stop()
         print("stopped.", flush=True)
