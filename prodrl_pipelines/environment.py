@@ -11,7 +11,9 @@ stores from these variables:
 - ``MLFLOW_TRACKING_URI``: the MLflow tracking server (default SQLite under the home);
 - ``PRODRL_SENSOR_INTERVAL_S``: the data-volume sensor's minimum interval (default 30);
 - ``PRODRL_THREADS_PER_RANK``: torch threads of each training rank (default 1);
-- ``PRODRL_EVAL_API_KEY``: bearer token for ``eval.live_endpoint`` (none by default).
+- ``PRODRL_EVAL_API_KEY``: bearer token for ``eval.live_endpoint`` (none by default);
+- ``PRODRL_VLLM_PYTHON``: the interpreter of vLLM's own environment (``deploy.vllm_python`` wins);
+- ``PRODRL_DEPLOY_API_KEY``: bearer token of the deployment's endpoint (parity probe, reloads).
 """
 
 from __future__ import annotations
@@ -76,6 +78,14 @@ def sensor_interval_s(environ: Mapping = os.environ) -> int:
 
 def eval_api_key(environ: Mapping = os.environ) -> str | None:
     return environ.get("PRODRL_EVAL_API_KEY") or None
+
+
+def vllm_python(environ: Mapping = os.environ) -> str | None:
+    return environ.get("PRODRL_VLLM_PYTHON") or None
+
+
+def deploy_api_key(environ: Mapping = os.environ) -> str | None:
+    return environ.get("PRODRL_DEPLOY_API_KEY") or None
 
 
 def threads_per_rank(environ: Mapping = os.environ) -> int:

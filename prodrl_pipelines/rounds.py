@@ -308,17 +308,44 @@ def gate(svc: Services, rkey: str) -> GateDecision:
 
 
 # --- 7. deployment ------------------------------------------------------------------------------
-def deploy(svc: Services, rkey: str, model_version: str | None = None) -> LiveDeployment:
-    s = svc.settings
+def deploy(svc: Services, rkey: str, model_version: str | None = None):
+    """Make the round's export live through the deploy target (``deploy.target``), probed for
+    parity against its own checkpoint; returns (LiveDeployment, Rollout). A failed health check or
+    probe rolls back (the previous version keeps serving and stays live), is recorded on the round
+    and raises ``DeployRejected``."""
+    from prodrl_pipelines.deploy_targets.rollout import DeployRejected
+
     decision = svc.registry.decision(rkey)
     if not decision or not decision["passed"]:
         raise RoundError(f"{rkey} has no passing gate decision; refusing to deploy")
-    dep = LiveDeployment(policy_version=rkey, checkpoint_dir=str(s.checkpoints_root / rkey),
-                         export_dir=str(s.exports_root / rkey), model_version=model_version)
-    svc.registry.deploy(dep)
+    try:
+        dep, rollout = make_live(svc, rkey, model_version)
+    except DeployRejected as e:
+        probe = e.probe.metrics() if e.probe is not None else {}
+        svc.registry.record_decision(rkey, {**decision, "deployed": False, "deploy_failed": e.reason,
+                                            "rolled_back": e.rollback, **probe})
+        svc.registry.update_round(rkey, deployed=False, deploy_failed=e.reason, **probe)
+        raise
     svc.registry.record_decision(rkey, {**decision, "deployed": True})
-    svc.registry.update_round(rkey, deployed=True, policy_version=rkey)
-    return dep
+    svc.registry.update_round(rkey, deployed=True, policy_version=rkey, **rollout.metadata())
+    return dep, rollout
+
+
+def make_live(svc: Services, version: str, model_version: str | None = None):
+    """Switch the deployment to ``version``'s export, probe it, then move the live pointer."""
+    from prodrl_pipelines import environment
+    from prodrl_pipelines.deploy_targets import make_target
+    from prodrl_pipelines.deploy_targets.rollout import roll_out
+
+    s = svc.settings
+    export_dir = ensure_local(svc, "exports", version)
+    n = s.deploy.probe_prompts
+    prompts = _calibration_prompts(svc, version if version != BASE_VERSION else None, n) if n else []
+    rollout = roll_out(s, make_target(s), export_dir, version, prompts, api_key=environment.deploy_api_key())
+    dep = LiveDeployment(policy_version=version, checkpoint_dir=str(s.checkpoints_root / version),
+                         export_dir=str(s.exports_root / version), model_version=model_version)
+    svc.registry.deploy(dep)
+    return dep, rollout
 
 
 def evaluate_version(svc: Services, policy_version: str | None = None) -> dict:

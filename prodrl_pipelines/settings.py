@@ -12,6 +12,10 @@ from prodrl_pipelines.engines.types import SamplingParams
 from prodrl_pipelines.rl.config import Recipe
 
 
+# parity probe bounds (mean, p99 of |log mu_new - log pi_trainer| in nats) per export scheme
+PROBE_BOUNDS = {"bf16": (0.02, 0.2), "nvfp4-w4a16": (0.02, 0.2), "nvfp4-w4a4": (0.5, 5.0)}
+
+
 class DeploySettings(BaseModel):
     """Sampling parameters the deployment serves with (recorded with every call)."""
 
@@ -24,12 +28,45 @@ class DeploySettings(BaseModel):
     record_extra_draw: bool = False
     # what the deployment serves: NVFP4 weights (W4A16 data-free, W4A4 calibrated) or bf16
     export_scheme: Literal["nvfp4-w4a16", "nvfp4-w4a4", "bf16"] = "nvfp4-w4a16"
+    # how an export becomes live (deploy_targets.TARGETS): pointer | prodrl-serve | vllm-restart |
+    # vllm-reload | command
+    target: str = "pointer"
+    target_port: int = Field(8000, ge=1, le=65534, description="managed servers use this port and the next")
+    target_endpoint: str = Field("", description="vllm-reload: a running dev-mode vLLM; command: where it serves "
+                                                 "({port} filled in)")
+    target_command: str = Field("", description="command: template with {export_dir}, {policy_version}, {port}")
+    vllm_python: str = Field("", description="vLLM's own interpreter (default $PRODRL_VLLM_PYTHON)")
+    server_args: tuple[str, ...] = ()  # extra arguments of a managed server (vllm / prodrl serve)
+    health_timeout_s: float = Field(300.0, gt=0)
+    # the parity probe after every deploy: recorded prompts through the new deployment, the sampled
+    # tokens' |log mu_new - log pi_trainer| against these bounds (probe_prompts = 0: no probe)
+    probe_prompts: int = Field(16, ge=0)
+    # None: the export scheme's own bound (PROBE_BOUNDS: W4A4's activation quantization is the
+    # deployment's and costs the lab's demo model ~0.2 nats mean; bf16 / W4A16 serve within ~1e-3)
+    probe_mean_bound: float | None = Field(None, gt=0)
+    probe_p99_bound: float | None = Field(None, gt=0)
+
+    def probe_bounds(self) -> tuple[float, float]:
+        mean, p99 = PROBE_BOUNDS[self.export_scheme]
+        return (self.probe_mean_bound or mean, self.probe_p99_bound or p99)
 
     @model_validator(mode="after")
     def _head_covers_top_k(self) -> "DeploySettings":
         if self.top_k and self.num_top_logprobs < self.top_k:
             raise ValueError(f"num_top_logprobs ({self.num_top_logprobs}) must be >= top_k ({self.top_k}) so the "
                              "recorded head holds the whole sampling support")
+        return self
+
+    @model_validator(mode="after")
+    def _known_target(self) -> "DeploySettings":
+        from prodrl_pipelines.deploy_targets import TARGETS
+        from prodrl_pipelines.deploy_targets.command import check_command_template
+
+        if self.target not in TARGETS:
+            raise ValueError(f"unknown deploy target {self.target!r}; choose one of {sorted(TARGETS)}")
+        if self.target == "command" and not self.target_command:
+            raise ValueError("deploy target 'command' needs target_command")
+        check_command_template(self.target_command)
         return self
 
     def sampling(self, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:

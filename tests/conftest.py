@@ -147,3 +147,38 @@ def engine(model_dir):
     from prodrl_pipelines.engines.local import LocalEngine
 
     return LocalEngine.from_pretrained(model_dir)
+
+
+@pytest.fixture(scope="session")
+def vllm_exports(tmp_path_factory):
+    """A tiny dense lab policy (head_dim 32) and its exports in every scheme vLLM serves on CPU, a
+    second dense policy (other weights, same architecture: reload targets) and the tiny MoE in bf16."""
+    from prodrl_pipelines.lab.warmstart import build_base_policy
+    from prodrl_pipelines.quant.export import export_policy
+
+    root = tmp_path_factory.mktemp("vllm_exports")
+    out = {}
+    for name, size, seed in (("dense", "tiny-dense", 0), ("dense2", "tiny-dense", 1), ("moe", "tiny", 0)):
+        ckpt = build_base_policy(root / name, size=size, seed=seed, sft_steps=5, progress=False)
+        out[name] = ckpt
+        out[f"{name}-bf16"] = root / f"{name}-bf16"
+        export_policy(ckpt, out[f"{name}-bf16"], "bf16")
+    calib = [[1, 5, 6, 7, 8, 9, 10, 11, 12] * 3] * 8
+    for scheme in ("nvfp4-w4a16", "nvfp4-w4a4"):
+        out[f"dense-{scheme}"] = root / f"dense-{scheme}"
+        export_policy(out["dense"], out[f"dense-{scheme}"], scheme, calibration_prompts=calib)
+    return out
+
+
+@pytest.fixture(scope="session")
+def vllm_server(vllm_exports, tmp_path_factory):
+    """One real vLLM for the session (dev mode: in-place reloads), serving the dense bf16 export as
+    ``dense-bf16``."""
+    from tests.vllm_support import VLLMServer, vllm_python
+
+    srv = VLLMServer(vllm_python(), vllm_exports["dense-bf16"], "dense-bf16",
+                     tmp_path_factory.mktemp("vllm") / "vllm.log")
+    try:
+        yield srv.wait()
+    finally:
+        srv.stop()

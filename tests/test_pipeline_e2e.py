@@ -123,6 +123,21 @@ def test_two_rounds_on_postgres(tmp_path, pg_instance):
     materialize(ROUND_ASSETS[:3], instance=instance, partition_key="round-000003", resources=res)
     assert svc.registry.round_summary("round-000003")["trained_from"] == "round-000001"
 
+    # ... and its deploy fails (the deploy target's command exits 1): the asset fails with the
+    # command's stderr, the live version and champion stay, the model version carries the reason.
+    failing = make_resources({**TINY, "home": str(tmp_path / "home"), "target": "command",
+                              "target_command": "sh -c 'echo cluster unreachable >&2; exit 1'"})
+    third = materialize([*ROUND_ASSETS, deployment_gate], selection=ROUND_ASSETS[3:] + [deployment_gate],
+                        instance=instance, partition_key="round-000003", resources=failing, raise_on_error=False)
+    assert [e.step_key for e in third.get_step_failure_events()] == ["deployment"]
+    assert "cluster unreachable" in third.get_step_failure_events()[0].event_specific_data.error.to_string()
+    assert svc.registry.live().policy_version == "round-000001"
+    assert lineage.alias_version(CHAMPION) == "2"
+    cand = lineage.alias_version(CHALLENGER)
+    assert cand != "2" and "cluster unreachable" in lineage.client.get_model_version(lineage.model_name, cand).tags["deploy_failed"]
+    decision = svc.registry.decision("round-000003")
+    assert decision["passed"] and decision["deployed"] is False and "cluster unreachable" in decision["deploy_failed"]
+
 
 def test_bad_settings_fail_before_work(tmp_path):
     with pytest.raises(ValueError, match="correction: unknown correction 'magic'"):

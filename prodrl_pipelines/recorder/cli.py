@@ -18,7 +18,10 @@ from prodrl_pipelines.recorder.service import __doc__ as service_doc
 def add_record_parser(sub) -> argparse.ArgumentParser:
     r = sub.add_parser("record", help="recording proxy in front of a vLLM-compatible server",
                        description=service_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
-    r.add_argument("--upstream", required=True, help="base URL of the vLLM-compatible server")
+    up = r.add_mutually_exclusive_group(required=True)
+    up.add_argument("--upstream", default="", help="base URL of the vLLM-compatible server")
+    up.add_argument("--follow", default=None, help="the deployment's endpoint file (<home>/deployment/endpoint.json): "
+                    "upstream URL, served model name and policy version, re-read when a deploy changes it")
     r.add_argument("--store", default="", help="trajectory store directory (or --s3-bucket)")
     r.add_argument("--s3-bucket", default="", help="trajectory store on S3: the bucket (instead of --store; "
                    "needs --wal-dir; credentials from the boto3 default chain)")
@@ -65,7 +68,7 @@ def cmd_record(args) -> int:
             flush_interval_s=args.flush_interval, upstream_timeout_s=args.upstream_timeout,
             s3_bucket=args.s3_bucket, s3_prefix=args.s3_prefix, s3_endpoint_url=args.s3_endpoint_url,
             s3_region=args.s3_region, record_extra_draw=args.record_extra_draw,
-            upstream_keepalive_s=args.upstream_keepalive,
+            upstream_keepalive_s=args.upstream_keepalive, follow=args.follow,
         )
     except ValueError as e:
         print(f"prodrl record: {e}", file=sys.stderr)

@@ -77,6 +77,9 @@ async def _proxy(request: Request, kind: str) -> Response:
     task_id = request.headers.get("x-task-id")
     if (pv is not None and not 0 < len(pv) <= 256) or (task_id is not None and len(task_id) > 1024):
         return _err("X-Policy-Version must be 1-256 characters, X-Task-Id at most 1024", 400, stats, "bad_requests")
+    served = rec.served_model()
+    if served is not None:  # the client's model name is not the deployment's: ask for what is served now
+        body["model"] = served
     ask = client_ask(body, kind)
     reason = unrecordable_reason(body, kind)
     up = body if reason else rec.force(body, kind, ask)
@@ -208,7 +211,7 @@ async def models(request: Request) -> Response:
     rec: Recorder = request.app.state.recorder
     assert rec.http is not None
     try:
-        async with rec.http.get("v1/models") as resp:
+        async with rec.http.get(rec.upstream_url("v1/models")) as resp:
             return Response(await resp.read(), status_code=resp.status, media_type=resp.headers.get("content-type"))
     except asyncio.TimeoutError:
         return _err("the upstream server timed out", 504, rec.stats, "upstream_timeouts")
@@ -245,7 +248,7 @@ async def feedback(request: Request) -> Response:
 async def stats_route(request: Request) -> Response:
     rec: Recorder = request.app.state.recorder
     return JSONResponse({"counters": rec.stats.as_dict(), "policy_version": rec.cfg.policy_version,
-                         "upstream": rec.cfg.upstream, "top_logprobs": rec.cfg.top_logprobs,
+                         "upstream": rec.cfg.upstream or f"follows {rec.cfg.follow}", "top_logprobs": rec.cfg.top_logprobs,
                          "chat_top_logprobs": rec.chat_k, "record_extra_draw": rec.cfg.record_extra_draw})
 
 

@@ -121,8 +121,14 @@ class RecorderConfig:
     s3_endpoint_url: str = ""  # empty: AWS; else an S3-compatible server (MinIO, moto, ...)
     s3_region: str = ""
     record_extra_draw: bool = False  # ask the upstream for the extra draw a' ~ mu (``extra_token_ids``)
+    # the deployment's endpoint file (deploy_targets.base.EndpointFile): upstream URL, served model name
+    # and policy version re-read whenever it changes, instead of a fixed ``upstream``
+    follow: str | None = None
 
     def __post_init__(self) -> None:
+        if bool(self.upstream) == bool(self.follow):
+            raise ValueError("the recorder needs exactly one upstream: a URL (--upstream) or the deployment's "
+                             "endpoint file to follow (--follow)")
         if not self.token:
             raise ValueError(f"the recorder needs a bearer token (set {TOKEN_ENV})")
         if bool(self.store_dir) == bool(self.s3_bucket):
@@ -187,6 +193,28 @@ class TokenStrings:
         return s
 
 
+class FollowedEndpoint:
+    """The deployment's endpoint file, re-read when it changes (one ``stat`` per call; the deploy
+    target replaces it atomically, so a changed inode or mtime means a new switch)."""
+
+    def __init__(self, path: str | os.PathLike) -> None:
+        self.path = Path(path)
+        self._key = None
+        self._ep = None
+
+    def current(self):
+        from prodrl_pipelines.deploy_targets.base import EndpointFile
+
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        key = (st.st_ino, st.st_mtime_ns, st.st_size)
+        if key != self._key:
+            self._ep, self._key = EndpointFile(self.path).read(), key
+        return self._ep
+
+
 # ----------------------------------------------------------------------------- the service
 
 
@@ -204,6 +232,7 @@ class Recorder:
         k = config.top_logprobs
         self.chat_n = min(k + 1, config.upstream_max_logprobs)  # top_logprobs asked on chat
         self.chat_k = min(k, self.chat_n - 1) if self.chat_n > 1 else 1
+        self.deployment = FollowedEndpoint(config.follow) if config.follow else None
 
     async def start(self) -> None:
         self.ingestor.recover()
@@ -217,7 +246,7 @@ class Recorder:
         # aiohttp reuses the longest-idle connection first, so with a longer window it kept handing
         # out connections the upstream was closing (502s at 256 concurrent clients).
         self.http = aiohttp.ClientSession(
-            base_url=self.cfg.upstream + "/", headers=headers,
+            base_url=None if self.deployment else self.cfg.upstream + "/", headers=headers,
             timeout=aiohttp.ClientTimeout(total=t, connect=min(t, 10.0)),
             connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=self.cfg.upstream_keepalive_s),
             auto_decompress=True)
@@ -233,6 +262,7 @@ class Recorder:
         """
         assert self.http is not None
         kw = {"timeout": timeout} if timeout is not None else {}
+        path = self.upstream_url(path)
         try:
             return await self.http.post(path, data=data, headers=_JSON, **kw)
         except _RESET_ERRORS as exc:
@@ -240,6 +270,29 @@ class Recorder:
                 raise
             self.stats.inc("upstream_retries")
             return await self.http.post(path, data=data, headers=_JSON, **kw)
+
+    def upstream_url(self, path: str) -> str:
+        """``path`` on the upstream: relative to the fixed base URL, or on the followed endpoint now."""
+        if self.deployment is None:
+            return path
+        ep = self.deployment.current()
+        if ep is None:
+            raise aiohttp.ClientConnectionError(f"no deployment is live yet ({self.cfg.follow} does not exist)")
+        return ep.url.rstrip("/") + "/" + path
+
+    def served_model(self) -> str | None:
+        """The model name the followed deployment serves (requests are sent with it), else None."""
+        ep = self.deployment.current() if self.deployment is not None else None
+        return ep.served_model_name if ep is not None else None
+
+    def version_of(self, answered_model: str | None) -> str:
+        """The policy version that served an answer: the followed deployment's version when the answer
+        comes from the model it serves now (an in-place reload keeps the name), else the answer's own
+        served model name (managed servers are named after their version)."""
+        ep = self.deployment.current() if self.deployment is not None else None
+        if ep is not None and answered_model == ep.served_model_name:
+            return ep.policy_version
+        return str(answered_model or "unknown")
 
     async def stop(self) -> None:
         if self.http is not None:
@@ -310,7 +363,7 @@ class Recorder:
         extra = self._extra_ids(choice, len(ids)) if up.get(EXTRA_DRAW_FIELD) else None
         return {
             "task_id": task_id,
-            "policy_version": policy_version or self.cfg.policy_version or str(data.get("model") or "unknown"),
+            "policy_version": policy_version or self.cfg.policy_version or self.version_of(data.get("model")),
             "prompt_token_ids": [int(t) for t in prompt_ids],
             "output_token_ids": ids,
             "output_logprobs": lps,

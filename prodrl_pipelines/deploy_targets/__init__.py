@@ -1,0 +1,30 @@
+"""Deploy targets: what makes an export live, chosen by name (``deploy.target``; DESIGN.md s.7).
+
+``TARGETS`` maps each name to its class; every target follows ``base.DeployTarget`` (switch, then
+commit after the parity probe, or rollback).
+"""
+
+from __future__ import annotations
+
+from prodrl_pipelines.deploy_targets.base import DeployError, DeployTarget, Endpoint, EndpointFile, Switch, endpoint_file
+from prodrl_pipelines.deploy_targets.command import CommandTarget, PointerTarget
+from prodrl_pipelines.deploy_targets.reload import VLLMReloadTarget
+from prodrl_pipelines.deploy_targets.servers import ProdrlServeTarget, VLLMRestartTarget
+
+TARGETS: dict[str, type] = {
+    "pointer": PointerTarget,
+    "prodrl-serve": ProdrlServeTarget,
+    "vllm-restart": VLLMRestartTarget,
+    "vllm-reload": VLLMReloadTarget,
+    "command": CommandTarget,
+}
+
+
+def make_target(settings) -> DeployTarget:
+    name = settings.deploy.target
+    if name not in TARGETS:
+        raise DeployError(f"unknown deploy target {name!r}; choose one of {sorted(TARGETS)}")
+    return TARGETS[name](settings, settings.home_path)
+
+
+__all__ = ["TARGETS", "DeployError", "DeployTarget", "Endpoint", "EndpointFile", "Switch", "endpoint_file", "make_target"]

@@ -1,0 +1,148 @@
+"""What a deploy target is: one protocol, its result, and the endpoint file the recorder follows.
+
+A deploy is two-phase so the previous export keeps serving (or stays restorable) until the parity
+probe passed (DESIGN.md s.7; vLLM updates are not transactional):
+
+1. ``switch(export_dir, policy_version) -> Switch``: make the export serve and healthy; the
+   ``Switch`` says where (``endpoint``, None for ``pointer``) and how long it took;
+2. ``commit(switch)`` once the probe passed (the new one becomes *the* deployment: the endpoint
+   file is rewritten, an old server is drained and stopped), or ``rollback(switch)`` when it
+   failed (the previous export serves again; returns what was done, for the reason tags).
+
+The endpoint file (``<home>/deployment/endpoint.json``) is the deployment's live pointer for the
+processes in front of it: ``prodrl record --follow`` re-reads it (URL, served model name, policy
+version) when it changes, so the recorder follows a blue/green restart and tags an in-place reload.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import time
+import urllib.error
+import urllib.request
+from dataclasses import asdict, dataclass, field
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Protocol
+
+
+class DeployError(RuntimeError):
+    """A deploy that could not make the export serve (the previous deployment is untouched)."""
+
+
+@dataclass
+class Switch:
+    target: str
+    policy_version: str
+    export_dir: str
+    endpoint: str | None  # OpenAI-compatible base URL serving it now (None: nothing managed)
+    served_model_name: str | None = None
+    seconds: float = 0.0  # from "deploy" to healthy
+    previous: dict | None = None  # what served before (restored by rollback)
+    detail: dict = field(default_factory=dict)
+
+    def summary(self) -> dict:
+        return {"target": self.target, "endpoint": self.endpoint or "", "switch_seconds": round(self.seconds, 3),
+                **{k: v for k, v in self.detail.items() if isinstance(v, (str, int, float, bool))}}
+
+
+class DeployTarget(Protocol):
+    name: str
+
+    def switch(self, export_dir: Path, policy_version: str) -> Switch: ...
+
+    def commit(self, switch: Switch) -> None: ...
+
+    def rollback(self, switch: Switch) -> str: ...
+
+
+def write_json(path: Path, obj: dict) -> None:
+    """Atomically (readers never see half a file), durable before the rename."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    with open(tmp, "w") as fh:
+        json.dump(obj, fh, indent=2)
+        fh.flush()
+        os.fsync(fh.fileno())
+    os.replace(tmp, path)
+
+
+def read_json(path: Path) -> dict | None:
+    try:
+        return json.loads(Path(path).read_text())
+    except FileNotFoundError:
+        return None
+
+
+@dataclass
+class Endpoint:
+    """What the deployment serves now, as the processes in front of it see it."""
+
+    url: str
+    served_model_name: str
+    policy_version: str
+    target: str = ""
+    switched_at: str = ""
+
+
+class EndpointFile:
+    def __init__(self, path: Path) -> None:
+        self.path = Path(path)
+
+    def write(self, ep: Endpoint) -> None:
+        ep.switched_at = ep.switched_at or datetime.now(timezone.utc).isoformat()
+        write_json(self.path, asdict(ep))
+
+    def read(self) -> Endpoint | None:
+        raw = read_json(self.path)
+        return Endpoint(**raw) if raw else None
+
+
+def endpoint_file(home: str | os.PathLike) -> EndpointFile:
+    return EndpointFile(Path(home) / "deployment" / "endpoint.json")
+
+
+def _get(url: str, timeout: float, api_key: str | None) -> tuple[int, bytes]:
+    req = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as r:
+            return r.status, r.read()
+    except urllib.error.HTTPError as e:
+        return e.code, e.read()
+
+
+def served_models(url: str, api_key: str | None = None, timeout: float = 5.0) -> list[str]:
+    status, body = _get(url.rstrip("/") + "/v1/models", timeout, api_key)
+    if status != 200:
+        raise DeployError(f"GET {url}/v1/models -> HTTP {status}: {body[:200]!r}")
+    return [str(m["id"]) for m in json.loads(body).get("data") or []]
+
+
+def wait_healthy(url: str, timeout_s: float, *, expect_model: str | None = None, api_key: str | None = None,
+                 alive=None, log_tail=None) -> float:
+    """Block until ``url``'s ``/health`` is 200 (and ``/v1/models`` lists ``expect_model``); the
+    seconds waited. ``alive()`` False (the server process died) or the timeout fail with the log."""
+    t0 = time.monotonic()
+    last = "no answer"
+    while True:
+        if alive is not None and not alive():
+            raise DeployError(f"the server for {url} exited before it was healthy"
+                              + (f"; its log ends:\n{log_tail()}" if log_tail else ""))
+        try:
+            status, _ = _get(url.rstrip("/") + "/health", 5.0, api_key)
+            if status == 200:
+                if expect_model is None:
+                    return time.monotonic() - t0
+                names = served_models(url, api_key)
+                if expect_model in names:
+                    return time.monotonic() - t0
+                last = f"serves {names}, not {expect_model!r}"
+            else:
+                last = f"/health -> HTTP {status}"
+        except (OSError, DeployError, ValueError) as e:
+            last = f"{type(e).__name__}: {e}"
+        if time.monotonic() - t0 > timeout_s:
+            raise DeployError(f"{url} was not healthy within {timeout_s:.0f}s (last: {last})"
+                              + (f"; its log ends:\n{log_tail()}" if log_tail else ""))
+        time.sleep(0.25)
