@@ -13,7 +13,7 @@ from prodrl_pipelines.rl.config import Recipe
 
 
 # parity probe bounds (mean, p99 of |log mu_new - log pi_trainer| in nats) per export scheme
-PROBE_BOUNDS = {"bf16": (0.02, 0.2), "nvfp4-w4a16": (0.02, 0.2), "nvfp4-w4a4": (0.5, 5.0)}
+PROBE_BOUNDS = {"bf16": (0.05, 0.5), "nvfp4-w4a16": (0.05, 0.5), "nvfp4-w4a4": (0.5, 5.0)}
 
 
 class DeploySettings(BaseModel):
@@ -42,7 +42,7 @@ class DeploySettings(BaseModel):
     # tokens' |log mu_new - log pi_trainer| against these bounds (probe_prompts = 0: no probe)
     probe_prompts: int = Field(16, ge=0)
     # None: the export scheme's own bound (PROBE_BOUNDS: W4A4's activation quantization is the
-    # deployment's and costs the lab's demo model ~0.2 nats mean; bf16 / W4A16 serve within ~1e-3)
+    # deployment's and costs the lab's demo model ~0.2 nats mean; vLLM's bf16 kernels ~0.005)
     probe_mean_bound: float | None = Field(None, gt=0)
     probe_p99_bound: float | None = Field(None, gt=0)
 

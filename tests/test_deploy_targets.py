@@ -58,7 +58,7 @@ def test_settings_choose_a_known_target_and_fail_early():
     with pytest.raises(ValueError, match=r"\{image\}"):
         settings_from_flat({"target": "command", "target_command": "deploy {image}"})
     d = Settings().deploy
-    assert d.probe_bounds() == (0.02, 0.2)  # nvfp4-w4a16 default
+    assert d.probe_bounds() == (0.05, 0.5)  # nvfp4-w4a16 default
     assert Settings(deploy={"export_scheme": "nvfp4-w4a4", "probe_mean_bound": 0.3}).deploy.probe_bounds() == (0.3, 5.0)
 
 

@@ -83,6 +83,7 @@ class Endpoint:
     served_model_name: str
     policy_version: str
     target: str = ""
+    export_dir: str = ""  # what it serves (a rollback of an in-place reload reloads it)
     switched_at: str = ""
 
 
@@ -96,7 +97,9 @@ class EndpointFile:
 
     def read(self) -> Endpoint | None:
         raw = read_json(self.path)
-        return Endpoint(**raw) if raw else None
+        if not raw:
+            return None
+        return Endpoint(**{k: v for k, v in raw.items() if k in Endpoint.__dataclass_fields__})
 
 
 def endpoint_file(home: str | os.PathLike) -> EndpointFile:

@@ -88,14 +88,14 @@ class CommandTarget:
         prev = None
         if previous is not None:
             prev = {"policy_version": previous.policy_version,
-                    "export_dir": str(Path(self.settings.exports_root) / previous.policy_version)}
+                    "export_dir": previous.export_dir or str(Path(self.settings.exports_root) / previous.policy_version)}
         return Switch(self.name, policy_version, str(export_dir), url, policy_version,
                       seconds=time.monotonic() - t0, previous=prev, detail={"command_seconds": command_s})
 
     def commit(self, switch: Switch) -> None:
         if switch.endpoint:
             self.endpoints.write(Endpoint(switch.endpoint, switch.served_model_name or switch.policy_version,
-                                          switch.policy_version, self.name))
+                                          switch.policy_version, self.name, switch.export_dir))
 
     def rollback(self, switch: Switch) -> str:
         prev = switch.previous

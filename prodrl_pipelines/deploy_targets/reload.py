@@ -29,22 +29,13 @@ import urllib.request
 from pathlib import Path
 
 from prodrl_pipelines.deploy_targets.base import DeployError, Endpoint, Switch, endpoint_file, wait_healthy
-from prodrl_pipelines.deploy_targets.servers import VLLMRestartTarget
+from prodrl_pipelines.deploy_targets.servers import VLLMRestartTarget, _cuda_available
 
 
 def is_moe(export_dir: Path) -> bool:
     cfg = json.loads((Path(export_dir) / "config.json").read_text())
     return bool(cfg.get("num_experts") or cfg.get("num_local_experts")
                 or any("Moe" in a for a in cfg.get("architectures") or []))
-
-
-def _cuda_available() -> bool:
-    try:
-        import torch
-
-        return bool(torch.cuda.is_available())
-    except Exception:  # noqa: BLE001 - no torch: not a GPU host
-        return False
 
 
 class VLLMReloadTarget:
@@ -86,7 +77,7 @@ class VLLMReloadTarget:
         try:
             self._post(url, "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(export_dir)}})
             self._post(url, "/reset_prefix_cache")
-            self.endpoints.write(Endpoint(url, served_name, policy_version, self.name))
+            self.endpoints.write(Endpoint(url, served_name, policy_version, self.name, str(export_dir)))
         finally:
             self._post(url, "/resume")
         return time.monotonic() - t0
@@ -128,7 +119,7 @@ class VLLMReloadTarget:
         prev = None
         if previous is not None:
             prev = {"policy_version": previous.policy_version,
-                    "export_dir": str(self._export_of(previous.policy_version))}
+                    "export_dir": previous.export_dir or str(self._export_of(previous.policy_version))}
         return Switch(self.name, policy_version, str(export_dir), url, served, seconds=seconds, previous=prev,
                       detail={"mode": "reload", "reload_seconds": seconds})
 

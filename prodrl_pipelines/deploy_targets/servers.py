@@ -103,7 +103,7 @@ class ManagedServerTarget:
     def command(self, export_dir: Path, port: int, policy_version: str) -> list[str]:
         raise NotImplementedError
 
-    def environment(self) -> dict:
+    def environment(self, port: int) -> dict:
         return dict(os.environ)
 
     # state
@@ -120,7 +120,7 @@ class ManagedServerTarget:
         log = self.dir / "logs" / f"{policy_version}-{port}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as fh:
-            proc = subprocess.Popen(self.command(export_dir, port, policy_version), env=self.environment(),
+            proc = subprocess.Popen(self.command(export_dir, port, policy_version), env=self.environment(port),
                                     stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
         return ServerRecord(pid=proc.pid, port=port, url=f"http://{self.host}:{port}", policy_version=policy_version,
                             export_dir=str(export_dir), log=str(log), started_at=time.time())
@@ -158,7 +158,8 @@ class ManagedServerTarget:
             raise DeployError(f"{self.name}: no pending server for {switch.policy_version} to commit")
         write_json(self.dir / "current.json", raw)
         (self.dir / "pending.json").unlink(missing_ok=True)
-        endpoint_file(self.home).write(Endpoint(switch.endpoint, switch.policy_version, switch.policy_version, self.name))
+        endpoint_file(self.home).write(Endpoint(switch.endpoint, switch.policy_version, switch.policy_version, self.name,
+                                                 switch.export_dir))
         old = switch.previous
         if old and int(old["pid"]) != int(raw["pid"]):
             time.sleep(DRAIN_S)
@@ -206,13 +207,37 @@ class VLLMRestartTarget(ManagedServerTarget):
         return vllm_serve_command(export_dir, port, max(k + 1, 20), host=self.host, served_model_name=policy_version,
                                   python=vllm_python(self.deploy), extra_args=self.deploy.server_args)
 
-    def environment(self) -> dict:
+    def environment(self, port: int) -> dict:
         from prodrl_pipelines.engines.vllm_client import vllm_serve_env
 
         env = vllm_serve_env(self.host)
+        if "VLLM_CPU_OMP_THREADS_BIND" not in env and not _cuda_available():
+            # vLLM's CPU engine pins its OpenMP threads (auto: the same first cores for every server):
+            # blue and green, alive together during a switch, get disjoint halves of the cores, else
+            # the new one starves behind the busy old one (measured: no start-up within 150 s)
+            env["VLLM_CPU_OMP_THREADS_BIND"] = core_half(self._ports().index(port))
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /collective_rpc, /resume for in-place reloads
         return env
+
+
+def _cuda_available() -> bool:
+    try:
+        import torch
+
+        return bool(torch.cuda.is_available())
+    except Exception:  # noqa: BLE001 - no torch: not a GPU host
+        return False
+
+
+def core_half(slot: int) -> str:
+    """The cores of blue/green slot 0 or 1 (``VLLM_CPU_OMP_THREADS_BIND`` syntax: ``0-3`` or ``1``)."""
+    cpus = sorted(os.sched_getaffinity(0))
+    if len(cpus) < 2:
+        return "nobind"
+    half = len(cpus) // 2
+    mine = cpus[:half] if slot == 0 else cpus[half:2 * half]
+    return ",".join(str(c) for c in mine)
 
 
 def vllm_python(deploy) -> str | None:
