@@ -43,7 +43,7 @@ up: $(STAMP)
 	bash scripts/ensure_postgres.sh
 	$(BIN)/prodrl up --home $(STACK_HOME) --settings examples/lab-demo.json
 
-bench: $(STAMP)
+bench: $(STAMP) vllm
 	for b in bench/*.py; do $(BIN)/python $$b || exit 1; done
 
 clean:

@@ -14,7 +14,8 @@ from prodrl_pipelines.rl.logprobs import policy_logprobs
 from prodrl_pipelines.rl.trainer import _reference_logprobs, build_optimizer, train_round
 from tests.test_rl import _tiny_model, _trajs_with_heads
 
-TINY = {"lab_size": "tiny", "lab_sft_steps": 300, "steps_per_round": 2, "batch_size": 4,
+# lab_seed 1: a tiny model whose round-2 batches have non-zero advantages (the steady-state lag check needs S steps)
+TINY = {"lab_size": "tiny", "lab_sft_steps": 300, "lab_seed": 1, "steps_per_round": 2, "batch_size": 4,
         "heldout_size": 12, "max_tokens": 6, "gate_tolerance": 1.0}
 
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 import sys
 
+import httpx
 import numpy as np
 import pytest
 
@@ -14,7 +15,9 @@ from prodrl_pipelines.deploy_targets.base import DeployError
 from prodrl_pipelines.deploy_targets.probe import compare
 from prodrl_pipelines.deploy_targets.rollout import DeployRejected, roll_out
 from prodrl_pipelines.deploy_targets.servers import ProdrlServeTarget, pid_alive
+from prodrl_pipelines.engines.server import BackgroundServer
 from prodrl_pipelines.engines.vllm_client import VLLMClient
+from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
 from prodrl_pipelines.settings import Settings, settings_from_flat
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -71,7 +74,23 @@ def test_prodrl_serve_target_switches_blue_green_and_rolls_back(exports, tmp_pat
     try:
         a = roll_out(s, target, exports["bf16"], "v1", PROMPTS)
         assert a.probe.passed and a.probe.mean_abs < 1e-5 and a.switch.endpoint.endswith(str(s.deploy.target_port))
+        app = build_recorder_app(RecorderConfig(upstream="", follow=str(endpoint_file(s.home_path).path),
+                                                store_dir=str(tmp_path / "store"), token="t", top_logprobs=4))
+        recorder = BackgroundServer(app).start()
+
+        def call(tid: str) -> dict:
+            r = httpx.post(recorder.url + "/v1/completions", headers={"Authorization": "Bearer t", "X-Trajectory-Id": tid},
+                           json={"model": "whatever-the-client-says", "prompt": [1, 5, 6], "max_tokens": 3}, timeout=60)
+            assert r.status_code == 200, r.text
+            return r.json()
+
+        assert call("before")["model"] == "v1"
         b = roll_out(s, ProdrlServeTarget(s, s.home_path), exports["bf16"], "v2", PROMPTS)  # a later run
+        assert call("after")["model"] == "v2"  # the recorder followed the switch to the new port
+        assert app.state.recorder.ingestor.flush(30)
+        tags = {r["trajectory_id"]: r["policy_version"] for r in app.state.recorder.store.read_calls().to_pylist()}
+        assert tags == {"before": "v1", "after": "v2"}
+        recorder.stop()
         assert b.switch.detail["replaces"] == "v1" and b.switch.endpoint.endswith(str(s.deploy.target_port + 1))
         assert not pid_alive(a.switch.detail["pid"])  # drained and stopped after the switch
         with VLLMClient(b.switch.endpoint) as c:

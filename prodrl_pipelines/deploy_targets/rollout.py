@@ -40,12 +40,20 @@ def roll_out(settings, target, export_dir: Path, policy_version: str,
         sw = target.switch(Path(export_dir), policy_version)
     except DeployError as e:  # never served: nothing to undo
         raise DeployRejected(f"deploy failed: {e}", None, None, "nothing changed; the previous deployment kept serving") from e
+    return probe_and_commit(settings, target, sw, prompts, api_key, t0)
+
+
+def probe_and_commit(settings, target, sw: Switch, prompts: list[list[int]], api_key: str | None = None,
+                     t0: float | None = None) -> Rollout:
+    """The second half of ``roll_out``: health check and parity probe of a switched deployment, then
+    commit, or roll back and raise ``DeployRejected``."""
+    t0 = time.monotonic() - sw.seconds if t0 is None else t0
     probe = None
     try:
         if sw.endpoint:
             wait_healthy(sw.endpoint, min(settings.deploy.health_timeout_s, 60.0), api_key=api_key)
         if settings.deploy.probe_prompts and prompts:
-            probe = parity_probe(settings, export_dir, prompts[: settings.deploy.probe_prompts],
+            probe = parity_probe(settings, Path(sw.export_dir), prompts[: settings.deploy.probe_prompts],
                                  sw.endpoint, sw.served_model_name, api_key=api_key, seed=settings.eval.eval_seed)
     except Exception as e:  # noqa: BLE001 - any failure here is a failed deploy: roll back, then report
         reason = f"health check / probe failed: {type(e).__name__}: {e}"

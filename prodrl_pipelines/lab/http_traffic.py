@@ -141,7 +141,11 @@ class LabDeployment:
     """``prodrl serve`` + ``prodrl record`` subprocesses for the live policy (see the module doc)."""
 
     def __init__(self, log_dir: Path, *, threads: int = 1, max_batch_size: int = 256, flush_interval_s: float = 0.2,
-                 concurrency: int = 32, startup_timeout_s: float = 180.0, wal_dir: Path | None = None) -> None:
+                 concurrency: int = 32, startup_timeout_s: float = 180.0, wal_dir: Path | None = None,
+                 follow: Path | None = None) -> None:
+        # follow: the deployment's endpoint file. The deploy target (e.g. vllm-restart) serves the live
+        # export; only the recorder runs here, following each switch (no server of its own).
+        self.follow = Path(follow) if follow else None
         self.log_dir = Path(log_dir)
         self.wal_dir = Path(wal_dir) if wal_dir else self.log_dir / "recorder_wal"  # S3 stores: WAL on local disk
         self.threads, self.max_batch_size, self.flush_interval_s = threads, max_batch_size, flush_interval_s
@@ -168,6 +172,8 @@ class LabDeployment:
         env.pop("PRODRL_UPSTREAM_API_KEY", None)
         sp, rp = pick_port(), pick_port()
         exe = [sys.executable, "-m", "prodrl_pipelines.cli"]
+        if self.follow is not None:
+            return self._start_following(svc, live, k, env, exe, store_args, rp)
         try:
             serve = _Proc("prodrl serve", exe + [
                 "serve", str(live.export_dir), "--port", str(sp), "--served-model-name", live.policy_version,
@@ -193,6 +199,38 @@ class LabDeployment:
         self._tokenizer = None
         return self
 
+    def _start_following(self, svc, live, k: int, env: dict, exe: list[str], store_args: list[str], rp: int):
+        self._wait_switched(live.policy_version)
+        try:
+            rec = _Proc("prodrl record", exe + [
+                "record", "--follow", str(self.follow), *store_args, "--port", str(rp),
+                "--tokenizer", str(live.export_dir), "--top-logprobs", str(k), "--upstream-max-logprobs", str(max(k + 1, 20)),
+                "--flush-interval", str(self.flush_interval_s)], env, self.log_dir / "record.log")
+            self._procs.append(rec)
+            rec.wait_health(f"http://127.0.0.1:{rp}/health", self.auth, self.startup_timeout_s)
+        except BaseException:
+            self.stop()
+            raise
+        self.recorder_url = f"http://127.0.0.1:{rp}"
+        self.serve_url = json.loads(self.follow.read_text())["url"]
+        self.policy_version, self.export_dir = live.policy_version, str(live.export_dir)
+        self.client = self.new_client()
+        self._tokenizer = None
+        return self
+
+    def _wait_switched(self, version: str, timeout_s: float = 30.0) -> None:
+        """The deploy target commits the endpoint file before the live pointer moves: it is there."""
+        deadline = time.monotonic() + timeout_s
+        while True:
+            try:
+                if json.loads(self.follow.read_text()).get("policy_version") == version:
+                    return
+            except (OSError, ValueError):
+                pass
+            if time.monotonic() > deadline:
+                raise RuntimeError(f"the deployment's endpoint file {self.follow} does not serve {version}")
+            time.sleep(0.1)
+
     def new_client(self) -> VLLMClient:
         """A client of the recorder (its own connection pool)."""
         return VLLMClient(self.recorder_url, api_key=self.token, model=self.policy_version,
@@ -211,6 +249,13 @@ class LabDeployment:
         """Running, and serving the live policy: (re)start both when the live version changed."""
         live = svc.live()
         alive = self._procs and all(p.proc.poll() is None for p in self._procs)
+        if alive and self.follow is not None:  # the recorder follows the switch; nothing restarts here
+            self._wait_switched(live.policy_version)
+            if self.policy_version != live.policy_version:
+                self.client.close()
+                self.policy_version, self.export_dir = live.policy_version, str(live.export_dir)
+                self.client = self.new_client()
+            return self
         if alive and self.policy_version == live.policy_version:
             return self
         self.stop()

@@ -3,6 +3,9 @@
 Clients talk to the recorder exactly as to vLLM (``POST /v1/completions``,
 ``POST /v1/chat/completions``, streaming or not, ``GET /v1/models``). For every call the recorder:
 
+0. with ``--follow FILE`` (the deployment's endpoint file, ``deploy_targets.base``) sends each request
+   to the URL and served model name the file holds now (re-read when it changes), so the recorder
+   follows blue/green restarts and in-place reloads;
 1. adds the recording fields to the upstream request: ``return_token_ids``,
    ``return_tokens_as_token_ids``, ``logprobs`` (completions: K; chat: ``logprobs: true`` and
    ``top_logprobs`` K + 1, at most ``--upstream-max-logprobs``, because vLLM's chat list starts with
@@ -16,7 +19,9 @@ Clients talk to the recorder exactly as to vLLM (``POST /v1/completions``,
 3. records one ``CALL_SCHEMA`` row per call: the exact prompt and output ids, processed logprobs, the
    top-K head (``support_complete`` from the head, see ``head_support_complete``), the sampling
    params, prompt/output text, and the policy version (``X-Policy-Version`` header, else
-   ``--policy-version``, else the upstream's model name). Rows are fsynced to the write-ahead log
+   ``--policy-version``, else the version that served the answer: with ``--follow``, the
+   deployment endpoint file's version when the answer comes from the model it serves now, else the
+   answer's served model name, never the client's). Rows are fsynced to the write-ahead log
    before the client gets its answer (for a stream: before the final ``data: [DONE]``, preceded by
    an SSE comment ``: prodrl trajectory_id=... call_index=...``).
 

@@ -1,0 +1,121 @@
+"""Seconds from "deploy" to "probe passed" for each deploy target, and what steady traffic sees
+during the switch: 4 clients send completions through ``prodrl record --follow`` the whole time;
+requests that failed, and the slowest request, while the target switched (side by side in one run).
+
+    python bench/deploy_switch.py
+
+Targets: ``prodrl-serve`` and ``vllm-restart`` (blue/green managed servers), ``vllm-reload`` (in
+place on a running dev-mode vLLM; on vLLM's CPU backend the probe finds the reloaded weights wrong
+and the target reloads the previous ones: the row says so).
+"""
+
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _vllm import SERVER_ARGS, dense_exports, vllm_python_or_exit  # noqa: E402
+
+from prodrl_pipelines.deploy_targets import endpoint_file, make_target  # noqa: E402
+from prodrl_pipelines.deploy_targets.base import DeployError, wait_healthy  # noqa: E402
+from prodrl_pipelines.deploy_targets.rollout import roll_out  # noqa: E402
+from prodrl_pipelines.deploy_targets.servers import stop_process_group  # noqa: E402
+from prodrl_pipelines.engines.server import BackgroundServer  # noqa: E402
+from prodrl_pipelines.engines.vllm_client import vllm_serve_command, vllm_serve_env  # noqa: E402
+from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app  # noqa: E402
+from prodrl_pipelines.settings import Settings  # noqa: E402
+from prodrl_pipelines.stack.processes import pick_port  # noqa: E402
+
+PROMPTS = [[1, 5, 6, 7, 8], [1, 40, 41, 42, 9], [1, 12, 13], [1, 20, 21, 22, 23]]
+
+
+class Traffic:
+    def __init__(self, url: str, workers: int = 4) -> None:
+        self.events: list[tuple[float, float, bool]] = []  # (start, seconds, ok)
+        self.stop = threading.Event()
+        self.pool = ThreadPoolExecutor(workers)
+        self.futs = [self.pool.submit(self._run, url, i) for i in range(workers)]
+
+    def _run(self, url: str, i: int) -> None:
+        n = 0
+        with httpx.Client(base_url=url, headers={"Authorization": "Bearer t"}, timeout=300) as h:
+            while not self.stop.is_set():
+                t0 = time.monotonic()
+                try:
+                    ok = h.post("/v1/completions", json={"model": "any", "prompt": PROMPTS[n % 4], "max_tokens": 8,
+                                                         "logprobs": 8, "seed": n}).status_code == 200
+                except httpx.HTTPError:
+                    ok = False
+                self.events.append((t0, time.monotonic() - t0, ok))
+                n += 1
+
+    def finish(self) -> None:
+        self.stop.set()
+        for f in self.futs:
+            f.result()
+        self.pool.shutdown()
+
+    def window(self, a: float, b: float) -> tuple[int, int, float]:
+        ev = [e for e in self.events if a <= e[0] + e[1] and e[0] <= b]
+        return len(ev), sum(not ok for _, _, ok in ev), max((s for _, s, _ in ev), default=0.0)
+
+
+def measure(name: str, settings: Settings, exports: list[Path]) -> str:
+    target = make_target(settings)
+    roll_out(settings, target, exports[0], "v0", PROMPTS)  # the starting deployment (not measured)
+    app = build_recorder_app(RecorderConfig(upstream="", follow=str(endpoint_file(settings.home_path).path),
+                                            store_dir=str(settings.home_path / "store"), token="t", top_logprobs=8))
+    with BackgroundServer(app) as srv:
+        traffic = Traffic(srv.url)
+        time.sleep(2.0)
+        t0 = time.monotonic()
+        try:
+            ro = roll_out(settings, target, exports[1], "v1", PROMPTS)
+            outcome, seconds = f"probe passed (mean {ro.probe.mean_abs:.4f})", ro.seconds
+        except DeployError as e:
+            outcome, seconds = f"rolled back: {getattr(e, 'rollback', e)}", time.monotonic() - t0
+        t1 = time.monotonic()
+        time.sleep(2.0)
+        traffic.finish()
+    n, failed, slowest = traffic.window(t0, t1)
+    if hasattr(target, "stop"):
+        target.stop()
+    return (f"{name:13s} {seconds:7.2f} s to probe   requests during switch {n:4d}, failed {failed:3d}, "
+            f"slowest {slowest:6.2f} s   {outcome}")
+
+
+def main() -> None:
+    py = vllm_python_or_exit()
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        exports = dense_exports(root)
+        common = {"num_top_logprobs": 8, "max_tokens": 8, "probe_prompts": 4, "export_scheme": "bf16",
+                  "vllm_python": py, "server_args": SERVER_ARGS}
+        rows.append(measure("prodrl-serve", Settings(home=str(root / "a"), deploy={
+            **common, "target": "prodrl-serve", "target_port": pick_port(), "server_args": ()}), exports))
+        rows.append(measure("vllm-restart", Settings(home=str(root / "b"), deploy={
+            **common, "target": "vllm-restart", "target_port": pick_port()}), exports))
+        port = pick_port()
+        env = {**vllm_serve_env(), "VLLM_SERVER_DEV_MODE": "1"}
+        with open(root / "dev.log", "wb") as log:
+            dev = subprocess.Popen(vllm_serve_command(exports[0], port, 20, served_model_name="live", python=py,
+                                                      extra_args=SERVER_ARGS),
+                                   env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        try:
+            wait_healthy(f"http://127.0.0.1:{port}", 300, expect_model="live", alive=lambda: dev.poll() is None)
+            rows.append(measure("vllm-reload", Settings(home=str(root / "c"), deploy={
+                **common, "target": "vllm-reload", "target_endpoint": f"http://127.0.0.1:{port}"}), exports))
+        finally:
+            stop_process_group(dev.pid)
+    print("\n".join(rows))
+
+
+if __name__ == "__main__":
+    main()
