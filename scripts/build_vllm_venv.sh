@@ -22,6 +22,9 @@ if [ ! -f "$venv/.complete" ]; then
 fi
 hash=$(cat "$plugin/pyproject.toml" "$plugin"/prodrl_vllm_cpu_nvfp4/*.py | sha1sum | cut -c1-12)
 if [ ! -f "$venv/.plugin-$hash" ]; then
-  "$venv/bin/python" -m pip install -q --no-deps --force-reinstall "$plugin"
+  tmp=$(mktemp -d)  # built from a copy: setuptools leaves build/ in the tree it builds
+  cp -r "$plugin"/pyproject.toml "$plugin"/prodrl_vllm_cpu_nvfp4 "$tmp"/
+  "$venv/bin/python" -m pip install -q --no-deps --force-reinstall "$tmp"
+  rm -rf "$tmp"
   rm -f "$venv"/.plugin-*; touch "$venv/.plugin-$hash"
 fi
