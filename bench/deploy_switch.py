@@ -1,5 +1,7 @@
 """Seconds from "deploy" to "probe passed" for each deploy target, and what steady traffic sees
-during the switch: 4 clients send completions through ``prodrl record --follow`` the whole time;
+during the switch: 4 clients send completions through ``prodrl record --follow`` the whole time,
+each pausing 20 ms between calls (4 clients without pauses saturate the 2 cores, and a second vLLM
+then does not finish booting within 300 s: vllm-restart rolls back, 0 requests failed);
 requests that failed, and the slowest request, while the target switched (side by side in one run).
 
     python bench/deploy_switch.py
@@ -36,7 +38,8 @@ PROMPTS = [[1, 5, 6, 7, 8], [1, 40, 41, 42, 9], [1, 12, 13], [1, 20, 21, 22, 23]
 
 
 class Traffic:
-    def __init__(self, url: str, workers: int = 4) -> None:
+    def __init__(self, url: str, workers: int = 4, pause_s: float = 0.02) -> None:
+        self.pause_s = pause_s
         self.events: list[tuple[float, float, bool]] = []  # (start, seconds, ok)
         self.stop = threading.Event()
         self.pool = ThreadPoolExecutor(workers)
@@ -54,6 +57,7 @@ class Traffic:
                     ok = False
                 self.events.append((t0, time.monotonic() - t0, ok))
                 n += 1
+                time.sleep(self.pause_s)
 
     def finish(self) -> None:
         self.stop.set()
