@@ -6,7 +6,7 @@ from functools import lru_cache
 from pathlib import Path
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, Field, model_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from prodrl_pipelines.engines.types import SamplingParams
 from prodrl_pipelines.rl.config import Recipe
@@ -57,16 +57,27 @@ class DeploySettings(BaseModel):
                              "recorded head holds the whole sampling support")
         return self
 
-    @model_validator(mode="after")
-    def _known_target(self) -> "DeploySettings":
+    @field_validator("target")
+    @classmethod
+    def _known_target(cls, v: str) -> str:
         from prodrl_pipelines.deploy_targets import TARGETS
+
+        if v not in TARGETS:
+            raise ValueError(f"unknown deploy target {v!r}; choose one of {sorted(TARGETS)}")
+        return v
+
+    @field_validator("target_command")
+    @classmethod
+    def _command_template(cls, v: str) -> str:
         from prodrl_pipelines.deploy_targets.command import check_command_template
 
-        if self.target not in TARGETS:
-            raise ValueError(f"unknown deploy target {self.target!r}; choose one of {sorted(TARGETS)}")
+        check_command_template(v)
+        return v
+
+    @model_validator(mode="after")
+    def _command_needs_template(self) -> "DeploySettings":
         if self.target == "command" and not self.target_command:
             raise ValueError("deploy target 'command' needs target_command")
-        check_command_template(self.target_command)
         return self
 
     def sampling(self, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:

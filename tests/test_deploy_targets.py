@@ -54,11 +54,11 @@ def test_compare_is_the_mean_and_p99_of_absolute_differences():
 
 def test_settings_choose_a_known_target_and_fail_early():
     assert set(TARGETS) == {"pointer", "prodrl-serve", "vllm-restart", "vllm-reload", "command"}
-    with pytest.raises(ValueError, match="unknown deploy target 'k8s'"):
+    with pytest.raises(ValueError, match="^target: unknown deploy target 'k8s'"):
         settings_from_flat({"target": "k8s"})
     with pytest.raises(ValueError, match="needs target_command"):
         settings_from_flat({"target": "command"})
-    with pytest.raises(ValueError, match=r"\{image\}"):
+    with pytest.raises(ValueError, match=r"^target_command: .*\{image\}"):
         settings_from_flat({"target": "command", "target_command": "deploy {image}"})
     d = Settings().deploy
     assert d.probe_bounds() == (0.05, 0.5)  # nvfp4-w4a16 default
