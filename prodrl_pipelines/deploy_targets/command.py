@@ -85,10 +85,7 @@ class CommandTarget:
         url = self._endpoint()
         if url:
             wait_healthy(url, self.deploy.health_timeout_s)
-        prev = None
-        if previous is not None:
-            prev = {"policy_version": previous.policy_version,
-                    "export_dir": previous.export_dir or str(Path(self.settings.exports_root) / previous.policy_version)}
+        prev = {"policy_version": previous.policy_version, "export_dir": previous.export_dir} if previous else None
         return Switch(self.name, policy_version, str(export_dir), url, policy_version,
                       seconds=time.monotonic() - t0, previous=prev, detail={"command_seconds": command_s})
 

@@ -51,23 +51,6 @@ class ProbeResult:
         return {f"probe_{k}": v for k, v in asdict(self).items() if k not in ("reason",)}
 
 
-def trainer_logprobs(model, records, params) -> list[np.ndarray]:
-    """log pi(a|h) of every sampled token of each record, from the fp32 trainer model, processed
-    with the records' own sampling parameters."""
-    from prodrl_pipelines.engines.sampling import processed_logprobs
-
-    out = []
-    with torch.no_grad():
-        for r in records:
-            ids = torch.tensor([list(r.prompt_token_ids) + list(r.output_token_ids)])
-            logits = model(input_ids=ids).logits[0]
-            n_p, n_o = len(r.prompt_token_ids), len(r.output_token_ids)
-            z = logits[n_p - 1:n_p - 1 + n_o].float()
-            lp = processed_logprobs(z, params.temperature, params.top_k, params.top_p)
-            out.append(lp.gather(1, torch.tensor(r.output_token_ids)[:, None])[:, 0].double().numpy())
-    return out
-
-
 def compare(served: list[np.ndarray], trainer: list[np.ndarray], mean_bound: float, p99_bound: float) -> dict:
     d = np.concatenate([np.abs(np.asarray(s, dtype=np.float64) - t) for s, t in zip(served, trainer)]) \
         if served else np.zeros(0)
@@ -89,16 +72,14 @@ def compare(served: list[np.ndarray], trainer: list[np.ndarray], mean_bound: flo
 
 def parity_probe(settings, export_dir: Path, prompts: list[list[int]], endpoint: str | None,
                  served_model_name: str | None = None, api_key: str | None = None, seed: int = 0) -> ProbeResult:
-    from transformers import AutoTokenizer
-
-    from prodrl_pipelines.rl.checkpoint import load_policy
-
+    from prodrl_pipelines.engines.local import LocalEngine
     from prodrl_pipelines.evaluation.episodes import stop_token_ids
+    from prodrl_pipelines.rl.checkpoint import load_policy
 
     t0 = time.monotonic()
     d = settings.deploy
-    tok = AutoTokenizer.from_pretrained(export_dir)
-    params = d.sampling(stop_token_ids=stop_token_ids(tok, export_dir))
+    trainer = LocalEngine(*load_policy(Path(export_dir), torch.float32))  # scores what was served
+    params = d.sampling(stop_token_ids=stop_token_ids(trainer.tokenizer, export_dir))
     if endpoint:
         from prodrl_pipelines.engines.vllm_client import VLLMClient
 
@@ -106,11 +87,9 @@ def parity_probe(settings, export_dir: Path, prompts: list[list[int]], endpoint:
             records = client.generate(prompts, params, seed=seed)
         engine = endpoint
     else:
-        from prodrl_pipelines.engines.local import LocalEngine
-
         records = LocalEngine.from_pretrained(export_dir).generate(prompts, params, seed=seed)
         engine = "local"
-    model = load_policy(Path(export_dir), torch.float32)[0].eval()
+    pi = trainer.score([r.prompt_token_ids for r in records], [r.output_token_ids for r in records], params)
     served = [np.asarray(r.output_logprobs, dtype=np.float64) for r in records]
-    cmp = compare(served, trainer_logprobs(model, records, params), *d.probe_bounds())
+    cmp = compare(served, [np.asarray(x, dtype=np.float64) for x in pi], *d.probe_bounds())
     return ProbeResult(prompts=len(prompts), seconds=time.monotonic() - t0, engine=engine, **cmp)

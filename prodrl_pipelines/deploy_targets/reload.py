@@ -28,7 +28,7 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from prodrl_pipelines.deploy_targets.base import DeployError, Endpoint, Switch, endpoint_file, wait_healthy
+from prodrl_pipelines.deploy_targets.base import DeployError, Endpoint, Switch, endpoint_file, served_models
 from prodrl_pipelines.deploy_targets.servers import VLLMRestartTarget, _cuda_available
 
 
@@ -46,10 +46,7 @@ class VLLMReloadTarget:
         self.deploy = settings.deploy
         self.home = Path(home)
         self.external = settings.deploy.target_endpoint.rstrip("/") or None
-        self.restart = VLLMRestartTarget(settings, home)
-        self.restart.name = self.name  # its state lives under deployment/vllm-reload
-        self.restart.dir = self.home / "deployment" / self.name
-        self.restart.dev_mode = True
+        self.restart = VLLMRestartTarget(settings, home, state_name=self.name, dev_mode=True)
         self.endpoints = endpoint_file(home)
         from prodrl_pipelines import environment
 
@@ -88,8 +85,6 @@ class VLLMReloadTarget:
             ep = self.endpoints.read()
             if ep is not None and ep.url.rstrip("/") == self.external:
                 return self.external, ep.served_model_name
-            from prodrl_pipelines.deploy_targets.base import served_models
-
             names = served_models(self.external, self.api_key)
             if not names:
                 raise DeployError(f"{self.external} serves no model")
@@ -111,20 +106,10 @@ class VLLMReloadTarget:
             return sw
         url, served = serving
         previous = self.endpoints.read()
-        seconds = self._reload(url, served, Path(export_dir), policy_version)
-        try:
-            wait_healthy(url, self.deploy.health_timeout_s, api_key=self.api_key)
-        except DeployError:
-            pass  # the probe's health check reports it; rollback restores the previous weights
-        prev = None
-        if previous is not None:
-            prev = {"policy_version": previous.policy_version,
-                    "export_dir": previous.export_dir or str(self._export_of(previous.policy_version))}
+        seconds = self._reload(url, served, Path(export_dir), policy_version)  # health: checked by the rollout
+        prev = {"policy_version": previous.policy_version, "export_dir": previous.export_dir} if previous else None
         return Switch(self.name, policy_version, str(export_dir), url, served, seconds=seconds, previous=prev,
                       detail={"mode": "reload", "reload_seconds": seconds})
-
-    def _export_of(self, policy_version: str) -> Path:
-        return Path(self.settings.exports_root) / policy_version
 
     def commit(self, switch: Switch) -> None:
         if switch.detail.get("mode", "").startswith("restart"):
@@ -134,7 +119,7 @@ class VLLMReloadTarget:
         if switch.detail.get("mode", "").startswith("restart"):
             return self.restart.rollback(switch)
         prev = switch.previous
-        if not prev or not (Path(prev["export_dir"]) / "config.json").exists():
+        if not prev or not prev["export_dir"] or not (Path(prev["export_dir"]) / "config.json").exists():
             return "no previous export to reload: the new weights stay loaded"
         self._reload(switch.endpoint, switch.served_model_name, Path(prev["export_dir"]), prev["policy_version"])
         return f"reloaded {prev['policy_version']} in place"

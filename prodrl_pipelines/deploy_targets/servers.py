@@ -28,6 +28,7 @@ from prodrl_pipelines.deploy_targets.base import (
     wait_healthy,
     write_json,
 )
+from prodrl_pipelines.stack.processes import tail
 
 # Requests already accepted by the old server finish before it is stopped (the recorder switched
 # to the new one when the endpoint file changed).
@@ -65,13 +66,6 @@ def stop_process_group(pid: int, grace_s: float = 20.0) -> None:
             time.sleep(0.1)
 
 
-def tail(path: Path, n: int = 25) -> str:
-    try:
-        return "\n".join(Path(path).read_text(errors="replace").splitlines()[-n:])
-    except OSError:
-        return ""
-
-
 @dataclass
 class ServerRecord:
     pid: int
@@ -92,11 +86,13 @@ class ManagedServerTarget:
     name = "managed"
     ready_timeout_default = 180.0
 
-    def __init__(self, settings, home: str | os.PathLike) -> None:
+    def __init__(self, settings, home: str | os.PathLike, *, state_name: str | None = None,
+                 dev_mode: bool = False) -> None:
         self.settings = settings
         self.deploy = settings.deploy
         self.home = Path(home)
-        self.dir = self.home / "deployment" / self.name
+        self.dir = self.home / "deployment" / (state_name or self.name)  # pid/port state, logs
+        self.dev_mode = dev_mode
         self.host = "127.0.0.1"
 
     # what a subclass defines
@@ -198,7 +194,6 @@ class VLLMRestartTarget(ManagedServerTarget):
     """vLLM's OpenAI server as a managed process (``vllm_serve_command``), restarted per deploy."""
 
     name = "vllm-restart"
-    dev_mode = False
 
     def command(self, export_dir: Path, port: int, policy_version: str) -> list[str]:
         from prodrl_pipelines.engines.vllm_client import vllm_serve_command
@@ -241,7 +236,7 @@ def core_half(slot: int) -> str:
 
 
 def vllm_python(deploy) -> str | None:
-    """The interpreter of vLLM's environment: ``deploy.vllm_python``, else ``$PRODRL_VLLM_PYTHON``."""
+    """The interpreter of vLLM's environment: ``deploy.vllm_python``, else ``environment.vllm_python()``."""
     from prodrl_pipelines import environment
 
-    return deploy.vllm_python or environment.vllm_python() or None
+    return deploy.vllm_python or environment.vllm_python()

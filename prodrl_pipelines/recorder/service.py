@@ -203,20 +203,21 @@ class FollowedEndpoint:
     target replaces it atomically, so a changed inode or mtime means a new switch)."""
 
     def __init__(self, path: str | os.PathLike) -> None:
+        from prodrl_pipelines.deploy_targets.base import EndpointFile
+
         self.path = Path(path)
+        self.file = EndpointFile(self.path)
         self._key = None
         self._ep = None
 
     def current(self):
-        from prodrl_pipelines.deploy_targets.base import EndpointFile
-
         try:
             st = os.stat(self.path)
         except FileNotFoundError:
             return None
         key = (st.st_ino, st.st_mtime_ns, st.st_size)
         if key != self._key:
-            self._ep, self._key = EndpointFile(self.path).read(), key
+            self._ep, self._key = self.file.read(), key
         return self._ep
 
 
