@@ -5,7 +5,9 @@ from __future__ import annotations
 from pathlib import Path
 
 from prodrl_pipelines.deployment import BASE_VERSION
-from prodrl_pipelines.rounds import _calibration_prompts, evaluate_policy, make_live
+from prodrl_pipelines.review import DEPLOYED, now, state_tags
+from prodrl_pipelines.promotion import make_live
+from prodrl_pipelines.rounds import _calibration_prompts, evaluate_policy
 from prodrl_pipelines.services import Services, publish_checkpoint, publish_export
 
 
@@ -31,7 +33,11 @@ def bootstrap_base_policy(svc: Services, progress: bool = True) -> dict:
                         calibration_prompts=_calibration_prompts(svc, None) if scheme == "nvfp4-w4a4" else None)
     ev = evaluate_policy(svc, s.exports_root / BASE_VERSION, BASE_VERSION)
     svc.registry.record_eval(BASE_VERSION, ev)
-    _, rollout = make_live(svc, BASE_VERSION)  # served through the deploy target, probed
+    _, rollout = make_live(svc, BASE_VERSION, by="bootstrap")  # served through the deploy target, probed
+    if svc.registry.decision(BASE_VERSION) is None:  # round 0 is decided by construction
+        svc.registry.record_decision(BASE_VERSION, {"passed": True, "deployed": True, "review": "none", "base": True,
+                                                    "decided_by": "bootstrap", "decided_at": now(),
+                                                    "candidate_mean": ev["mean"], "n_tasks": len(ev["rewards"])})
     svc.registry.update_round(BASE_VERSION, heldout_reward=ev["mean"], heldout_reward_ci=ev["ci95"],
                               gate_passed=True, deployed=True, policy_version=BASE_VERSION, num_trajectories=0,
                               base_model=s.base_model, suite=suite.name, **rollout.metadata())
@@ -53,10 +59,12 @@ def bootstrap(svc: Services) -> dict:
                                                          "export_scheme": s.deploy.export_scheme})
     source = publish_export(svc, BASE_VERSION, Path(stats["export"]["export_dir"]))
     version = svc.lineage.register_candidate(source, run_id, BASE_VERSION, {
-        "format": s.deploy.export_scheme, "gate": "base", "heldout_reward": f"{stats['heldout_reward']:.4f}",
-        "base_model": s.base_model})
+        **state_tags(DEPLOYED, base=True), "format": s.deploy.export_scheme,
+        "heldout_reward": f"{stats['heldout_reward']:.4f}", "base_model": s.base_model})
     svc.lineage.log_metrics(run_id, {"heldout_reward": stats["heldout_reward"]}, 0)
     svc.lineage.promote(version)
+    svc.lineage.describe_version(version, f"{BASE_VERSION}: the base model {s.base_model}, held-out reward "
+                                          f"{stats['heldout_reward']:.4f}; deployed by bootstrap.")
     svc.lineage.finish(run_id)
     live = svc.registry.live()
     live.model_version = version

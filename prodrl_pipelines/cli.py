@@ -2,7 +2,9 @@
 
     prodrl check-settings FILE               resolved settings as JSON, or the error naming the field (exit 1)
     prodrl bootstrap --settings FILE         round 0 from the model source (base_model), evaluated, live
-    prodrl eval --settings FILE [--policy V] held-out reward of a policy version on the suite (JSON)
+    prodrl eval --settings FILE [--policy V] held-out reward of a policy version on the suite (JSON); a
+                                             round's re-evaluation is stored beside its original
+    prodrl review list|approve|reject|rollback  the reviewer's registry commands (review_cli)
     prodrl up / serve / record               the stack, the local engine server, the recording proxy
 
 Packages add commands through the entry point group ``prodrl_pipelines.cli`` (a function taking the
@@ -76,7 +78,7 @@ def cmd_eval(args) -> int:
     svc = services(res["settings"], res["store"])
     ev = rounds.evaluate_version(svc, args.policy)
     print(json.dumps({k: ev[k] for k in ("policy_version", "mean", "ci95", "num_tasks", "reward_errors",
-                                         "first_reward_error")}, indent=1))
+                                         "first_reward_error", "stored_at") if k in ev}, indent=1))
     return 0
 
 
@@ -116,6 +118,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     add_serve_parser(sub)  # prodrl serve: the local engine behind vLLM's OpenAI-compatible API
     add_record_parser(sub)  # prodrl record: the recording proxy (WAL, Parquet parts, feedback)
+    from prodrl_pipelines.review_cli import add_review_parser
+
+    add_review_parser(sub)  # prodrl review: approve, reject, roll back in the MLflow registry
     for ep in entry_points(group=CLI_GROUP):
         ep.load()(sub)
     return p

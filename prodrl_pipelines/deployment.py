@@ -2,8 +2,9 @@
 
 Small JSON documents on the same blob store as the trajectories (keys: ``keys``), so the sensor,
 the assets and the demo all read one source of truth: the live deployment, the deployed versions
-oldest first (for max_policy_lag), each round's gate decision (its presence = round finished) and
-summary, and the held-out rewards per task of each policy (reused as "live" later).
+oldest first (for max_policy_lag), every deploy and rollback as an event, each round's decision
+(gate, review, deployment: ``review.round_state``) and summary, and the held-out rewards per task of
+each policy (reused as "live" later). A decided round's decision is never rewritten.
 """
 
 from __future__ import annotations
@@ -26,6 +27,10 @@ def round_index(key: str) -> int:
     return int(key.split("-", 1)[1])
 
 
+class DecidedError(RuntimeError):
+    """A write that would change the recorded decision of a decided round."""
+
+
 @dataclass
 class LiveDeployment:
     policy_version: str
@@ -33,6 +38,8 @@ class LiveDeployment:
     export_dir: str
     model_version: str | None = None  # MLflow registry version
     deployed_at: str = ""
+    kind: str = "deploy"  # deploy | rollback
+    decided_by: str = ""  # who made it live: the gate (auto), a reviewer, a rollback's author
 
 
 class DeploymentRegistry:
@@ -53,17 +60,37 @@ class DeploymentRegistry:
         return LiveDeployment(**raw) if raw else None
 
     def deploy(self, dep: LiveDeployment) -> None:
+        """Make ``dep`` live and append it to the deployment events. A rollback moves its version to
+        the end of the deployment order: the policy that served just before it is then its
+        predecessor (one-round async reads its traffic as lag 1)."""
         dep.deployed_at = dep.deployed_at or datetime.now(timezone.utc).isoformat()
-        history = self.version_order()
-        if dep.policy_version not in history:
-            history.append(dep.policy_version)
+        history = [v for v in self.version_order() if v != dep.policy_version] + [dep.policy_version]
+        if history != self.version_order():
             self._put(keys.HISTORY, history)
+        events = self.events()
+        if events and events[-1]["policy_version"] == dep.policy_version and dep.kind != "rollback":
+            events[-1] = {**asdict(dep), "previous": events[-1].get("previous")}  # the same deploy, completed
+        else:
+            events.append({**asdict(dep), "previous": events[-1]["policy_version"] if events else None})
+        self._put(keys.EVENTS, events)
         self._put(keys.LIVE, asdict(dep))
+
+    def events(self) -> list[dict]:
+        """Every deploy and rollback, oldest first (the live one last)."""
+        return list(self._get(keys.EVENTS, []))
 
     def version_order(self) -> list[str]:
         return list(self._get(keys.HISTORY, []))
 
     def record_decision(self, rkey: str, decision: dict) -> None:
+        """Write the round's decision; refused (``DecidedError``) once the round is decided."""
+        from prodrl_pipelines.review import describe_decision, is_decided
+
+        cur = self.decision(rkey)
+        if cur is not None and is_decided(cur):
+            if cur == decision:
+                return
+            raise DecidedError(f"{rkey} is decided ({describe_decision(cur)}); its decision is never rewritten")
         self._put(keys.decision(rkey), decision)
 
     def decision(self, rkey: str) -> dict | None:

@@ -9,6 +9,9 @@ stores from these variables:
 - ``PRODRL_S3_BUCKET`` / ``PRODRL_S3_PREFIX`` / ``PRODRL_S3_ENDPOINT_URL`` / ``PRODRL_S3_REGION``: the
   stores on S3 instead (credentials from the boto3 chain);
 - ``MLFLOW_TRACKING_URI``: the MLflow tracking server (default SQLite under the home);
+- ``MLFLOW_UI_URL``: where the MLflow UI opens, for the links in Dagster (default: the tracking server
+  when it is one, else ``http://127.0.0.1:5000``, where ``mlflow ui`` on the SQLite store listens);
+- ``PRODRL_REGISTRY_INTERVAL_S``: the registry sensor's minimum interval (default 15);
 - ``PRODRL_SENSOR_INTERVAL_S``: the data-volume sensor's minimum interval (default 30);
 - ``PRODRL_THREADS_PER_RANK``: torch threads of each training rank (default 1);
 - ``PRODRL_EVAL_API_KEY``: bearer token for ``eval.live_endpoint`` (none by default);
@@ -31,6 +34,9 @@ S3_KEYS = ("bucket", "prefix", "endpoint_url", "region")
 SENSOR_INTERVAL = "PRODRL_SENSOR_INTERVAL_S"
 THREADS_PER_RANK = "PRODRL_THREADS_PER_RANK"
 TRACKING_URI = "MLFLOW_TRACKING_URI"
+UI_URL = "MLFLOW_UI_URL"
+REGISTRY_INTERVAL = "PRODRL_REGISTRY_INTERVAL_S"
+LOCAL_MLFLOW_UI = "http://127.0.0.1:5000"
 
 
 def s3_var(key: str) -> str:
@@ -74,8 +80,16 @@ def tracking_uri(environ: Mapping = os.environ) -> str:
     return environ.get(TRACKING_URI, "")
 
 
+def mlflow_ui_url(environ: Mapping = os.environ) -> str:
+    return environ.get(UI_URL, "")
+
+
 def sensor_interval_s(environ: Mapping = os.environ) -> int:
     return int(environ.get(SENSOR_INTERVAL, "30"))
+
+
+def registry_interval_s(environ: Mapping = os.environ) -> int:
+    return int(environ.get(REGISTRY_INTERVAL, "15"))
 
 
 def eval_api_key(environ: Mapping = os.environ) -> str | None:

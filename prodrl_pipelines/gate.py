@@ -22,9 +22,14 @@ class GateDecision:
     diff_upper: float = float("nan")
     candidate_mean: float = float("nan")
     live_mean: float = float("nan")
+    n_tasks: int = 0
+    tolerance: float = float("nan")
 
     def summary(self) -> str:
-        return "passed" if self.passed else "failed: " + "; ".join(self.reasons)
+        numbers = (f"mean paired difference {self.mean_diff:+.4f} over {self.n_tasks} tasks, lower bound "
+                   f"{self.diff_lower:+.4f} vs -tolerance {-self.tolerance:.4f} (candidate {self.candidate_mean:.4f}, "
+                   f"live {self.live_mean:.4f})")
+        return f"passed: {numbers}" if self.passed else "failed: " + "; ".join(self.reasons) + f" [{numbers}]"
 
 
 def paired_confidence_interval(diffs: np.ndarray, z: float) -> tuple[float, float, float]:
@@ -87,5 +92,5 @@ def decide(
     return GateDecision(
         passed=not reasons, reasons=reasons, mean_diff=m, diff_lower=lo, diff_upper=hi,
         candidate_mean=float(cand.mean()) if cand.size else float("nan"),
-        live_mean=float(live.mean()) if live.size else float("nan"),
+        live_mean=float(live.mean()) if live.size else float("nan"), n_tasks=int(cand.size), tolerance=float(tolerance),
     )

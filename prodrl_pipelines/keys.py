@@ -1,6 +1,7 @@
 """The store's key scheme: where every document of the loop lives (one place, not f-strings).
 
     deploy/live.json                 the live deployment          deploy/history.json   deployed versions
+    deploy/events.json               every deploy and rollback    rounds/<round>/reevaluations/<at>.json
     rounds/<round>/dataset.parquet   the round's selected calls   rounds/<round>/batch.json  minibatches
     rounds/<round>/train_steps.json  per-step metrics             rounds/<round>/heldout.json  evaluation
     rounds/<round>/decision.json     the gate decision            rounds/<round>/summary.json  summary
@@ -10,6 +11,7 @@
 
 LIVE = "deploy/live.json"
 HISTORY = "deploy/history.json"
+EVENTS = "deploy/events.json"
 ROUNDS = "rounds/"
 TRAFFIC_BATCHES = "traffic/batches.json"
 
@@ -44,3 +46,8 @@ def summary(rkey: str) -> str:
 
 def policy_eval(policy_version: str) -> str:
     return f"evals/{policy_version}.json"
+
+
+def reevaluation(rkey: str, stamp: str) -> str:
+    """An explicit re-evaluation of a round's export, stored beside (never over) its heldout.json."""
+    return round_doc(rkey, f"reevaluations/{stamp}.json")

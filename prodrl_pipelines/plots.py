@@ -19,15 +19,16 @@ def _png(fig) -> bytes:
     return buf.getvalue()
 
 
-def reward_curve_png(rounds: Sequence[int], rewards: Sequence[float], ci: Sequence[float], deployed: Sequence[bool]) -> bytes:
-    """Held-out reward per round with its confidence interval; hollow markers = gate held."""
+def reward_curve_png(rounds: Sequence[int], rewards: Sequence[float], ci: Sequence[float], passed: Sequence[bool]) -> bytes:
+    """Held-out reward per round with its confidence interval, drawn once the round's gate has
+    decided; hollow markers = the gate held the candidate back."""
     fig, ax = plt.subplots(figsize=(5.5, 3.2))
     ax.errorbar(rounds, rewards, yerr=ci, fmt="-", color="tab:blue", capsize=3, lw=1.5)
-    for r, y, d in zip(rounds, rewards, deployed):
+    for r, y, d in zip(rounds, rewards, passed):
         ax.plot(r, y, "o", color="tab:blue", mfc="tab:blue" if d else "white")
     ax.set_xlabel("round")
     ax.set_ylabel("held-out reward")
-    ax.set_title("held-out reward (filled = deployed)")
+    ax.set_title("held-out reward (filled = passed the gate)")
     ax.grid(alpha=0.3)
     return _png(fig)
 

@@ -1,6 +1,7 @@
 """The steps of one prod-RL round, free of Dagster: each asset calls exactly one of these.
 
-select -> batch -> train -> export -> evaluate -> gate -> deploy. Every step reads its inputs
+select -> batch -> train -> export -> evaluate -> gate here, then deploy (``promotion``: auto, or a
+reviewer's approval or rollback from the registry). Every step reads its inputs
 from the stores by round key (``keys``) and writes its outputs back, so any step can be re-run alone
 and a crashed round can be resumed from the last finished step. Round 0 is ``bootstrap``; what the
 steps work with is ``services``.
@@ -15,7 +16,7 @@ from typing import Callable
 import numpy as np
 
 from prodrl_pipelines import keys
-from prodrl_pipelines.deployment import BASE_VERSION, LiveDeployment, round_index
+from prodrl_pipelines.deployment import BASE_VERSION, round_index
 from prodrl_pipelines.gate import GateDecision, decide
 from prodrl_pipelines.services import (  # noqa: F401 - re-exported: callers use rounds.Services etc.
     RoundError, Services, _get_json, _get_table, _put_table, _vocab_size, ensure_local, preflight,
@@ -24,10 +25,23 @@ from prodrl_pipelines.services import (  # noqa: F401 - re-exported: callers use
 from prodrl_pipelines.settings import Settings
 
 
+def refuse_if_decided(svc: Services, rkey: str, step: str) -> None:
+    """A decided round's data, checkpoint and export are its history: re-running the step that made
+    them is refused, naming the decision (an explicit re-evaluation goes beside: ``evaluate_version``)."""
+    from prodrl_pipelines.review import describe_decision, is_decided
+
+    d = svc.registry.decision(rkey)
+    if is_decided(d):
+        raise RoundError(f"{rkey} is decided ({describe_decision(d)}): re-running {step} would rewrite its history. "
+                         f"Its recorded results stay; to re-evaluate its export run `prodrl eval --policy {rkey}` "
+                         "(stored beside the original)")
+
+
 # --- 1. recorded_trajectories -------------------------------------------------------------
 def select_data(svc: Services, rkey: str) -> dict:
     from prodrl_pipelines.trajectories.selection import InsufficientDataError, select_round_dataset
 
+    refuse_if_decided(svc, rkey, "recorded_trajectories")
     s, live = svc.settings, svc.live()
     preflight(svc, live)
     try:
@@ -74,6 +88,7 @@ def build_batch(svc: Services, rkey: str) -> dict:
     from prodrl_pipelines.rl.checkpoint import load_trainer_state
     from prodrl_pipelines.rl.trainer import plan_minibatches, round_advantages
 
+    refuse_if_decided(svc, rkey, "training_batch")
     s, live = svc.settings, svc.live()
     trajs = trajectories_from_table(_get_table(svc.blobs, keys.dataset(rkey)))
     state = load_trainer_state(Path(live.checkpoint_dir))
@@ -107,6 +122,8 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
     from prodrl_pipelines.rl.checkpoint import load_policy, load_trainer_state, save_checkpoint
     from prodrl_pipelines.rl.trainer import build_optimizer, train_round
 
+    if out_dir is None:  # a worker's scratch copy is not the round's history
+        refuse_if_decided(svc, rkey, "trained_checkpoint")
     s, live = svc.settings, svc.live()
     batch = _get_json(svc, keys.batch(rkey))
     trajs = {t.trajectory_id: t for t in trajectories_from_table(_get_table(svc.blobs, keys.dataset(rkey)))}
@@ -219,6 +236,7 @@ def export(svc: Services, rkey: str) -> dict:
 
     from prodrl_pipelines.quant.export import ExportError, NonFiniteWeightsError, export_policy
 
+    refuse_if_decided(svc, rkey, "exported_policy")
     s = svc.settings
     src = ensure_local(svc, "checkpoints", rkey)
     if not (src / "config.json").exists():
@@ -248,23 +266,11 @@ def evaluate_policy(svc: Services, export_dir: Path, policy_version: str) -> dic
     return _evaluate(svc.settings, svc.suite, export_dir, policy_version)
 
 
-def _evaluate_endpoint(svc: Services, endpoint: str, export_dir: Path, policy_version: str) -> dict:
-    """The suite through a serving endpoint (the tokenizer from the export renders the prompts)."""
-    from transformers import AutoTokenizer
-
-    from prodrl_pipelines import environment
-    from prodrl_pipelines.engines.vllm_client import VLLMClient
-    from prodrl_pipelines.evaluation import evaluate_policy as _evaluate
-
-    with VLLMClient(endpoint, api_key=environment.eval_api_key(),
-                    tokenizer=AutoTokenizer.from_pretrained(export_dir)) as client:
-        if client.model != policy_version:
-            raise RoundError(f"eval.live_endpoint {endpoint} serves {client.model!r}, but the live version is "
-                             f"{policy_version!r}: the deployment is not serving the live policy")
-        return _evaluate(svc.settings, svc.suite, export_dir, policy_version, engine=client)
-
-
 def evaluate(svc: Services, rkey: str) -> dict:
+    """The candidate and the live policy on the same held-out tasks. Once the gate has decided, the
+    recorded evaluation is returned as it is (``reproduced``): a later live policy never re-judges it."""
+    if svc.registry.decision(rkey) is not None and svc.blobs.exists(keys.heldout(rkey)):
+        return {**_get_json(svc, keys.heldout(rkey)), "reproduced": True}
     live = svc.live()
     export_dir = ensure_local(svc, "exports", rkey)
     cand, smoke_error = None, ""
@@ -280,6 +286,7 @@ def evaluate(svc: Services, rkey: str) -> dict:
         svc.registry.record_eval(rkey, cand)
     result = {"candidate": cand, "live": live_eval, "smoke_error": smoke_error, "live_version": live.policy_version}
     svc.store.put_json(keys.heldout(rkey), result)
+    result["reproduced"] = False
     if cand is not None:
         svc.registry.update_round(rkey, heldout_reward=cand["mean"], heldout_reward_ci=cand["ci95"],
                                   live_heldout_reward=live_eval["mean"])
@@ -287,65 +294,40 @@ def evaluate(svc: Services, rkey: str) -> dict:
 
 
 # --- 6. deployment_gate -----------------------------------------------------------------------
-def gate(svc: Services, rkey: str) -> GateDecision:
-    from prodrl_pipelines.quant.export import export_nonfinite
-
-    s = svc.settings
-    ev = _get_json(svc, keys.heldout(rkey))
-    nonfinite = export_nonfinite(ensure_local(svc, "exports", rkey))  # packed NVFP4 weights checked dequantized
-    cand = ev["candidate"]
-    live = ev["live"]
-    smoke_ok = cand is not None and not ev["smoke_error"]
-    d = decide(
+def heldout_verdict(svc: Services, ev: dict, nonfinite: dict | None = None) -> GateDecision:
+    """The gate's paired test on a recorded evaluation (``nonfinite``: the export's bad tensors)."""
+    s, cand, live = svc.settings, ev["candidate"], ev["live"]
+    return decide(
         np.asarray(cand["rewards"]) if cand else np.asarray([]),
         np.asarray(live["rewards"]) if cand else np.asarray([]),
-        tolerance=s.eval.gate_tolerance, z=s.eval.gate_z, nonfinite=nonfinite, smoke_ok=smoke_ok,
-        smoke_error=ev["smoke_error"],
+        tolerance=s.eval.gate_tolerance, z=s.eval.gate_z, nonfinite=nonfinite or {},
+        smoke_ok=cand is not None and not ev["smoke_error"], smoke_error=ev["smoke_error"],
     )
-    svc.registry.record_decision(rkey, {**asdict(d), "deployed": False})
-    svc.registry.update_round(rkey, gate_passed=d.passed, gate_reasons=d.reasons, deployed=False)
-    return d
 
 
-# --- 7. deployment ------------------------------------------------------------------------------
-def deploy(svc: Services, rkey: str, model_version: str | None = None):
-    """Make the round's export live through the deploy target (``deploy.target``), probed for
-    parity against its own checkpoint; returns (LiveDeployment, Rollout). A failed health check or
-    probe rolls back (the previous version keeps serving and stays live), is recorded on the round
-    and raises ``DeployRejected``."""
-    from prodrl_pipelines.deploy_targets.rollout import DeployRejected
+def recorded_gate(decision: dict) -> GateDecision:
+    from dataclasses import fields
 
-    decision = svc.registry.decision(rkey)
-    if not decision or not decision["passed"]:
-        raise RoundError(f"{rkey} has no passing gate decision; refusing to deploy")
-    try:
-        dep, rollout = make_live(svc, rkey, model_version)
-    except DeployRejected as e:
-        probe = e.probe.metrics() if e.probe is not None else {}
-        svc.registry.record_decision(rkey, {**decision, "deployed": False, "deploy_failed": e.reason,
-                                            "rolled_back": e.rollback, **probe})
-        svc.registry.update_round(rkey, deployed=False, deploy_failed=e.reason, **probe)
-        raise
-    svc.registry.record_decision(rkey, {**decision, "deployed": True})
-    svc.registry.update_round(rkey, deployed=True, policy_version=rkey, **rollout.metadata())
-    return dep, rollout
+    return GateDecision(**{f.name: decision[f.name] for f in fields(GateDecision) if f.name in decision})
 
 
-def make_live(svc: Services, version: str, model_version: str | None = None):
-    """Switch the deployment to ``version``'s export, probe it, then move the live pointer."""
-    from prodrl_pipelines import environment
-    from prodrl_pipelines.deploy_targets import make_target
-    from prodrl_pipelines.deploy_targets.rollout import roll_out
+def gate(svc: Services, rkey: str) -> tuple[GateDecision, bool]:
+    """(decision, reproduced). The paired test against live on the recorded evaluation; a passing
+    candidate then awaits deployment (``promotion: auto``) or review (``review``). A round with a
+    decision returns it unchanged."""
+    from prodrl_pipelines.quant.export import export_nonfinite
 
+    recorded = svc.registry.decision(rkey)
+    if recorded is not None:
+        return recorded_gate(recorded), True
     s = svc.settings
-    export_dir = ensure_local(svc, "exports", version)
-    n = s.deploy.probe_prompts
-    prompts = _calibration_prompts(svc, version if version != BASE_VERSION else None, n) if n else []
-    rollout = roll_out(s, make_target(s), export_dir, version, prompts, api_key=environment.deploy_api_key())
-    dep = LiveDeployment(policy_version=version, checkpoint_dir=str(s.checkpoints_root / version),
-                         export_dir=str(s.exports_root / version), model_version=model_version)
-    svc.registry.deploy(dep)
-    return dep, rollout
+    ev = _get_json(svc, keys.heldout(rkey))
+    d = heldout_verdict(svc, ev, export_nonfinite(ensure_local(svc, "exports", rkey)))  # NVFP4 checked dequantized
+    promotion = s.deploy.promotion
+    review = "pending" if d.passed and promotion == "review" else "none"
+    svc.registry.record_decision(rkey, {**asdict(d), "deployed": False, "promotion": promotion, "review": review})
+    svc.registry.update_round(rkey, gate_passed=d.passed, gate_reasons=d.reasons, deployed=False, review=review)
+    return d, False
 
 
 def evaluate_version(svc: Services, policy_version: str | None = None) -> dict:
@@ -359,40 +341,45 @@ def evaluate_version(svc: Services, policy_version: str | None = None) -> dict:
     if not (export_dir / "config.json").exists():
         raise RoundError(f"no export of {policy_version!r} at {export_dir}"
                          + ("" if svc.exports_store is None else f" nor in {svc.exports_store!r}"))
-    return evaluate_policy(svc, export_dir, policy_version)
+    ev = evaluate_policy(svc, export_dir, policy_version)
+    if policy_version.startswith("round-"):  # beside the round's own evaluation, never over it
+        from prodrl_pipelines.review import now
+
+        stamp = now().replace(":", "").replace("+0000", "Z")
+        key = keys.reevaluation(policy_version, stamp)
+        svc.store.put_json(key, {**ev, "evaluated_at": stamp, "live_version": live.policy_version if live else None})
+        ev = {**ev, "stored_at": key}
+    return ev
 
 
 # --- sensor ---------------------------------------------------------------------------------
 def next_round_decision(svc: Services, existing_rounds: list[str], in_flight: bool) -> tuple[str | None, str]:
-    """(round key to start, reason). Starts round k+1 only when round k finished and S*B data exists."""
+    """(round key to start, reason). Starts round k+1 only when round k is decided (a pending review
+    waits) and S*B eligible data exists; each reason says what would unblock it."""
     from prodrl_pipelines.deployment import round_key
+    from prodrl_pipelines.review import PENDING_REVIEW, round_state
     from prodrl_pipelines.trajectories.selection import count_eligible
 
     live = svc.registry.live()
     if live is None:
-        return None, "no live deployment yet (materialise base_policy)"
+        return None, "no live deployment yet: materialise base_policy (the bootstrap job) or run `prodrl bootstrap`"
     if in_flight:
-        return None, "a round is in flight"
-    latest = max(existing_rounds, key=round_index) if existing_rounds else None
-    if latest is not None and svc.registry.decision(latest) is None:
-        return None, f"{latest} has not finished (no gate decision yet); re-run it if its run failed"
+        return None, "a round is in flight; the next one starts when it has finished"
+    rounds_only = [k for k in existing_rounds if k != BASE_VERSION]
+    latest = max(rounds_only, key=round_index) if rounds_only else None
+    state = round_state(svc.registry.decision(latest)) if latest else None
+    if latest is not None and state == "running":
+        return None, f"{latest} has not finished (no gate decision yet); re-execute its failed run to resume it"
+    if state == PENDING_REVIEW:
+        mv = svc.registry.round_summary(latest).get("model_version", "VERSION")
+        return None, (f"{latest} awaits review: approve model version {mv} (move alias champion to it, tag "
+                      f"review=approved, or `prodrl review approve {mv}`) or reject it (tag review=rejected, or "
+                      f"`prodrl review reject {mv} --reason ...`)")
     need = svc.settings.recipe.trajectories_per_round
     n = count_eligible(svc.store, live.policy_version, svc.registry.version_order(),
                        svc.settings.recipe.max_policy_lag, _vocab_size(live.checkpoint_dir))
     if n < need:
-        return None, f"{n}/{need} eligible rewarded trajectories from {live.policy_version}"
+        return None, (f"{n}/{need} eligible rewarded trajectories from {live.policy_version}: send {need - n} more "
+                      "rewarded trajectories through the recorder")
     nxt = round_key((round_index(latest) if latest else 0) + 1)
     return nxt, f"{n} eligible trajectories >= S*B = {need}"
-
-
-# --- monitoring -----------------------------------------------------------------------------
-def evaluate_live(svc: Services) -> dict:
-    """Held-out reward of the live deployment now (a point of the drift time series)."""
-    live = svc.live()
-    endpoint = svc.settings.eval.live_endpoint
-    if endpoint:
-        ev = _evaluate_endpoint(svc, endpoint, Path(live.export_dir), live.policy_version)
-    else:
-        ev = evaluate_policy(svc, Path(live.export_dir), live.policy_version)
-    return {"policy_version": live.policy_version, "engine": endpoint or "local", "heldout_reward": ev["mean"], "heldout_ci95": ev["ci95"],
-            "num_tasks": len(ev["rewards"]), "reward_errors": ev["reward_errors"]}

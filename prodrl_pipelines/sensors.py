@@ -1,15 +1,27 @@
-"""Data-volume sensor: starts round k+1 when round k finished and S*B eligible trajectories exist."""
+"""The two sensors of the loop.
 
+- ``data_volume_sensor`` starts round k+1 when round k is decided and S*B eligible trajectories exist.
+- ``registry_sensor`` polls the MLflow registry and turns a reviewer's edits into runs: an approval
+  (alias ``champion`` moved to a pending version, or tag ``review=approved``) and a rollback (``champion``
+  moved to an older deployed version) each become a run of ``registry_decision`` (the `deployment`
+  asset of that round); a rejection closes the round at once; anything contradictory is refused on
+  the version and in the skip reason.
+"""
 
+import hashlib
+import json
 
 from dagster import (
-    DagsterRunStatus, DefaultSensorStatus, RunRequest, RunsFilter, SensorEvaluationContext, SensorResult,
-    SkipReason, define_asset_job, sensor, AssetSelection,
+    AssetSelection, DagsterRunStatus, DefaultSensorStatus, RunRequest, RunsFilter, SensorEvaluationContext,
+    SensorResult, SkipReason, define_asset_job, sensor,
 )
 
-from prodrl_pipelines import environment, rounds
-from prodrl_pipelines.assets.partitions import ROUND_TAG, rounds_partitions
-from prodrl_pipelines.resources.settings import ProdRLSettings, StoreResource, services
+from prodrl_pipelines import environment, review, rounds
+from prodrl_pipelines.assets.partitions import (
+    ACTION_TAG, AT_TAG, BY_TAG, MODEL_VERSION_TAG, ROUND_TAG, rounds_partitions,
+)
+from prodrl_pipelines.assets.round import deployment
+from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, StoreResource, services
 
 round_job = define_asset_job(
     "prod_rl_round",
@@ -17,6 +29,13 @@ round_job = define_asset_job(
     partitions_def=rounds_partitions,
     tags={ROUND_TAG: "train"},
     description="One prod-RL round: select -> batch -> train -> export -> evaluate -> gate -> deploy.",
+)
+registry_decision_job = define_asset_job(
+    "registry_decision",
+    selection=[deployment],
+    partitions_def=rounds_partitions,
+    tags={ROUND_TAG: "train"},  # queued behind a round in flight, never beside it
+    description="A reviewer's decision from the MLflow registry: deploy an approved round, or roll back.",
 )
 
 IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
@@ -28,8 +47,8 @@ IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunSt
 def data_volume_sensor(context: SensorEvaluationContext, settings: ProdRLSettings, store: StoreResource):
     """Adds the next `rounds` partition and requests its run in one tick (run_key = partition key)."""
     existing = context.instance.get_dynamic_partitions(rounds_partitions.name)
-    in_flight = bool(context.instance.get_run_records(
-        RunsFilter(job_name=round_job.name, statuses=IN_FLIGHT), limit=1))
+    in_flight = any(context.instance.get_run_records(RunsFilter(job_name=job.name, statuses=IN_FLIGHT), limit=1)
+                    for job in (round_job, registry_decision_job))
     key, reason = rounds.next_round_decision(services(settings, store), existing, in_flight)
     if key is None:
         return SkipReason(reason)
@@ -38,3 +57,52 @@ def data_volume_sensor(context: SensorEvaluationContext, settings: ProdRLSetting
         run_requests=[RunRequest(partition_key=key, run_key=key, tags={ROUND_TAG: "train"})],
         dynamic_partitions_requests=[rounds_partitions.build_add_request([key])],
     )
+
+
+def _registry_digest(champion, versions, model_tags) -> str:
+    state = [champion, sorted(model_tags.items()),
+             [(mv.version, sorted((k, v) for k, v in mv.tags.items())) for mv in versions]]
+    return hashlib.sha256(json.dumps(state, default=str).encode()).hexdigest()[:16]
+
+
+@sensor(job=registry_decision_job, minimum_interval_seconds=environment.registry_interval_s(),
+        default_status=DefaultSensorStatus.RUNNING)
+def registry_sensor(context: SensorEvaluationContext, settings: ProdRLSettings, store: StoreResource,
+                    mlflow: MlflowResource):
+    """Polls the registry (its state digest is the cursor) and acts on what reviewers changed."""
+    from prodrl_pipelines.tracking import CHAMPION
+
+    svc = services(settings, store, mlflow)
+    live = svc.registry.live()
+    if live is None:
+        return SkipReason("no live deployment yet: nothing to review")
+    lin = svc.lineage
+    champion, versions, model_tags = lin.alias_version(CHAMPION), lin.versions(), lin.model_tags()
+    digest = _registry_digest(champion, versions, model_tags)
+    actions = review.registry_actions(svc, champion, versions)
+    if not actions and context.cursor == digest:
+        return SkipReason(f"registry unchanged; live: {live.policy_version} (model version {live.model_version})")
+    notes, requests, partitions = [], [], []
+    n_events = len(svc.registry.events())
+    for a in actions:
+        if a.kind == "refuse":
+            review.apply_refusal(svc, a)
+            notes.append(f"refused: {a.message}")
+        elif a.kind == "reject":
+            review.apply_rejection(svc, a)
+            notes.append(f"{a.round} (model version {a.version}) rejected by {a.by}")
+        else:
+            if a.round not in context.instance.get_dynamic_partitions(rounds_partitions.name):
+                partitions.append(a.round)  # the base policy, rolled back to
+            requests.append(RunRequest(partition_key=a.round, run_key=a.run_key(n_events), tags={
+                ROUND_TAG: "train", ACTION_TAG: a.kind, BY_TAG: a.by, AT_TAG: a.at, MODEL_VERSION_TAG: a.version}))
+            notes.append(f"{a.kind} {a.round} (model version {a.version}) requested by {a.by}")
+    for n in notes:
+        context.log.info(n)
+    # refusals and rejections rewrote the registry: the cursor is the state after them
+    context.update_cursor(digest if not notes else _registry_digest(
+        lin.alias_version(CHAMPION), lin.versions(), lin.model_tags()))
+    if not requests:
+        return SkipReason("; ".join(notes) or f"no pending decision in the registry; live: {live.policy_version}")
+    return SensorResult(run_requests=requests, dynamic_partitions_requests=(
+        [rounds_partitions.build_add_request(partitions)] if partitions else []))

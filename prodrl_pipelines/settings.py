@@ -31,6 +31,9 @@ class DeploySettings(BaseModel):
     # how an export becomes live (deploy_targets.TARGETS): pointer | prodrl-serve | vllm-restart |
     # vllm-reload | command
     target: str = "pointer"
+    # auto: a candidate that passes the gate is deployed; review: it becomes `challenger` with
+    # review=pending and waits for a reviewer in the MLflow registry (or `prodrl review`)
+    promotion: Literal["auto", "review"] = "auto"
     target_port: int = Field(8000, ge=1, le=65534, description="managed servers use this port and the next")
     target_endpoint: str = Field("", description="vllm-reload: a running dev-mode vLLM; command: where it serves "
                                                  "({port} filled in)")

@@ -1,12 +1,13 @@
 """MLflow lineage: one run per round, a registered model version per candidate, and aliases.
 
-`challenger` moves to every candidate; `champion` only to a deployed one. Checkpoints that already
-live in a store are registered by URI (``create_model_version(source=...)``), never copied.
+`challenger` moves to every candidate; `champion` only to a deployed one (or, in review, to the
+version a reviewer approves or rolls back to: ``review``). Checkpoints that already live in a store
+are registered by URI (``create_model_version(source=...)``), never copied. Links point at the MLflow
+UI: ``ui_url``, else the tracking server itself when it is one.
 """
 
 from __future__ import annotations
 
-import os
 import tempfile
 from pathlib import Path
 
@@ -21,9 +22,10 @@ CHAMPION = "champion"
 
 class Lineage:
     def __init__(self, tracking_uri: str, experiment: str = "prodrl", model_name: str = "prodrl-policy",
-                 artifact_location: str | None = None, registry_uri: str | None = None):
+                 artifact_location: str | None = None, registry_uri: str | None = None, ui_url: str = ""):
         self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri or tracking_uri)
         self.tracking_uri = tracking_uri
+        self.ui_url = (ui_url or (tracking_uri if tracking_uri.startswith("http") else "")).rstrip("/")
         self.model_name = model_name
         exp = self.client.get_experiment_by_name(experiment)
         if exp is None:
@@ -47,11 +49,14 @@ class Lineage:
             self.client.log_batch(run.info.run_id, params=[Param(k, str(v)) for k, v in params.items()])
         return run.info.run_id
 
-    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int) -> None:
+    def log_metrics(self, run_id: str, metrics: dict[str, float], step: int, timestamp_ms: int | None = None) -> None:
         import time
 
-        ts = int(time.time() * 1000)
+        ts = timestamp_ms if timestamp_ms is not None else int(time.time() * 1000)
         self.client.log_batch(run_id, metrics=[Metric(k, float(v), ts, step) for k, v in metrics.items()])
+
+    def metric_points(self, run_id: str, key: str) -> int:
+        return len(self.client.get_metric_history(run_id, key))
 
     def set_tags(self, run_id: str, tags: dict[str, str]) -> None:
         for k, v in tags.items():
@@ -67,8 +72,14 @@ class Lineage:
         self.client.set_terminated(run_id, status)
 
     def run_url(self, run_id: str) -> str:
-        base = self.tracking_uri if self.tracking_uri.startswith("http") else os.environ.get("MLFLOW_UI_URL", "")
-        return f"{base.rstrip('/')}/#/experiments/{self.experiment_id}/runs/{run_id}" if base else f"runs:/{run_id}"
+        """The run's page in the MLflow UI (``runs:/`` only when no UI is known)."""
+        base = self.ui_url
+        return f"{base}/#/experiments/{self.experiment_id}/runs/{run_id}" if base else f"runs:/{run_id}"
+
+    def version_url(self, version: str) -> str:
+        """The model version's page in the MLflow registry UI."""
+        base = self.ui_url
+        return f"{base}/#/models/{self.model_name}/versions/{version}" if base else f"models:/{self.model_name}/{version}"
 
     # --- registry ----------------------------------------------------------------------------
     def _ensure_model(self) -> None:
@@ -99,8 +110,29 @@ class Lineage:
         return str(version)
 
     def tag_version(self, version: str, tags: dict[str, str]) -> None:
+        """Set tags in the order given (callers order state tags so every prefix is consistent)."""
         for k, v in tags.items():
             self.client.set_model_version_tag(self.model_name, version, k, str(v))
+
+    def describe_version(self, version: str, description: str) -> None:
+        self.client.update_model_version(self.model_name, version, description=description)
+
+    def versions(self) -> list:
+        """Every registered version of the model (with its tags), oldest first."""
+        try:
+            found = self.client.search_model_versions(f"name = '{self.model_name}'")
+        except MlflowException:
+            return []
+        return sorted(found, key=lambda mv: int(mv.version))
+
+    def model_tags(self) -> dict[str, str]:
+        try:
+            return dict(self.client.get_registered_model(self.model_name).tags)
+        except MlflowException:
+            return {}
+
+    def version(self, version: str):
+        return self.client.get_model_version(self.model_name, str(version))
 
     def promote(self, version: str) -> None:
         self.client.set_registered_model_alias(self.model_name, CHAMPION, version)

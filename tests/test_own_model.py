@@ -19,7 +19,7 @@ import pytest
 from dagster import build_sensor_context
 from openai import OpenAI
 
-from prodrl_pipelines import rounds
+from prodrl_pipelines import monitoring, rounds
 from prodrl_pipelines.definitions import build_definitions
 from prodrl_pipelines.resources.settings import ProdRLSettings, make_resources, services
 from prodrl_pipelines.sensors import data_volume_sensor
@@ -99,13 +99,13 @@ def test_two_rounds_of_someone_elses_model(tmp_path, pg_instance, monkeypatch):
         # live monitoring through the serving endpoint: what is really served, checked to be the live version
         serving.sync()
         via = services(ProdRLSettings(**{**fields, "eval_live_endpoint": serving.serve_url}), res["store"])
-        live = rounds.evaluate_live(via)
+        live = monitoring.evaluate_live(via, 0)
         assert (live["policy_version"], live["engine"], live["num_tasks"]) == ("round-000002", serving.serve_url, 10)
         assert live["reward_errors"] == 1
         stale = services(ProdRLSettings(**{**fields, "eval_live_endpoint": serving.serve_url}), res["store"])
         stale.registry.deploy(svc.registry.live().__class__(**{**vars(svc.registry.live()), "policy_version": "round-000001"}))
         with pytest.raises(rounds.RoundError, match="serves 'round-000002', but the live version is 'round-000001'"):
-            rounds.evaluate_live(stale)
+            monitoring.evaluate_live(stale, 1)
         stale.registry.deploy(svc.registry.live().__class__(**{**vars(svc.registry.live()), "policy_version": "round-000002"}))
     finally:
         serving.stop()

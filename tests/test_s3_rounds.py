@@ -7,7 +7,7 @@ import shutil
 import pytest
 
 from prodrl_pipelines import bootstrap
-from prodrl_pipelines import rounds
+from prodrl_pipelines import promotion, rounds
 from prodrl_pipelines.checkpoints import S3CheckpointStore
 from prodrl_pipelines.lab.traffic import simulate_traffic
 from prodrl_pipelines.resources.settings import make_resources, services
@@ -53,8 +53,8 @@ def test_round_steps_run_on_fresh_machines_from_the_s3_stores(tmp_path, s3_endpo
     ev = rounds.evaluate(svc, rkey)
     assert ev["candidate"] is not None and not ev["smoke_error"]
     _fresh_machine(home)
-    assert rounds.gate(svc, rkey).passed
-    rounds.deploy(svc, rkey)
+    assert rounds.gate(svc, rkey)[0].passed
+    promotion.deploy(svc, rkey)
 
     _fresh_machine(home)  # the next round's machine finds the new live policy in the stores
     live = svc.live()

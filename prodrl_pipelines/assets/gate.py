@@ -1,12 +1,14 @@
 """The deployment gate: a blocking asset check in front of `deployment`."""
 
 
-from dagster import AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeverity, asset_check
+from dagster import AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeverity, MetadataValue, asset_check
 
 from prodrl_pipelines import rounds
 from prodrl_pipelines.assets.partitions import rounds_partitions
 from prodrl_pipelines.assets.round import heldout_eval
+from prodrl_pipelines.plots import markdown_image, reward_curve_png
 from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, StoreResource, services
+from prodrl_pipelines.review import describe_decision, state_tags, round_state, version_description
 
 
 @asset_check(asset=heldout_eval, blocking=True, partitions_def=rounds_partitions,
@@ -16,20 +18,34 @@ def deployment_gate(context: AssetCheckExecutionContext, settings: ProdRLSetting
                     mlflow: MlflowResource) -> AssetCheckResult:
     svc = services(settings, store, mlflow)
     rkey = context.partition_key
-    d = rounds.gate(svc, rkey)
+    d, reproduced = rounds.gate(svc, rkey)
+    decision = svc.registry.decision(rkey)
     version = svc.registry.round_summary(rkey).get("model_version")
-    if version:
-        svc.lineage.tag_version(version, {"gate": "passed" if d.passed else "failed",
-                                          "gate_reasons": "; ".join(d.reasons) or "none",
-                                          "heldout_reward": f"{d.candidate_mean:.4f}", "round": rkey})
     run_id = svc.lineage.round_run(rkey)
-    svc.lineage.set_tags(run_id, {"gate": "passed" if d.passed else "failed"})
-    if not d.passed:
-        svc.lineage.finish(run_id)  # the round ends here: live deployment and champion untouched
+    extra = {}
+    if not reproduced:  # the first decision: registry, run and plot written once, never again
+        if version:
+            tags = state_tags(round_state(decision), decision)  # gate, then review: consistent at every write
+            svc.lineage.tag_version(version, {"gate": tags["gate"], "review": tags["review"],
+                                              "gate_reasons": "; ".join(d.reasons) or "none",
+                                              "heldout_reward": f"{d.candidate_mean:.4f}", "round": rkey})
+            svc.lineage.describe_version(version, version_description(rkey, decision))
+        svc.lineage.set_tags(run_id, {"gate": "passed" if d.passed else "failed", "review": decision.get("review", "none")})
+        hist = [h for h in svc.registry.round_summaries() if "heldout_reward" in h]
+        png = reward_curve_png([h["round"] for h in hist], [h["heldout_reward"] for h in hist],
+                               [h.get("heldout_reward_ci", 0.0) for h in hist],
+                               [bool(h.get("gate_passed", h.get("deployed"))) for h in hist])
+        svc.lineage.log_bytes(run_id, png, "reward_curve.png", "plots")
+        extra["reward_curve"] = MetadataValue.md(markdown_image(png, "held-out reward"))
+        if not d.passed:
+            svc.lineage.finish(run_id)  # the round ends here: live deployment and champion untouched
     return AssetCheckResult(
         passed=d.passed, severity=AssetCheckSeverity.ERROR,
-        description=d.summary(),
+        description=d.summary() + ("" if d.passed is False else f" -> {describe_decision(decision)}"),
         metadata={"candidate_reward": d.candidate_mean, "live_reward": d.live_mean, "mean_diff": d.mean_diff,
-                  "diff_lower": d.diff_lower, "diff_upper": d.diff_upper, "tolerance": svc.settings.eval.gate_tolerance,
-                  "reasons": "; ".join(d.reasons) or "none"},
+                  "diff_lower": d.diff_lower, "diff_upper": d.diff_upper, "tolerance": d.tolerance if d.tolerance == d.tolerance else svc.settings.eval.gate_tolerance,
+                  "n_tasks": d.n_tasks, "reasons": "; ".join(d.reasons) or "none",
+                  "state": round_state(decision), "reproduced": reproduced,
+                  "model_version": MetadataValue.url(svc.lineage.version_url(version)) if version else "none",
+                  "mlflow_run": MetadataValue.url(svc.lineage.run_url(run_id)), **extra},
     )

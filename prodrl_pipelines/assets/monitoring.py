@@ -1,23 +1,39 @@
-"""Scheduled evaluation of the live deployment: drift between rounds becomes a time series."""
+"""Scheduled evaluation of the live deployment: drift between rounds becomes a time series, with an
+alert (a failed asset check) when the live reward drops below the deployed round's own evaluation."""
 
 import time
 
-from dagster import AssetExecutionContext, MaterializeResult, ScheduleDefinition, asset, define_asset_job
+from dagster import (
+    AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, AssetExecutionContext, MaterializeResult, MetadataValue,
+    ScheduleDefinition, asset, define_asset_job,
+)
 
-from prodrl_pipelines import rounds
+from prodrl_pipelines import monitoring
 from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, StoreResource, services
 
+MONITORING_RUN = "live-monitoring"
+ALERT_CHECK = "live_reward_alert"
 
-@asset(group_name="monitoring")
+
+@asset(group_name="monitoring", check_specs=[AssetCheckSpec(ALERT_CHECK, asset="live_heldout_eval",
+       description="Live held-out reward within the gate tolerance of the deployed round's own evaluation")])
 def live_heldout_eval(context: AssetExecutionContext, settings: ProdRLSettings, store: StoreResource,
-                      mlflow: MlflowResource) -> MaterializeResult:
-    """Held-out reward of whatever is live right now; each materialisation is one point in time."""
+                      mlflow: MlflowResource):
+    """Held-out reward of whatever serves right now, through the serving endpoint, a fresh sample each
+    time; each materialisation is one point (MLflow run `live-monitoring`: step = evaluation index)."""
     svc = services(settings, store, mlflow)
-    res = rounds.evaluate_live(svc)
-    run_id = svc.lineage.round_run("live-monitoring")
-    svc.lineage.log_metrics(run_id, {"live_heldout_reward": res["heldout_reward"]}, int(time.time()))
+    run_id = svc.lineage.round_run(MONITORING_RUN)
+    index = svc.lineage.metric_points(run_id, "live_heldout_reward")
+    res = monitoring.evaluate_live(svc, index)
+    svc.lineage.log_metrics(run_id, {"live_heldout_reward": res["heldout_reward"],
+                                     "live_heldout_ci95": res["heldout_ci95"]}, index, int(time.time() * 1000))
     svc.lineage.set_tags(run_id, {"live_policy_version": res["policy_version"], "engine": res["engine"]})
-    return MaterializeResult(metadata={**res, "mlflow_run_id": run_id})
+    svc.lineage.finish(run_id)  # each point closes it: a series of evaluations, not a run left "running"
+    ok, why = monitoring.alert(res)
+    yield MaterializeResult(metadata={**res, "mlflow_run": MetadataValue.url(svc.lineage.run_url(run_id))})
+    yield AssetCheckResult(check_name=ALERT_CHECK, passed=ok, severity=AssetCheckSeverity.ERROR, description=why,
+                           metadata={"heldout_reward": res["heldout_reward"], "deployed_reward": res["deployed_reward"],
+                                     "tolerance": res["tolerance"]})
 
 
 live_eval_job = define_asset_job("live_eval", selection=[live_heldout_eval],

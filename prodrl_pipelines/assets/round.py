@@ -1,12 +1,15 @@
 """One prod-RL round as a chain of partitioned assets; each calls one core step in `rounds`."""
 
 
+import json
+
 from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataValue, PipesSubprocessClient
 
-from prodrl_pipelines import rounds
-from prodrl_pipelines.assets.partitions import round_asset
+from prodrl_pipelines import promotion, rounds
+from prodrl_pipelines.assets.partitions import ACTION_TAG, AT_TAG, BY_TAG, MODEL_VERSION_TAG, round_asset
+from prodrl_pipelines.review import RUNNING, state_tags, version_description
 from prodrl_pipelines.ops.training import train_op
-from prodrl_pipelines.plots import markdown_image, mismatch_history_png, reward_curve_png
+from prodrl_pipelines.plots import markdown_image, mismatch_history_png
 from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, StoreResource, services
 
 
@@ -80,7 +83,8 @@ def exported_policy(context: AssetExecutionContext, settings: ProdRLSettings, st
     svc.lineage.log_metrics(run_id, {"export_compression_ratio": stats["compression_ratio"],
                                      "export_max_rel_fro_error": stats["max_rel_fro_error"]}, 0)
     version = svc.lineage.register_candidate(rounds.publish_export(svc, rkey, Path(stats["export_dir"])), run_id, rkey,
-                                             {"format": stats["format"], "scheme": stats["scheme"], "gate": "pending"})
+                                             {**state_tags(RUNNING), "format": stats["format"],
+                                              "scheme": stats["scheme"]})
     svc.registry.update_round(rkey, model_version=version, mlflow_run_id=run_id)
     smoke = stats["smoke"]
     smoke_md = "\n".join(f"- `{x['prompt'][-60:]!r}` -> `{x['output']!r}` (mean log mu {x['mean_logprob']:.3f})"
@@ -101,21 +105,16 @@ def exported_policy(context: AssetExecutionContext, settings: ProdRLSettings, st
 @round_asset(deps=[exported_policy])
 def heldout_eval(context: AssetExecutionContext, settings: ProdRLSettings, store: StoreResource,
                  mlflow: MlflowResource) -> MaterializeResult:
-    """Held-out reward of the candidate export and of the live deployment on the same tasks."""
+    """Held-out reward of the candidate export and of the live deployment on the same tasks. Once the
+    round's gate has decided, re-running it reproduces the recorded evaluation (nothing is re-judged)."""
     svc = services(settings, store, mlflow)
     rkey = context.partition_key
     res = rounds.evaluate(svc, rkey)
-    hist = svc.registry.round_summaries()
-    png = reward_curve_png([h["round"] for h in hist if "heldout_reward" in h],
-                           [h["heldout_reward"] for h in hist if "heldout_reward" in h],
-                           [h.get("heldout_reward_ci", 0.0) for h in hist if "heldout_reward" in h],
-                           [bool(h.get("deployed")) for h in hist if "heldout_reward" in h])
     run_id = svc.lineage.round_run(rkey)
     cand = res["candidate"]
-    if cand is not None:
+    if cand is not None and not res["reproduced"]:
         svc.lineage.log_metrics(run_id, {"heldout_reward": cand["mean"], "heldout_reward_ci95": cand["ci95"],
                                          "live_heldout_reward": res["live"]["mean"]}, 0)
-    svc.lineage.log_bytes(run_id, png, "reward_curve.png", "plots")
     return MaterializeResult(metadata={
         "candidate_reward": cand["mean"] if cand else float("nan"),
         "candidate_ci95": cand["ci95"] if cand else float("nan"),
@@ -123,46 +122,76 @@ def heldout_eval(context: AssetExecutionContext, settings: ProdRLSettings, store
         "num_tasks": len(res["live"]["rewards"]), "smoke_error": res["smoke_error"] or "none",
         "suite": svc.suite.name, "reward_errors": cand.get("reward_errors", 0) if cand else 0,
         "first_reward_error": (cand.get("first_reward_error") or "none") if cand else "none",
-        "reward_curve": MetadataValue.md(markdown_image(png, "held-out reward")),
+        # the paired test the gate applies next (it also checks the weights)
+        "verdict": rounds.heldout_verdict(svc, res).summary(), "reproduced": res["reproduced"],
+        "mlflow_run": MetadataValue.url(svc.lineage.run_url(run_id)),
     })
 
 
-@round_asset(deps=[heldout_eval])
+@round_asset(deps=[heldout_eval], output_required=False)
 def deployment(context: AssetExecutionContext, settings: ProdRLSettings, store: StoreResource,
-               mlflow: MlflowResource) -> MaterializeResult:
+               mlflow: MlflowResource):
     """Redeploy through the deploy target: the new export serves, passes its health check and parity
-    probe, then becomes the live policy and the registry `champion`. A failed probe rolls back (the
-    previous version keeps serving, `champion` stays), tags the model version with the reason and
-    fails this asset. Only materialised when the blocking `deployment_gate` check passed."""
+    probe, then becomes the live policy and the registry `champion`. With `promotion: review` a round
+    run leaves it pending (no materialisation) until the registry sensor's run for the reviewer's
+    approval or rollback. A failed probe rolls back (the previous version keeps serving), tags the
+    model version and fails this asset. The latest materialisation is the "currently live" marker."""
     from prodrl_pipelines.deploy_targets.rollout import DeployRejected
+    from prodrl_pipelines.review import describe_decision
 
     svc = services(settings, store, mlflow)
     rkey = context.partition_key
-    version = svc.registry.round_summary(rkey).get("model_version")
-    run_id = svc.lineage.round_run(rkey)
+    tags = context.run.tags
+    version = tags.get(MODEL_VERSION_TAG) or svc.registry.round_summary(rkey).get("model_version")
+    request = (promotion.DeployRequest(tags[ACTION_TAG], tags.get(BY_TAG, ""), tags.get(AT_TAG, ""))
+               if ACTION_TAG in tags else None)
     try:
-        dep, rollout = rounds.deploy(svc, rkey, model_version=version)
+        out = promotion.deploy(svc, rkey, model_version=version, request=request)
     except DeployRejected as e:
-        if e.probe is not None:
-            svc.lineage.log_metrics(run_id, _numeric(e.probe.metrics()), 0)
-        tags = {"deployed": "false", "deploy_failed": e.reason[:4000], "rolled_back": e.rollback[:4000]}
-        if version:
-            svc.lineage.tag_version(version, tags)
-        svc.lineage.set_tags(run_id, tags)
+        probe = _numeric(e.probe.metrics()) if e.probe is not None else {}
+        if request is None or request.kind == "approve":  # the round's own deploy: recorded on it
+            failed = {"deployed": "false", "deploy_failed": e.reason[:4000], "rolled_back": e.rollback[:4000]}
+            run_id = svc.lineage.round_run(rkey)
+            svc.lineage.log_metrics(run_id, probe, 0)
+            if version:
+                svc.lineage.tag_version(version, {**({"review": "approved"} if request else {}), **failed})
+            svc.lineage.set_tags(run_id, failed)
+            svc.lineage.finish(run_id)
+        live = svc.registry.live()
+        if live is not None and live.model_version:  # champion names what serves
+            svc.lineage.promote(live.model_version)
         raise Failure(description=f"{rkey} was not deployed: {e}",
-                      metadata={"reason": e.reason, "rolled_back": e.rollback,
-                                **(_numeric(e.probe.metrics()) if e.probe is not None else {})}) from e
-    meta = rollout.metadata()
-    svc.lineage.log_metrics(run_id, _numeric(meta), 0)
-    if version:
-        svc.lineage.promote(version)
-        svc.lineage.tag_version(version, {"deployed": "true", "deploy_target": meta["target"]})
-    svc.lineage.set_tags(run_id, {"deployed": "true"})
-    svc.lineage.finish(run_id)
-    return MaterializeResult(metadata={"policy_version": dep.policy_version, "export_dir": dep.export_dir,
-                                       "model_version": version or "", "deployed_at": dep.deployed_at,
-                                       "endpoint": MetadataValue.url(meta["endpoint"]) if meta["endpoint"] else "none",
-                                       **{k: v for k, v in meta.items() if k != "endpoint"}})
+                      metadata={"reason": e.reason, "rolled_back": e.rollback, **probe}) from e
+    if out.kind == "awaiting_review":
+        context.log.info(f"{rkey} awaits review: {describe_decision(svc.registry.decision(rkey))}; model version "
+                         f"{version} is `challenger` with review=pending (approve: move `champion` to it or "
+                         f"`prodrl review approve {version}`)")
+        return
+    dep = out.live
+    meta = out.rollout.metadata() if out.rollout is not None else {}
+    if out.kind == "deployed":
+        run_id = svc.lineage.round_run(rkey)
+        svc.lineage.log_metrics(run_id, _numeric(meta), 0)
+        if version:  # review before deployed: every prefix of the writes is a consistent state
+            svc.lineage.tag_version(version, {**({"review": "approved"} if request else {}), "deployed": "true",
+                                              "deploy_target": meta["target"], "decided_by": dep.decided_by})
+            svc.lineage.promote(version)
+            svc.lineage.describe_version(version, version_description(rkey, svc.registry.decision(rkey)))
+        svc.lineage.set_tags(run_id, {"deployed": "true", "decided_by": dep.decided_by})
+        svc.lineage.finish(run_id)
+    elif out.kind == "rolled_back":
+        n = sum(1 for e in svc.registry.events() if e["kind"] == "rollback")
+        if version:  # an event beside the version's history, never over it
+            svc.lineage.tag_version(version, {f"rollback.{n}": json.dumps(
+                {"by": dep.decided_by, "at": dep.deployed_at, "from": svc.registry.events()[-1]["previous"]})})
+            svc.lineage.promote(version)
+    yield MaterializeResult(metadata={
+        "policy_version": dep.policy_version, "live": True, "how": out.kind if out.kind != "reproduced" else dep.kind,
+        "rollback": dep.kind == "rollback", "decided_by": dep.decided_by or "unknown", "deployed_at": dep.deployed_at,
+        "export_dir": dep.export_dir, "reproduced": out.kind == "reproduced",
+        "model_version": MetadataValue.url(svc.lineage.version_url(version)) if version else "none",
+        **({"endpoint": MetadataValue.url(meta["endpoint"]) if meta.get("endpoint") else "none"} if meta else {}),
+        **{k: v for k, v in meta.items() if k != "endpoint"}})
 
 
 def _numeric(d: dict) -> dict:

@@ -66,6 +66,9 @@ class MlflowResource(ConfigurableResource):
     experiment: str = "prodrl"
     model_name: str = "prodrl-policy"
     artifact_location: str = ""
+    # where links to runs and model versions open (empty: $MLFLOW_UI_URL, else the tracking server,
+    # else http://127.0.0.1:5000 where `mlflow ui` on the local SQLite store listens)
+    ui_url: str = ""
     _lineage: Lineage | None = PrivateAttr(default=None)
 
     def lineage(self, settings: Settings) -> Lineage:
@@ -75,8 +78,10 @@ class MlflowResource(ConfigurableResource):
             # a tracking server stores artifacts where it is configured to (e.g. S3); a local
             # SQLite store keeps them under the settings home
             default_artifacts = None if uri.startswith("http") else settings.mlflow_artifacts
+            ui = self.ui_url or environment.mlflow_ui_url() or (uri if uri.startswith("http")
+                                                                 else environment.LOCAL_MLFLOW_UI)
             self._lineage = Lineage(uri, self.experiment, self.model_name,
-                                    artifact_location=self.artifact_location or default_artifacts)
+                                    artifact_location=self.artifact_location or default_artifacts, ui_url=ui)
         return self._lineage
 
 
