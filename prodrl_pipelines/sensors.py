@@ -13,7 +13,7 @@ import json
 
 from dagster import (
     AssetSelection, DagsterRunStatus, DefaultSensorStatus, RunRequest, RunsFilter, SensorEvaluationContext,
-    SensorResult, SkipReason, define_asset_job, sensor,
+    SensorResult, SkipReason, define_asset_job, in_process_executor, sensor,
 )
 
 from prodrl_pipelines import environment, review, rounds
@@ -23,11 +23,14 @@ from prodrl_pipelines.assets.partitions import (
 from prodrl_pipelines.assets.round import deployment
 from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, StoreResource, services
 
+# A round is a chain: its steps run one after another in the run's own process (a process per step
+# would only add a Python start-up and imports per step); training ranks are launched by Pipes.
 round_job = define_asset_job(
     "prod_rl_round",
     selection=AssetSelection.groups("prod_rl_round"),
     partitions_def=rounds_partitions,
     tags={ROUND_TAG: "train"},
+    executor_def=in_process_executor,
     description="One prod-RL round: select -> batch -> train -> export -> evaluate -> gate -> deploy.",
 )
 registry_decision_job = define_asset_job(
@@ -35,6 +38,7 @@ registry_decision_job = define_asset_job(
     selection=[deployment],
     partitions_def=rounds_partitions,
     tags={ROUND_TAG: "train"},  # queued behind a round in flight, never beside it
+    executor_def=in_process_executor,
     description="A reviewer's decision from the MLflow registry: deploy an approved round, or roll back.",
 )
 

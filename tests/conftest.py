@@ -182,3 +182,56 @@ def vllm_server(vllm_exports, tmp_path_factory):
         yield srv.wait()
     finally:
         srv.stop()
+
+
+@pytest.fixture(scope="session")
+def mlflow_server(s3_endpoint, tmp_path_factory):
+    """A real `mlflow server` as `prodrl up` starts it: runs and registry in a PostgreSQL schema of
+    this session's own, artifacts proxied to a bucket on the S3 endpoint. Yields its URL."""
+    import boto3
+    import httpx
+    import psycopg2
+
+    from prodrl_pipelines.preflight import libpq_dsn
+    from prodrl_pipelines.stack.postgres import with_schema
+    from prodrl_pipelines.stack.processes import pick_port
+    from prodrl_pipelines.stack.stack import mlflow_server_command
+
+    schema = f"prodrl_test_{os.getpid()}_mlflow"
+    conn = psycopg2.connect(libpq_dsn(PG_URL))
+    conn.autocommit = True
+    with conn.cursor() as cur:
+        cur.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE; CREATE SCHEMA {schema}")
+    bucket = f"mlflow-{uuid.uuid4().hex[:8]}"
+    boto3.client("s3", endpoint_url=s3_endpoint, region_name="us-east-1").create_bucket(Bucket=bucket)
+    port = pick_port()
+    log = tmp_path_factory.mktemp("mlflow") / "mlflow.log"
+    env = {**os.environ, "MLFLOW_S3_ENDPOINT_URL": s3_endpoint, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false"}
+    with open(log, "wb") as fh:
+        proc = subprocess.Popen(mlflow_server_command(with_schema(PG_URL, schema), f"s3://{bucket}/mlflow", port),
+                                env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 180
+        while True:
+            if proc.poll() is not None:
+                pytest.fail(f"mlflow server exited with {proc.returncode}: {log.read_text()[-3000:]}")
+            try:
+                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
+                    break
+            except httpx.HTTPError:
+                pass
+            if time.monotonic() > deadline:
+                pytest.fail(f"mlflow server did not come up: {log.read_text()[-3000:]}")
+            time.sleep(0.5)
+        yield url
+    finally:
+        os.killpg(proc.pid, 15)
+        try:
+            proc.wait(timeout=30)
+        except subprocess.TimeoutExpired:
+            os.killpg(proc.pid, 9)
+            proc.wait()
+        with conn.cursor() as cur:
+            cur.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
+        conn.close()

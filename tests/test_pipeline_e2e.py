@@ -111,10 +111,19 @@ def test_two_rounds_on_postgres(tmp_path, pg_instance):
     assert decision["deployed"] is False and not decision["passed"] and name in decision["reasons"][0]
 
     # Scheduled evaluation of the live deployment: one point of the time series, in Dagster and MLflow.
-    ev = defs.resolve_job_def("live_eval").execute_in_process(instance=instance)
-    point = ev.asset_materializations_for_node("live_heldout_eval")[0].metadata
-    assert point["policy_version"].value == "round-000001"
-    assert point["heldout_reward"].value == pytest.approx(summary["heldout_reward"])  # same tasks, same seed
+    # Each point is a fresh sample (seed = eval_seed + 1 + index) of what serves, with its alert check.
+    for index in (0, 1):
+        ev = defs.resolve_job_def("live_eval").execute_in_process(instance=instance)
+        point = ev.asset_materializations_for_node("live_heldout_eval")[0].metadata
+        assert (point["policy_version"].value, point["index"].value, point["engine"].value) == ("round-000001", index, "local")
+        assert point["seed"].value == svc.settings.eval.eval_seed + 1 + index
+        assert point["deployed_reward"].value == pytest.approx(summary["heldout_reward"])
+        check = ev.get_asset_check_evaluations()[0]
+        assert check.check_name == "live_reward_alert" and check.passed == (
+            point["heldout_reward"].value >= summary["heldout_reward"] - TINY["gate_tolerance"])
+    mon = lineage.client.search_runs([lineage.experiment_id], "tags.`prodrl.round` = 'live-monitoring'")[0]
+    assert mon.info.status == "FINISHED"
+    assert [m.step for m in lineage.client.get_metric_history(mon.info.run_id, "live_heldout_reward")] == [0, 1]
 
     # Round 3 trains from the live checkpoint (round 1), not from the rejected one.
     simulate_traffic(svc, 8)

@@ -45,6 +45,13 @@ PREFERRED_PORTS = {"dagster": 3000, "mlflow": 5000, "s3": 9000, "deployment": 80
 S3_CREDENTIALS = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1"}
 
 
+def mlflow_server_command(backend_store_uri: str, artifacts_destination: str, port: int) -> list[str]:
+    """The MLflow tracking server of the stack: registry and runs in PostgreSQL, artifacts proxied to S3."""
+    return [str(BIN / "mlflow"), "server", "--backend-store-uri", backend_store_uri,
+            "--artifacts-destination", artifacts_destination, "--host", "127.0.0.1", "--port", str(port),
+            "--workers", "1"]
+
+
 @dataclass
 class Stack:
     home: Path
@@ -121,10 +128,8 @@ class Stack:
         restored = s3_snapshot.restore(client, self.bucket, self.home / "s3_snapshot")
         if restored:
             self.log(f"S3: restored {restored} objects from {self.home / 's3_snapshot'}")
-        self._spawn("mlflow", [str(BIN / "mlflow"), "server",
-                               "--backend-store-uri", with_schema(self.pg_url, self.schemas["mlflow"]),
-                               "--artifacts-destination", f"s3://{self.bucket}/mlflow", "--host", "127.0.0.1",
-                               "--port", str(self.ports["mlflow"]), "--workers", "1"]
+        self._spawn("mlflow", mlflow_server_command(with_schema(self.pg_url, self.schemas["mlflow"]),
+                                                    f"s3://{self.bucket}/mlflow", self.ports["mlflow"])
                     ).wait_http(f"{self.urls['mlflow']}/health")
         self._spawn("webserver", [str(BIN / "dagster-webserver"), "-m", "prodrl_pipelines.definitions",
                                   "-h", "127.0.0.1", "-p", str(self.ports["dagster"])]
