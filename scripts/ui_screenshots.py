@@ -80,11 +80,14 @@ def capture(shots: list[tuple[str, str]], out: Path) -> None:
         browser = p.chromium.launch(executable_path="/usr/bin/chromium", args=CHROMIUM_ARGS)
         page = browser.new_page(viewport={"width": 1500, "height": 900})
         for name, url in shots:
-            page.goto(url, wait_until="networkidle")
-            skip = page.get_by_role("button", name="Skip")
-            if skip.count():
-                skip.first.click()
-            page.wait_for_timeout(2500)
+            # the MLflow UI keeps polling its server, so it never goes network-idle
+            page.goto(url, wait_until="load" if "#/models" in url else "networkidle")
+            page.wait_for_timeout(3000)
+            for name_ in ("Skip", "Close"):  # Dagster's first-visit dialog, MLflow's assistant panel
+                button = page.get_by_role("button", name=name_)
+                if button.count():
+                    button.first.click()
+            page.wait_for_timeout(1500)
             page.screenshot(path=str(out / name))
             print("wrote", out / name)
         browser.close()
@@ -130,7 +133,7 @@ def main() -> int:
     try:
         capture([("review_registry.png", f"{ml}/#/models/prodrl-policy"),
                  ("review_pending_version.png", f"{ml}/#/models/prodrl-policy/versions/3"),
-                 ("review_waiting_round.png", f"{base}/assets/heldout_eval?view=partitions&partition=round-000002"),
+                 ("review_waiting_round.png", f"{base}/assets/heldout_eval?view=checks"),
                  ], out)
     finally:
         for proc in (web, mlflow):
