@@ -269,8 +269,10 @@ def evaluate_policy(svc: Services, export_dir: Path, policy_version: str) -> dic
 def evaluate(svc: Services, rkey: str) -> dict:
     """The candidate and the live policy on the same held-out tasks. Once the gate has decided, the
     recorded evaluation is returned as it is (``reproduced``): a later live policy never re-judges it."""
-    if svc.registry.decision(rkey) is not None and svc.blobs.exists(keys.heldout(rkey)):
-        return {**_get_json(svc, keys.heldout(rkey)), "reproduced": True}
+    if svc.registry.decision(rkey) is not None:
+        if svc.blobs.exists(keys.heldout(rkey)):
+            return {**_get_json(svc, keys.heldout(rkey)), "reproduced": True}
+        refuse_if_decided(svc, rkey, "heldout_eval")  # decided before any evaluation (e.g. at export)
     live = svc.live()
     export_dir = ensure_local(svc, "exports", rkey)
     cand, smoke_error = None, ""

@@ -42,6 +42,7 @@ registry_decision_job = define_asset_job(
     description="A reviewer's decision from the MLflow registry: deploy an approved round, or roll back.",
 )
 
+RUN_KEY_TAG = "dagster/run_key"  # what Dagster tags a sensor's run with
 IN_FLIGHT = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
              DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
 
@@ -96,16 +97,28 @@ def registry_sensor(context: SensorEvaluationContext, settings: ProdRLSettings, 
             review.apply_rejection(svc, a)
             notes.append(f"{a.round} (model version {a.version}) rejected by {a.by}")
         else:
+            key = a.run_key(n_events)
+            if a.kind == "rollback":  # a failed rollback put champion back: moving it again is a new request
+                key += "-" + str(len(context.instance.get_run_records(RunsFilter(
+                    tags={ACTION_TAG: "rollback", MODEL_VERSION_TAG: a.version}, statuses=[DagsterRunStatus.FAILURE]))))
+            earlier = context.instance.get_run_records(RunsFilter(tags={RUN_KEY_TAG: key}), limit=1)
+            if earlier:  # requested at an earlier tick: say where it stands instead of asking again
+                run = earlier[0].dagster_run
+                hint = (f": re-execute run {run.run_id} to retry" if run.status == DagsterRunStatus.FAILURE else "")
+                notes.append(f"{a.kind} of {a.round} (model version {a.version}): run {run.run_id[:8]} "
+                             f"{run.status.value.lower()}{hint}")
+                continue
             if a.round not in context.instance.get_dynamic_partitions(rounds_partitions.name):
                 partitions.append(a.round)  # the base policy, rolled back to
-            requests.append(RunRequest(partition_key=a.round, run_key=a.run_key(n_events), tags={
+            requests.append(RunRequest(partition_key=a.round, run_key=key, tags={
                 ROUND_TAG: "train", ACTION_TAG: a.kind, BY_TAG: a.by, AT_TAG: a.at, MODEL_VERSION_TAG: a.version}))
             notes.append(f"{a.kind} {a.round} (model version {a.version}) requested by {a.by}")
     for n in notes:
         context.log.info(n)
     # refusals and rejections rewrote the registry: the cursor is the state after them
-    context.update_cursor(digest if not notes else _registry_digest(
-        lin.alias_version(CHAMPION), lin.versions(), lin.model_tags()))
+    rewrote = any(a.kind in ("refuse", "reject") for a in actions)
+    context.update_cursor(_registry_digest(lin.alias_version(CHAMPION), lin.versions(), lin.model_tags())
+                          if rewrote else digest)
     if not requests:
         return SkipReason("; ".join(notes) or f"no pending decision in the registry; live: {live.policy_version}")
     return SensorResult(run_requests=requests, dynamic_partitions_requests=(

@@ -302,6 +302,33 @@ def test_refused_contradictions_in_one_tick(tmp_path, pg_instance, mlflow_server
     assert svc.registry.live().policy_version == "round-000000"
     assert [e["kind"] for e in svc.registry.events()] == ["deploy"]
 
+    def run(req, resources):
+        return build_definitions(resources).resolve_job_def("registry_decision").execute_in_process(
+            instance=pg_instance, partition_key=req.partition_key, tags=req.tags, raise_on_error=False)
+
+    # approve in the UI way, deployed; then a rollback to the base whose deploy fails: champion comes back
+    lin.promote(pending)
+    assert run(tick().run_requests[0], res).success
+    assert svc.registry.live().policy_version == "round-000002"
+    lin.promote("1")
+    result = tick()
+    for add in result.dynamic_partitions_requests:  # as the daemon applies a sensor's result
+        pg_instance.add_dynamic_partitions(add.partitions_def_name, list(add.partition_keys))
+    req = result.run_requests[0]
+    assert req.tags["prodrl/review-action"] == "rollback" and req.partition_key == "round-000000"
+    failing = {**res, "settings": make_resources(
+        {**TINY, "home": str(tmp_path / "home"), "promotion": "review", "target": "command",
+         "target_command": "sh -c 'echo no capacity >&2; exit 1'"}, tracking_uri=mlflow_server,
+        s3=s3_stores(s3_endpoint, bucket))["settings"]}
+    out = run(req, failing)
+    assert not out.success and "no capacity" in out.get_step_failure_events()[0].event_specific_data.error.to_string()
+    assert svc.registry.live().policy_version == "round-000002" and lin.alias_version(CHAMPION) == pending
+    assert "no pending decision" in tick().skip_message  # nothing asked for any more
+    lin.promote("1")  # the reviewer tries again: a new request, not the failed run's key
+    again = tick().run_requests[0]
+    assert again.run_key != req.run_key and run(again, res).success
+    assert (svc.registry.live().policy_version, svc.registry.live().kind) == ("round-000000", "rollback")
+
 
 def test_round_states_and_tag_consistency():
     d = {"passed": True, "deployed": False, "review": "pending"}

@@ -162,6 +162,12 @@ def deployment(context: AssetExecutionContext, settings: ProdRLSettings, store: 
             svc.lineage.promote(live.model_version)
         raise Failure(description=f"{rkey} was not deployed: {e}",
                       metadata={"reason": e.reason, "rolled_back": e.rollback, **probe}) from e
+    except Exception:
+        if request is not None and request.kind == "rollback":  # champion names what serves, not the request
+            live = svc.registry.live()
+            if live is not None and live.model_version:
+                svc.lineage.promote(live.model_version)
+        raise
     if out.kind == "awaiting_review":
         context.log.info(f"{rkey} awaits review: {describe_decision(svc.registry.decision(rkey))}; model version "
                          f"{version} is `challenger` with review=pending (approve: move `champion` to it or "
