@@ -14,6 +14,7 @@ import json
 import sys
 
 from prodrl_pipelines import review
+from prodrl_pipelines.tracking import ROUND_TAG
 
 
 def _services(settings_path: str):
@@ -27,7 +28,6 @@ def _services(settings_path: str):
 def version_rows(svc, limit: int = 20) -> list[dict]:
     """The registry's versions, newest first, joined with their recorded decisions."""
     from prodrl_pipelines.deployment import BASE_VERSION
-    from prodrl_pipelines.tracking import ROUND_TAG
 
     live = svc.registry.live()
     rows = []
@@ -87,7 +87,7 @@ def cmd_decide(args) -> int:
     """approve / reject: the review tags (who, then the decision: the sensor reads them in that order)."""
     svc = _services(args.settings)
     mv = _version(svc, args.version)
-    rkey = mv.tags.get("prodrl.round", "")
+    rkey = mv.tags.get(ROUND_TAG, "")
     state = review.round_state(svc.registry.decision(rkey))
     _refuse_unless(state == review.PENDING_REVIEW, f"version {args.version} ({rkey}) is not awaiting review: "
                    f"{review.describe_decision(svc.registry.decision(rkey))}")
@@ -106,7 +106,7 @@ def cmd_rollback(args) -> int:
 
     svc = _services(args.settings)
     mv = _version(svc, args.version)
-    rkey = mv.tags.get("prodrl.round", "")
+    rkey = mv.tags.get(ROUND_TAG, "")
     live = svc.registry.live()
     deployed = rkey == BASE_VERSION or review.round_state(svc.registry.decision(rkey)) == review.DEPLOYED
     _refuse_unless(deployed, f"version {args.version} ({rkey}) was never deployed "

@@ -104,6 +104,9 @@ def _run_rounds(defs, instance, res, svc, s, rounds: int, log, via: str, lab_dep
             log(f"{latest}: unfinished (crashed or interrupted) -> resuming it")
             run_round(defs, instance, latest, {})
             continue
+        if latest and svc.registry.decision(latest).get("review") == "pending":  # promotion: review
+            log(f"{latest}: awaits review in the MLflow registry (`prodrl review list`); the loop waits for it")
+            break
         if s.recipe.max_policy_lag >= 1:
             # One-round async (DESIGN.md s.5), played in sequence: the live policy mu_k serves the
             # S*B episodes it collects while round k trains on the oldest eligible data, mu_{k-1}'s,
