@@ -93,9 +93,11 @@ def test_async_loop_trains_each_round_on_the_previous_policys_data(tmp_path, mon
         expected = [float(g(live) + d - g(data)) for d in done]
         lags[k] = [m["staleness_steps"] for m in steps]
         assert lags[k] == expected, (k, lags[k], expected)
-    S = TINY["steps_per_round"]
-    assert g("round-000002") - g("round-000001") == S  # round 2 took all S steps ...
-    assert lags[3] == [float(S), float(S + 1)]  # ... so round 3 trained S..2S-1 steps behind its data
+    # round 3 trains on mu_1's data with the weights round 2 moved on: at least the steps round 2 took
+    # behind it (S..2S-1 when round 2 took all S; a round whose batches all have zero advantage takes none,
+    # which depends on the machine's arithmetic for this tiny model)
+    taken = g("round-000002") - g("round-000001")
+    assert 0 <= taken <= TINY["steps_per_round"] and min(lags[3]) >= taken
     # every deployed policy served S*B episodes (plus mu_0's warm-up), and nothing was trained twice
     batches = json.loads((home / "store" / "traffic" / "batches.json").read_text())
     assert [b["policy_version"] for b in batches] == ["round-000000", "round-000001", "round-000002"]
