@@ -480,16 +480,18 @@ def test_a_connection_reset_under_a_request_is_retried_once(fake, start_recorder
         proxy.drop = 1
         ok = r.http.post("/v1/completions", json=body, headers={"X-Trajectory-Id": "rt"})
         assert ok.status_code == 200 and ok.headers["x-call-index"] == "0" and proxy.dropped == 1
-        proxy.drop = 1  # a stream is retried the same way (this fake answers it with plain JSON: no call)
+        proxy.drop = 1  # a stream is retried the same way (this fake answers it with plain JSON, not a
+        # stream: the client gets an error event, and the failed call takes index 1, stored as skipped)
         stream = r.http.post("/v1/completions", json={**body, "stream": True}, headers={"X-Trajectory-Id": "rt"})
         assert stream.status_code == 200 and stream.text.endswith("data: [DONE]\n\n") and proxy.dropped == 2
+        assert "ended before [DONE]" in stream.text
         proxy.drop = 2  # the retry is reset too: a 502, nothing recorded, no index taken
         bad = r.http.post("/v1/completions", json=body, headers={"X-Trajectory-Id": "rt"})
         assert bad.status_code == 502 and proxy.dropped == 4
-        assert r.http.post("/v1/completions", json=body, headers={"X-Trajectory-Id": "rt"}).headers["x-call-index"] == "1"
+        assert r.http.post("/v1/completions", json=body, headers={"X-Trajectory-Id": "rt"}).headers["x-call-index"] == "2"
         s = r.stats()
         assert s["upstream_retries"] == 3 and s["upstream_unreachable"] == 1 and s["recorded_calls"] == 2
-        assert sorted(x["call_index"] for x in r.store().read_calls().to_pylist()) == [0, 1]
+        assert sorted(x["call_index"] for x in r.store().read_calls().to_pylist()) == [0, 2]
     finally:
         proxy.close()
 

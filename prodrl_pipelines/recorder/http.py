@@ -22,6 +22,7 @@ from prodrl_pipelines.recorder.answers import Rewriter, StreamAccumulator
 from prodrl_pipelines.recorder.ingest import Stats
 from prodrl_pipelines.recorder.requests import Unrecordable, _is_int, _is_num, client_ask, unrecordable_reason
 from prodrl_pipelines.recorder.service import _TRAJ_ID, Recorder, RecorderConfig
+from prodrl_pipelines.trajectories.store import name_problem
 
 
 def _err(message: str, status: int, stats: Stats | None = None, counter: str | None = None,
@@ -31,19 +32,50 @@ def _err(message: str, status: int, stats: Stats | None = None, counter: str | N
     return JSONResponse(error_body(message, status), status_code=status, headers=headers)
 
 
-# The connection went away under a request (retried once, see Recorder.post_upstream).
+# What a malformed upstream answer raises while it is read as an OpenAI answer.
+UPSTREAM_SHAPE_ERRORS = (ProtocolError, KeyError, TypeError, ValueError, IndexError, AttributeError)
 
 
 def _dumps(obj) -> bytes:
     return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
 
 
-async def _body(request: Request) -> dict:
-    raw = await request.body()
+MAX_INT_DIGITS = 20  # a JSON integer of a request (ids, seeds, counts) fits in 64 bits
+
+
+def _bounded_int(text: str) -> int:
+    if len(text.lstrip("-")) > MAX_INT_DIGITS:
+        raise ProtocolError(f"an integer of {len(text)} digits in the request body: at most {MAX_INT_DIGITS}")
+    return int(text)
+
+
+def check_answer_shape(data) -> None:
+    """What every later read of an upstream answer relies on: a list of choice objects whose token id
+    fields, when present, are lists of integers."""
+    if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
+        raise ProtocolError("no list of choices")
+    for c in data["choices"]:
+        if not isinstance(c, dict):
+            raise ProtocolError("a choice is not an object")
+        for name in ("token_ids", "prompt_token_ids"):
+            ids = c.get(name)
+            if ids is not None and not (isinstance(ids, list) and all(_is_int(t) for t in ids)):
+                raise ProtocolError(f"choice {name} is not a list of integers")
+
+
+def parse_client_json(raw: bytes):
+    """A client's JSON with integers of at most 20 digits, so no later float() of a client value can
+    overflow (NaN and Infinity parse, as Python's json does; fields that need finite numbers check)."""
     try:
-        body = json.loads(raw)
+        return json.loads(raw, parse_int=_bounded_int)
+    except ProtocolError:
+        raise
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"malformed JSON body: {exc}") from None
+
+
+async def _body(request: Request) -> dict:
+    body = parse_client_json(await request.body())
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
     return body
@@ -75,8 +107,11 @@ async def _proxy(request: Request, kind: str) -> Response:
         return _err(str(exc), 400, stats, "bad_requests")
     pv = request.headers.get("x-policy-version")
     task_id = request.headers.get("x-task-id")
-    if (pv is not None and not 0 < len(pv) <= 256) or (task_id is not None and len(task_id) > 1024):
-        return _err("X-Policy-Version must be 1-256 characters, X-Task-Id at most 1024", 400, stats, "bad_requests")
+    problem = name_problem(pv, "X-Policy-Version") if pv is not None else None
+    if problem:
+        return _err(problem, 400, stats, "bad_requests")
+    if task_id is not None and len(task_id) > 1024:
+        return _err("X-Task-Id must be at most 1024 characters", 400, stats, "bad_requests")
     served = rec.served_model()
     if served is not None:  # the client's model name is not the deployment's: ask for what is served now
         body["model"] = served
@@ -106,12 +141,17 @@ async def _proxy(request: Request, kind: str) -> Response:
     except ValueError:
         return _err("the upstream answer is not JSON", 502, stats, "upstream_bad_answers", headers)
     row = None
-    if reason is None:
-        try:
-            row = rec.build_row(kind, data, up, pv, task_id)
-        except Unrecordable as u:
-            reason = u.reason
-    answer = Rewriter(kind, ask, rec.tokens, stats, _n_up(up, kind)).rewrite(data) if up is not body else data
+    try:
+        check_answer_shape(data)
+        if reason is None:
+            try:
+                row = rec.build_row(kind, data, up, pv, task_id)
+            except Unrecordable as u:
+                reason = u.reason
+        answer = Rewriter(kind, ask, rec.tokens, stats, _n_up(up, kind)).rewrite(data) if up is not body else data
+    except UPSTREAM_SHAPE_ERRORS as exc:  # the upstream said 200 but its answer is not an OpenAI answer
+        return _err(f"the upstream server's answer is malformed ({type(exc).__name__}: {exc})", 502, stats,
+                    "upstream_bad_answers", headers)
     payload = _dumps(answer)
     t3 = time.perf_counter()
     try:
@@ -144,7 +184,7 @@ async def _proxy_stream(rec: Recorder, kind, path, up, ask, reason, tid, pv, tas
     acc = StreamAccumulator(kind)
 
     async def events():
-        done = False
+        done, bad = False, ""
         try:
             async for raw in resp.content:
                 line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
@@ -159,8 +199,13 @@ async def _proxy_stream(rec: Recorder, kind, path, up, ask, reason, tid, pv, tas
                 except ValueError:
                     yield (line + "\n\n").encode()
                     continue
-                acc.add(chunk)
-                yield sse(rewriter.rewrite(chunk) if rewriter is not None else chunk)
+                try:
+                    acc.add(chunk)
+                    out = rewriter.rewrite(chunk) if rewriter is not None else chunk
+                except UPSTREAM_SHAPE_ERRORS as exc:
+                    bad = f"the upstream server's stream is malformed ({type(exc).__name__}: {exc})"
+                    break
+                yield sse(out)
         except asyncio.TimeoutError:
             stats.inc("upstream_timeouts")
             yield sse(error_body("the upstream server timed out", 504))
@@ -173,8 +218,16 @@ async def _proxy_stream(rec: Recorder, kind, path, up, ask, reason, tid, pv, tas
             return
         finally:
             resp.close()
-        if not done or acc.error is not None:  # the upstream failed mid-stream: not a call
+        if bad or not done or acc.error is not None:  # the upstream failed mid-stream: a failed call
+            why = ("upstream_bad_stream" if bad else "upstream_error" if acc.error is not None
+                   else "upstream_stream_cut")
             stats.inc("upstream_errors")
+            if acc.error is None:  # the upstream's own error event was relayed already
+                yield sse(error_body(bad or "the upstream stream ended before [DONE]: the answer is incomplete", 502))
+            try:  # the client saw a call fail: it takes its index, stored as a failed (skipped) call
+                await rec.commit(tid, None, why)
+            except Exception:  # noqa: BLE001 - the error event already told the client
+                stats.inc("commit_failures")
             yield SSE_DONE
             return
         row, why = None, reason

@@ -41,7 +41,7 @@ import pyarrow as pa
 
 from prodrl_pipelines.recorder.wal import WriteAheadLog, encode_entry
 from prodrl_pipelines.trajectories.schema import CALL_SCHEMA, call_id
-from prodrl_pipelines.trajectories.store import SchemaMismatchError, TrajectoryStore, to_table, uuid7
+from prodrl_pipelines.trajectories.store import SchemaMismatchError, TrajectoryStore, name_problem, to_table, uuid7
 
 __all__ = ["Ingestor", "Stats", "SKIPPED_PREFIX", "REJECTED_PREFIX", "now_us"]
 
@@ -419,6 +419,9 @@ class Ingestor:
         for row in calls:
             try:
                 to_table([row], CALL_SCHEMA)
+                problem = name_problem(row.get("policy_version"), "policy_version")
+                if problem:
+                    raise SchemaMismatchError(problem)
                 good.append(row)
             except SchemaMismatchError as exc:
                 bad.append({"row": row, "error": str(exc)})

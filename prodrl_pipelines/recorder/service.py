@@ -52,7 +52,13 @@ one request, echo, greedy (temperature < 1e-5: no stochastic policy to correct f
 modifiers the trainer cannot reproduce (penalties, ``min_p``, ``logit_bias``, ``allowed_token_ids``,
 ``bad_words``, structured outputs...), and upstream answers without token ids or logprobs. Upstream
 errors pass through unchanged (counted, not recorded); an upstream timeout is a 504, an unreachable
-upstream a 502. One process (one uvicorn worker) per WAL directory.
+upstream a 502, and so is a 200 whose body is not an OpenAI answer (naming what is wrong). A stream
+that ends before ``[DONE]`` or carries a malformed chunk ends with an SSE error event (502) and is a
+failed call: it takes its call index and is stored as skipped (``upstream_stream_cut``,
+``upstream_bad_stream``), never as an answer. Client bodies are JSON with integers of at most 20
+digits (400 otherwise); ``X-Policy-Version`` names a store directory, so it is at most 200 bytes
+URL-encoded (``trajectories.store.name_problem``, 400 otherwise). One process (one uvicorn worker)
+per WAL directory.
 
 Connections (what made 128-256 concurrent clients see resets): idle client connections stay open
 ``--timeout-keep-alive`` (120 s), longer than clients keep them for reuse (httpx 5 s, aiohttp 15 s;
@@ -228,6 +234,10 @@ class Recorder:
     """State of one recorder process: config, ingest, upstream client, counters."""
 
     def __init__(self, config: RecorderConfig) -> None:
+        from prodrl_pipelines.trajectories.store import name_problem
+
+        if config.policy_version is not None and name_problem(config.policy_version, "--policy-version"):
+            raise ValueError(name_problem(config.policy_version, "--policy-version"))
         self.cfg = config
         self.stats = Stats()
         self.store = TrajectoryStore(config.blob_store())

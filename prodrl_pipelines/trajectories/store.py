@@ -231,9 +231,27 @@ def _part_name() -> str:
     return f"part-{uuid7()}.parquet"
 
 
-def _enc(value: str, what: str) -> str:
+# A name that becomes a path segment (``policy_version=<name>``) stays well inside the 255-byte file
+# name limit of local file systems and S3 keys once URL-encoded.
+MAX_NAME_BYTES = 200
+
+
+def name_problem(value, what: str) -> str | None:
+    """Why ``value`` cannot name a partition of the store (None: it can). The one rule for every name
+    that becomes a path: the recorder checks client headers with it before accepting a call."""
     if not isinstance(value, str) or not value:
-        raise ValueError(f"{what} must be a non-empty string, got {value!r}")
+        return f"{what} must be a non-empty string, got {value!r}"
+    n = len(quote(value, safe=""))
+    if n > MAX_NAME_BYTES:
+        return (f"{what} is {n} bytes once URL-encoded, at most {MAX_NAME_BYTES}: it names a directory "
+                f"of the trajectory store")
+    return None
+
+
+def _enc(value: str, what: str) -> str:
+    problem = name_problem(value, what)
+    if problem:
+        raise SchemaMismatchError(problem)
     return quote(value, safe="")
 
 
@@ -289,12 +307,13 @@ class TrajectoryStore:
         versions = table.column("policy_version").combine_chunks()
         enc = pc.dictionary_encode(versions)
         codes = enc.indices.to_numpy(zero_copy_only=False)
+        dirs = [_enc(v, "policy_version") for v in enc.dictionary.to_pylist()]  # every name checked before any write
         keys = []
         body = table.drop_columns(["policy_version"])
-        for code, version in enumerate(enc.dictionary.to_pylist()):
+        for code, name in enumerate(dirs):
             idx = np.flatnonzero(codes == code)
             part = body if len(idx) == table.num_rows else body.take(pa.array(idx))
-            key = f"{CALLS_PREFIX}policy_version={_enc(version, 'policy_version')}/{_part_name()}"
+            key = f"{CALLS_PREFIX}policy_version={name}/{_part_name()}"
             self._put_table(key, part)
             keys.append(key)
         return keys

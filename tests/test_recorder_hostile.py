@@ -1,0 +1,155 @@
+"""The recorder under hostile input: names that become paths, numbers that overflow, upstream answers
+that are not answers, streams cut short. Each answer is a JSON error, the service keeps serving, and
+nothing acknowledged is lost."""
+
+from __future__ import annotations
+
+import json
+
+import httpx
+import pytest
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import JSONResponse, StreamingResponse
+from starlette.routing import Route
+
+from prodrl_pipelines.engines.server import BackgroundServer
+from prodrl_pipelines.recorder.ingest import Ingestor
+from prodrl_pipelines.recorder.wal import WriteAheadLog, encode_entry
+from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
+from prodrl_pipelines.trajectories.store import MAX_NAME_BYTES, TrajectoryStore
+from tests.test_recorder import AUTH, FakeUpstream, _call_row, fake, start_recorder  # noqa: F401 - fixtures
+
+BODY = {"prompt": [5, 6, 7], "max_tokens": 3}
+
+
+def _json_error(resp: httpx.Response, status: int, *fragments: str) -> None:
+    assert resp.status_code == status, resp.text
+    assert resp.headers["content-type"].startswith("application/json")
+    msg = resp.json()["error"]["message"]
+    for f in fragments:
+        assert f in msg, msg
+
+
+def test_a_policy_version_too_long_for_a_path_is_a_400_and_recording_goes_on(fake, start_recorder):
+    r = start_recorder(fake.url, tokenizer_dir=None)
+    long = "v" * 241  # the header that stopped all recording: a 256-byte partition directory
+    _json_error(r.http.post("/v1/completions", json=BODY, headers={"X-Policy-Version": long}), 400,
+                "X-Policy-Version is 241 bytes once URL-encoded, at most 200")
+    _json_error(r.http.post("/v1/completions", json=BODY, headers={"X-Policy-Version": ("é" * 40).encode("latin-1")}), 400,
+                "240 bytes once URL-encoded")  # the bound is on the encoded name, not the characters
+    edge = "v" * MAX_NAME_BYTES
+    ok = r.http.post("/v1/completions", json=BODY, headers={"X-Policy-Version": edge, "X-Trajectory-Id": "t"})
+    assert ok.status_code == 200 and ok.headers["x-prodrl-recorded"] == "true"
+    assert r.http.post("/v1/completions", json=BODY, headers={"X-Trajectory-Id": "t"}).status_code == 200
+    store = r.store()
+    assert store.read_calls().num_rows == 2 and edge in store.policy_versions()
+    s = r.stats()
+    assert s["bad_requests"] == 2 and s.get("flush_errors", 0) == 0
+
+
+def test_a_logged_row_whose_name_cannot_be_a_path_is_set_aside_on_replay(tmp_path):
+    """A WAL written before the bound existed (or by another writer): replay stores the good rows,
+    sets the bad one aside (counted) and the recorder starts."""
+    store = TrajectoryStore(LocalBlobStore(tmp_path / "store"))
+    wal = WriteAheadLog(tmp_path / "wal")
+    wal.open()
+    wal.append([encode_entry({"kind": "call", "row": _call_row("a", 0)}),
+                encode_entry({"kind": "call", "row": _call_row("a", 1, "v" * 241)}),
+                encode_entry({"kind": "call", "row": _call_row("a", 2)})])
+    wal.close()
+    ing = Ingestor(store, tmp_path / "wal")
+    counts = ing.recover()
+    assert counts["replayed_calls"] == 3 and WriteAheadLog(tmp_path / "wal").segments() == []
+    assert sorted(store.read_calls().column("call_index").to_pylist()) == [0, 2]
+    assert ing.stats.as_dict()["rejected_rows"] == 1
+    rejected = [k for k in store.blobs.list("") if "rejected" in k]
+    assert len(rejected) == 1 and "at most 200" in store.blobs.get_bytes(rejected[0]).decode()
+    with pytest.raises(ValueError, match="policy_version is 241 bytes"):  # the store refuses it directly too
+        store.write_calls([_call_row("b", 0, "v" * 241)])
+
+
+def test_numbers_that_overflow_are_400s_on_a_kept_alive_connection(fake, start_recorder):
+    r = start_recorder(fake.url, tokenizer_dir=None)
+    huge = "9" * 400
+    raw = ('{"prompt": [5, 6, 7], "max_tokens": 3, "presence_penalty": %s}' % huge).encode()
+    _json_error(r.http.post("/v1/completions", content=raw, headers={"Content-Type": "application/json"}), 400,
+                "integer of 400 digits", "at most 20")
+    _json_error(r.http.post("/v1/completions", content=b'{"prompt": [5], "logprobs": ' + b"1" * 25 + b"}",
+                            headers={"Content-Type": "application/json"}), 400, "integer of 25 digits")
+    ok = r.http.post("/v1/completions", json={**BODY, "seed": 2**63 - 1})  # a 19-digit seed is fine
+    assert ok.status_code == 200
+    tid = ok.headers["x-trajectory-id"]
+    _json_error(r.http.post("/v1/feedback", content=('{"trajectory_id": "%s", "reward": %s}' % (tid, huge)).encode(),
+                            headers={"Content-Type": "application/json"}), 400, "integer of 400 digits")
+    assert r.http.post("/v1/feedback", json={"trajectory_id": tid, "reward": 1}).status_code == 200
+    s = r.stats()
+    assert s["bad_requests"] == 2 and s["feedback_bad_requests"] == 1 and s["rewards_recorded"] == 1
+
+
+class BrokenUpstream:
+    """Answers 200 with bodies that are not OpenAI answers, or streams cut before [DONE]."""
+
+    def __init__(self) -> None:
+        self.body = {}
+        self.app = Starlette(routes=[Route("/v1/completions", self.completions, methods=["POST"])])
+
+    async def completions(self, request: Request):
+        body = await request.json()
+        if body.get("stream"):
+            chunk = {"id": "c", "object": "text_completion", "created": 1, "model": "m",
+                     "choices": [{"index": 0, "text": "ab", "logprobs": None, "finish_reason": None,
+                                  "token_ids": [4, 5]}]}
+
+            async def cut():
+                yield f"data: {json.dumps(chunk)}\n\n".encode()
+                if self.body == "bad_chunk":
+                    yield b'data: {"choices": "nope"}\n\n'
+                    yield b"data: [DONE]\n\n"
+                # else: the connection ends here, without [DONE]
+
+            return StreamingResponse(cut(), media_type="text/event-stream")
+        return JSONResponse(self.body)
+
+
+@pytest.fixture
+def broken():
+    b = BrokenUpstream()
+    with BackgroundServer(b.app) as srv:
+        b.url = srv.url
+        yield b
+
+
+@pytest.mark.parametrize("answer", [{"choices": "nope"}, [1, 2],
+                                    {"choices": [{"index": 0, "text": "x", "token_ids": ["a"],
+                                                  "prompt_token_ids": [5, 6, 7], "logprobs": None}]}])
+def test_a_malformed_upstream_answer_is_a_502_naming_the_upstream(broken, start_recorder, answer):
+    r = start_recorder(broken.url, tokenizer_dir=None)
+    broken.body = answer
+    _json_error(r.http.post("/v1/completions", json=BODY, headers={"X-Trajectory-Id": "m"}), 502,
+                "the upstream server's answer is malformed")
+    assert r.stats()["upstream_bad_answers"] == 1
+    assert r.http.get("/health").status_code == 200
+
+
+@pytest.mark.parametrize("mode", ["cut", "bad_chunk"])
+def test_a_cut_stream_ends_with_an_error_event_and_is_recorded_as_failed(broken, start_recorder, mode):
+    r = start_recorder(broken.url, tokenizer_dir=None)
+    broken.body = mode
+    events = []
+    with r.http.stream("POST", "/v1/completions", json={**BODY, "stream": True},
+                       headers={"X-Trajectory-Id": "s"}) as resp:
+        assert resp.status_code == 200
+        for line in resp.iter_lines():
+            if line.startswith("data:"):
+                events.append(line[5:].strip())
+    assert events[-1] == "[DONE]"
+    err = json.loads(events[-2])["error"]
+    assert err["code"] == 502 and ("ended before [DONE]" in err["message"] if mode == "cut"
+                                    else "stream is malformed" in err["message"])
+    store = r.store()
+    assert store.read_calls().num_rows == 0  # partial text is not an answer
+    s = r.stats()
+    reason = "upstream_stream_cut" if mode == "cut" else "upstream_bad_stream"
+    assert s[f"unrecordable.{reason}"] == 1 and s["upstream_errors"] == 1
+    assert r.rec.ingestor.next_index("s") == 1  # the failed call took its index (stored as skipped)
