@@ -18,7 +18,7 @@ from prodrl_pipelines.recorder.ingest import Ingestor
 from prodrl_pipelines.recorder.wal import WriteAheadLog, encode_entry
 from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
 from prodrl_pipelines.trajectories.store import MAX_NAME_BYTES, TrajectoryStore
-from tests.test_recorder import AUTH, FakeUpstream, _call_row, fake, start_recorder  # noqa: F401 - fixtures
+from tests.test_recorder import AUTH, FakeUpstream, _call_row, fake, start_recorder, upstream  # noqa: F401 - fixtures
 
 BODY = {"prompt": [5, 6, 7], "max_tokens": 3}
 
@@ -153,3 +153,48 @@ def test_a_cut_stream_ends_with_an_error_event_and_is_recorded_as_failed(broken,
     reason = "upstream_stream_cut" if mode == "cut" else "upstream_bad_stream"
     assert s[f"unrecordable.{reason}"] == 1 and s["upstream_errors"] == 1
     assert r.rec.ingestor.next_index("s") == 1  # the failed call took its index (stored as skipped)
+
+
+def test_a_call_whose_client_gave_up_is_not_appended(fake, start_recorder):
+    """The official client's timeout and automatic retries: one slow model call used to become calls
+    0, 1 and 2 of the trajectory (every attempt was answered upstream and appended). An attempt whose
+    client disconnected before the answer is not appended (counted); the agent's next turn is call 0."""
+    import openai
+
+    r = start_recorder(fake.url, tokenizer_dir=None)
+    client = openai.OpenAI(base_url=r.srv.url + "/v1", api_key=AUTH["Authorization"].split()[1], timeout=0.4,
+                           max_retries=2, default_headers={"X-Trajectory-Id": "agent"})
+    fake.delay = 1.0
+    with pytest.raises(openai.APITimeoutError):
+        client.completions.create(model="m", prompt=[5, 6, 7], max_tokens=3)
+    import time
+
+    deadline = time.monotonic() + 10
+    while r.stats().get("client_disconnected", 0) < 3 and time.monotonic() < deadline:
+        time.sleep(0.2)  # the upstream answers each abandoned attempt a little later
+    assert r.stats()["client_disconnected"] == 3
+    fake.delay = 0.0
+    ok = client.completions.with_raw_response.create(model="m", prompt=[5, 6, 7], max_tokens=3)
+    assert ok.headers["x-call-index"] == "0"
+    assert r.store().read_calls().column("call_index").to_pylist() == [0]
+
+
+def test_request_size_limit_is_a_413_before_parsing(fake, start_recorder, upstream):
+    """A 20 MB prompt or unknown field is refused by the recorder and by `prodrl serve` at once,
+    whether its length is declared or streamed."""
+    r = start_recorder(fake.url, tokenizer_dir=None, max_body_bytes=1 << 20)
+    big = {**BODY, "junk": "x" * (2 << 20)}
+    _json_error(r.http.post("/v1/completions", json=big), 413, "at most 1048576")
+
+    def chunks():
+        payload = json.dumps(big).encode()
+        for i in range(0, len(payload), 1 << 16):
+            yield payload[i:i + (1 << 16)]
+
+    _json_error(r.http.post("/v1/completions", content=chunks(), headers={"Content-Type": "application/json"}),
+                413, "over 1048576 bytes")  # no Content-Length: counted while received
+    assert r.http.post("/v1/completions", json=BODY).status_code == 200 and r.stats()["too_large_requests"] == 2
+    with httpx.Client(base_url=upstream.url, timeout=60) as direct:  # prodrl serve: 8 MiB by default
+        _json_error(direct.post("/v1/completions", json={"model": "v0", "prompt": "1+1=" * (3 << 20)}), 413,
+                    "at most 8388608")
+        assert direct.get("/health").status_code == 200

@@ -19,6 +19,7 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--served-model-name", default=None, help="model name in the API (default: model_dir)")
     s.add_argument("--max-logprobs", type=int, default=20, help="largest logprobs/top_logprobs allowed (vLLM: 20)")
     s.add_argument("--api-key", default=os.environ.get("VLLM_API_KEY"), help="require this bearer token on /v1")
+    s.add_argument("--max-body-bytes", type=int, default=None, help="refuse larger requests with a 413 (default 8 MiB)")
     s.add_argument("--batch-wait-ms", type=float, default=10.0,
                    help="longest wait to fill a batch (it closes earlier after 1 ms without a new request)")
     s.add_argument("--batch-quiet-ms", type=float, default=1.0,
@@ -48,7 +49,7 @@ def cmd_serve(args) -> int:
     app = build_app(engine, model_dir=args.model_dir, served_model_name=args.served_model_name,
                     max_logprobs=args.max_logprobs, api_key=args.api_key, batch_wait_ms=args.batch_wait_ms,
                     max_batch_size=args.max_batch_size, generation_config=args.generation_config, device=args.device,
-                    batch_quiet_ms=args.batch_quiet_ms)
+                    batch_quiet_ms=args.batch_quiet_ms, max_body_bytes=args.max_body_bytes)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_keep_alive=args.timeout_keep_alive)
     return 0

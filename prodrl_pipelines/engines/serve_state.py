@@ -84,8 +84,11 @@ def load_engine(model_dir: str | os.PathLike, device: str = "cpu"):
 class ServeState:
     def __init__(self, engine, info: ModelInfo, *, max_logprobs: int, api_key: str | None,
                  batch_wait_ms: float, max_batch_size: int, generation_config: str, device: str,
-                 batch_quiet_ms: float = 1.0) -> None:
+                 batch_quiet_ms: float = 1.0, max_body_bytes: int | None = None) -> None:
+        from prodrl_pipelines.engines.openai_protocol import MAX_BODY_BYTES
+
         self.batcher = EngineBatcher(engine, batch_wait_ms, max_batch_size, batch_quiet_ms)
+        self.max_body_bytes = int(max_body_bytes or MAX_BODY_BYTES)
         self.info = info
         self.tokens = _Tokens(getattr(engine, "tokenizer", None))
         self.max_logprobs = int(max_logprobs)

@@ -38,6 +38,8 @@ Known differences from vLLM (documented, deliberate or not yet needed):
 
 from __future__ import annotations
 
+import asyncio
+
 import hmac
 import json
 import os
@@ -53,6 +55,7 @@ from starlette.routing import Route
 
 from prodrl_pipelines.engines.openai_protocol import (
     EXTRA_IDS_FIELD,
+    read_body,
     SSE_DONE,
     ChatCompletionRequest,
     CompletionRequest,
@@ -88,7 +91,7 @@ def _error(exc: ProtocolError | str, status: int | None = None) -> JSONResponse:
 
 
 async def _json_body(request: Request) -> dict:
-    raw = await request.body()
+    raw = await read_body(request, request.app.state.serve.max_body_bytes)
     try:
         body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
@@ -149,7 +152,8 @@ async def completions(request: Request) -> Response:
     try:
         req = _validate(CompletionRequest, await _json_body(request))
         _check_model(state, req.model)
-        prompts, texts = _completion_prompts(state, req)
+        # tokenization off the event loop: a long prompt does not hold every other client
+        prompts, texts = await asyncio.to_thread(_completion_prompts, state, req)
         plan = _plan(state, req, "completion", prompts, texts)
         results = await _run(state, plan)
     except ProtocolError as exc:
@@ -251,7 +255,7 @@ async def chat_completions(request: Request) -> Response:
     try:
         req = _validate(ChatCompletionRequest, await _json_body(request))
         _check_model(state, req.model)
-        text, ids = _render_chat(state, req)
+        text, ids = await asyncio.to_thread(_render_chat, state, req)
         if not ids:
             raise ProtocolError("the rendered chat prompt is empty", param="messages")
         plan = _plan(state, req, "chat", [ids], [text])
@@ -400,13 +404,14 @@ def build_app(
     generation_config: str = "auto",
     device: str = "cpu",
     batch_quiet_ms: float = 1.0,
+    max_body_bytes: int | None = None,
 ) -> Starlette:
     """The ASGI app serving ``engine`` (a ``LocalEngine`` or anything with its interface)."""
     name = served_model_name or (str(model_dir) if model_dir else "prodrl-local")
     info = ModelInfo.from_engine(engine, str(model_dir) if model_dir else None, name, generation_config)
     state = ServeState(engine, info, max_logprobs=max_logprobs, api_key=api_key, batch_wait_ms=batch_wait_ms,
                        max_batch_size=max_batch_size, generation_config=generation_config, device=device,
-                       batch_quiet_ms=batch_quiet_ms)
+                       batch_quiet_ms=batch_quiet_ms, max_body_bytes=max_body_bytes)
 
     from contextlib import asynccontextmanager
 

@@ -37,6 +37,7 @@ def add_record_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--top-logprobs", type=int, default=20, help="K: head size recorded per position")
     r.add_argument("--upstream-max-logprobs", type=int, default=20, help="the upstream's --max-logprobs")
     r.add_argument("--flush-rows", type=int, default=1024, help="flush to Parquet after this many records")
+    r.add_argument("--max-body-bytes", type=int, default=8 << 20, help="refuse larger client bodies with a 413")
     r.add_argument("--flush-interval", type=float, default=2.0, help="... or after this many seconds")
     r.add_argument("--upstream-timeout", type=float, default=120.0, help="seconds before a 504")
     r.add_argument("--upstream-keepalive", type=float, default=3.0,
@@ -64,7 +65,7 @@ def cmd_record(args) -> int:
             upstream=args.upstream, store_dir=args.store, token=token, wal_dir=args.wal_dir,
             top_logprobs=args.top_logprobs, upstream_max_logprobs=args.upstream_max_logprobs,
             policy_version=args.policy_version, tokenizer_dir=args.tokenizer,
-            upstream_api_key=os.environ.get(UPSTREAM_KEY_ENV), flush_rows=args.flush_rows,
+            upstream_api_key=os.environ.get(UPSTREAM_KEY_ENV), flush_rows=args.flush_rows, max_body_bytes=args.max_body_bytes,
             flush_interval_s=args.flush_interval, upstream_timeout_s=args.upstream_timeout,
             s3_bucket=args.s3_bucket, s3_prefix=args.s3_prefix, s3_endpoint_url=args.s3_endpoint_url,
             s3_region=args.s3_region, record_extra_draw=args.record_extra_draw,

@@ -17,7 +17,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
-from prodrl_pipelines.engines.openai_protocol import SSE_DONE, ProtocolError, error_body, sse
+from prodrl_pipelines.engines.openai_protocol import SSE_DONE, ProtocolError, error_body, read_body, sse
 from prodrl_pipelines.recorder.answers import Rewriter, StreamAccumulator
 from prodrl_pipelines.recorder.ingest import Stats
 from prodrl_pipelines.recorder.requests import Unrecordable, _is_int, _is_num, client_ask, unrecordable_reason
@@ -75,7 +75,7 @@ def parse_client_json(raw: bytes):
 
 
 async def _body(request: Request) -> dict:
-    body = parse_client_json(await request.body())
+    body = parse_client_json(await read_body(request, request.app.state.recorder.cfg.max_body_bytes))
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
     return body
@@ -104,7 +104,7 @@ async def _proxy(request: Request, kind: str) -> Response:
         body = await _body(request)
         tid = _trajectory_id(request)
     except ProtocolError as exc:
-        return _err(str(exc), 400, stats, "bad_requests")
+        return _err(str(exc), exc.status, stats, "too_large_requests" if exc.status == 413 else "bad_requests")
     pv = request.headers.get("x-policy-version")
     task_id = request.headers.get("x-task-id")
     problem = name_problem(pv, "X-Policy-Version") if pv is not None else None
@@ -154,6 +154,8 @@ async def _proxy(request: Request, kind: str) -> Response:
                     "upstream_bad_answers", headers)
     payload = _dumps(answer)
     t3 = time.perf_counter()
+    if await request.is_disconnected():  # the client gave up (a timeout): its retry is the call, not this
+        return _err("the client disconnected before the answer", 499, stats, "client_disconnected", headers)
     try:
         index = await rec.commit(tid, row, reason)
     except Exception as exc:  # the WAL failed: the client must not believe the call was recorded
@@ -216,6 +218,9 @@ async def _proxy_stream(rec: Recorder, kind, path, up, ask, reason, tid, pv, tas
             yield sse(error_body(f"the upstream stream failed: {exc}", 502))
             yield SSE_DONE
             return
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away mid-stream: nothing is appended
+            stats.inc("client_disconnected")
+            raise
         finally:
             resp.close()
         if bad or not done or acc.error is not None:  # the upstream failed mid-stream: a failed call
@@ -278,7 +283,7 @@ async def feedback(request: Request) -> Response:
     try:
         body = await _body(request)
     except ProtocolError as exc:
-        return _err(str(exc), 400, stats, "feedback_bad_requests")
+        return _err(str(exc), exc.status, stats, "feedback_bad_requests")
     tid, reward, source = body.get("trajectory_id"), body.get("reward"), body.get("source", "feedback")
     if not isinstance(tid, str) or not tid:
         return _err("`trajectory_id` (a non-empty string) is required", 422, stats, "feedback_invalid")

@@ -124,6 +124,7 @@ class RecorderConfig:
     # Idle upstream connections are reused for at most this long: below the upstream's own keep-alive
     # timeout (vLLM and uvicorn: 5 s), else a reused connection can be closed under a request.
     upstream_keepalive_s: float = 3.0
+    max_body_bytes: int = 8 << 20  # client bodies past this are a 413, before they are parsed
     default_temperature: float = 1.0
     default_top_p: float = 1.0
     default_top_k: int = 0
