@@ -198,3 +198,15 @@ def test_request_size_limit_is_a_413_before_parsing(fake, start_recorder, upstre
         _json_error(direct.post("/v1/completions", json={"model": "v0", "prompt": "1+1=" * (3 << 20)}), 413,
                     "at most 8388608")
         assert direct.get("/health").status_code == 200
+
+
+def test_the_tokenizer_is_found_without_being_named(upstream, start_recorder, model_dir):
+    """`prodrl record --upstream URL` exactly as the README shows it: the served model's tokenizer comes
+    from the upstream's /v1/models root, so logprob tokens are text, as in a direct call."""
+    r = start_recorder(upstream.url, tokenizer_dir=None)
+    body = {"model": "v0", "prompt": [1, 116, 5, 24, 17], "max_tokens": 4, "logprobs": 2, "seed": 3}
+    got = r.http.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    with httpx.Client(base_url=upstream.url, timeout=60) as direct:
+        want = direct.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
+    assert got["tokens"] == want["tokens"] and not any(t.startswith("token_id:") for t in got["tokens"])
+    assert r.http.get("/stats").json()["tokenizer"] == str(model_dir)

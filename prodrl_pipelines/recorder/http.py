@@ -112,6 +112,8 @@ async def _proxy(request: Request, kind: str) -> Response:
         return _err(problem, 400, stats, "bad_requests")
     if task_id is not None and len(task_id) > 1024:
         return _err("X-Task-Id must be at most 1024 characters", 400, stats, "bad_requests")
+    if rec.tokens is None:
+        await rec.find_tokenizer()  # token strings as text, not token_id:<id>, once the upstream tells
     served = rec.served_model()
     if served is not None:  # the client's model name is not the deployment's: ask for what is served now
         body["model"] = served
@@ -307,6 +309,7 @@ async def stats_route(request: Request) -> Response:
     rec: Recorder = request.app.state.recorder
     return JSONResponse({"counters": rec.stats.as_dict(), "policy_version": rec.cfg.policy_version,
                          "upstream": rec.cfg.upstream or f"follows {rec.cfg.follow}", "top_logprobs": rec.cfg.top_logprobs,
+                         "tokenizer": rec.tokenizer_source or "none (token strings stay token_id:<id>; pass --tokenizer)",
                          "chat_top_logprobs": rec.chat_k, "record_extra_draw": rec.cfg.record_extra_draw})
 
 

@@ -245,6 +245,8 @@ class Recorder:
         self.ingestor = Ingestor(self.store, config.wal_path, flush_rows=config.flush_rows,
                                  flush_interval_s=config.flush_interval_s, stats=self.stats)
         self.tokens = TokenStrings(config.tokenizer_dir) if config.tokenizer_dir else None
+        self.tokenizer_source = config.tokenizer_dir or ""
+        self._tokenizer_retry_at = 0.0
         self.http: aiohttp.ClientSession | None = None
         k = config.top_logprobs
         self.chat_n = min(k + 1, config.upstream_max_logprobs)  # top_logprobs asked on chat
@@ -268,6 +270,36 @@ class Recorder:
             connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=self.cfg.upstream_keepalive_s),
             auto_decompress=True)
         self.stream_timeout = aiohttp.ClientTimeout(total=None, connect=min(t, 10.0), sock_read=t)
+        await self.find_tokenizer()
+
+    async def find_tokenizer(self) -> None:
+        """Without ``--tokenizer``: the served model's own tokenizer, from the deployment's export
+        (``--follow``) or the directory the upstream reports as its model's ``root`` (``/v1/models``:
+        vLLM and ``prodrl serve`` both give it). Looked for again at most every 30 s until found, so
+        a recorder started before its deployment still finds it."""
+        import time
+
+        if self.tokens is not None or self.cfg.tokenizer_dir or time.monotonic() < self._tokenizer_retry_at:
+            return
+        self._tokenizer_retry_at = time.monotonic() + 30.0
+        candidates = []
+        if self.deployment is not None and (ep := self.deployment.current()) is not None and ep.export_dir:
+            candidates.append(ep.export_dir)
+        try:
+            async with self.http.get(self.upstream_url("v1/models")) as resp:
+                models = (await resp.json(content_type=None)).get("data") or []
+            candidates += [m.get("root") for m in models if isinstance(m, dict) and isinstance(m.get("root"), str)]
+        except (aiohttp.ClientError, asyncio.TimeoutError, ValueError, AttributeError):
+            pass
+        for c in candidates:
+            if c and ((Path(c) / "tokenizer.json").is_file() or (Path(c) / "tokenizer_config.json").is_file()):
+                try:
+                    self.tokens = TokenStrings(c)
+                except Exception:  # noqa: BLE001 - an unreadable tokenizer: keep looking, stay id strings
+                    continue
+                self.tokenizer_source = c
+                self.stats.inc("tokenizer_found")
+                return
 
     async def post_upstream(self, path: str, data: bytes, timeout: aiohttp.ClientTimeout | None = None):
         """POST to the upstream; the response is not read yet (use as ``async with`` or release it).
