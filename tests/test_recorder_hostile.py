@@ -210,3 +210,52 @@ def test_the_tokenizer_is_found_without_being_named(upstream, start_recorder, mo
         want = direct.post("/v1/completions", json=body).json()["choices"][0]["logprobs"]
     assert got["tokens"] == want["tokens"] and not any(t.startswith("token_id:") for t in got["tokens"])
     assert r.http.get("/stats").json()["tokenizer"] == str(model_dir)
+
+
+def test_secrets_stay_out_and_errors_are_json(fake, start_recorder, tmp_path, engine, model_dir):
+    from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
+
+    r = start_recorder(fake.url.replace("http://", "http://user:hunter2@"), tokenizer_dir=None)
+    assert "hunter2" not in json.dumps(r.http.get("/stats").json())
+    assert r.http.post("/v1/completions", json=BODY).status_code == 200  # URL credentials alone work
+    with pytest.raises(ValueError, match="carries credentials and \\$PRODRL_UPSTREAM_API_KEY is set"):
+        build_recorder_app(RecorderConfig(upstream="http://u:p@127.0.0.1:1", store_dir=str(tmp_path / "s2"),
+                                          token="t", upstream_api_key="k"))
+    # the scheme is case-insensitive, the token is not
+    token = AUTH["Authorization"].split()[1]
+    assert r.http.get("/health", headers={"Authorization": f"bearer {token}"}).status_code == 200
+    assert r.http.get("/health", headers={"Authorization": f"Bearer {token.upper()}x"}).status_code == 401
+    _json_error(r.http.get("/v2/nothing"), 404, "no route '/v2/nothing'")
+    _json_error(r.http.get("/v1/completions"), 405, "GET is not allowed")
+    long_id = "t" * 100_000
+    resp = r.http.post("/v1/feedback", json={"trajectory_id": long_id, "reward": 1})
+    _json_error(resp, 404, "(100000 characters)")
+    assert len(resp.content) < 1000  # not echoed back
+    # the write-ahead log is as private as the parts
+    r.http.post("/v1/completions", json=BODY)
+    wal = [p for p in (tmp_path / "store" / "_recorder" / "wal").iterdir()]
+    assert wal and all(p.stat().st_mode & 0o077 == 0 for p in wal)
+
+
+def test_serve_load_model_needs_an_api_key(engine, model_dir):
+    from prodrl_pipelines.engines.server import build_app
+
+    with BackgroundServer(build_app(engine, model_dir=model_dir, served_model_name="v0")) as srv:
+        with httpx.Client(base_url=srv.url, timeout=60) as c:
+            _json_error(c.post("/v1/load_model", json={"model_dir": str(model_dir)}), 403, "start prodrl serve with --api-key")
+            assert c.get("/v1/models").json()["data"][0]["id"] == "v0"
+
+
+def test_a_killed_writers_temporary_files_are_swept_at_start(fake, start_recorder, tmp_path):
+    import os
+    import time
+
+    part_dir = tmp_path / "store" / "trajectories" / "policy_version=v0"
+    part_dir.mkdir(parents=True)
+    old = part_dir / ".tmp-deadbeef-abc"
+    old.write_bytes(b"half a parquet file")
+    os.utime(old, (time.time() - 7200, time.time() - 7200))
+    fresh = part_dir / ".tmp-cafe-def"  # another process may be writing it right now
+    fresh.write_bytes(b"in flight")
+    r = start_recorder(fake.url, tokenizer_dir=None)
+    assert not old.exists() and fresh.exists() and r.stats()["orphaned_temporaries_removed"] == 1

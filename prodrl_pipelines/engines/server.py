@@ -344,8 +344,12 @@ async def health(request: Request) -> Response:
 
 
 async def load_model(request: Request) -> Response:
-    """Redeploy: load another checkpoint into the running server (between batches)."""
+    """Redeploy: load another checkpoint into the running server (between batches). It replaces
+    what every client is served, so it exists only on a server started with ``--api-key``."""
     state: ServeState = request.app.state.serve
+    if not state.api_key:
+        return _error("POST /v1/load_model replaces the served weights: start prodrl serve with --api-key "
+                      "(or $VLLM_API_KEY) to enable it", 403)
     try:
         body = await _json_body(request)
     except ProtocolError as exc:

@@ -22,6 +22,7 @@ from prodrl_pipelines.recorder.answers import Rewriter, StreamAccumulator
 from prodrl_pipelines.recorder.ingest import Stats
 from prodrl_pipelines.recorder.requests import Unrecordable, _is_int, _is_num, client_ask, unrecordable_reason
 from prodrl_pipelines.recorder.service import _TRAJ_ID, Recorder, RecorderConfig
+from prodrl_pipelines.preflight import redact
 from prodrl_pipelines.trajectories.store import name_problem
 
 
@@ -34,6 +35,11 @@ def _err(message: str, status: int, stats: Stats | None = None, counter: str | N
 
 # What a malformed upstream answer raises while it is read as an OpenAI answer.
 UPSTREAM_SHAPE_ERRORS = (ProtocolError, KeyError, TypeError, ValueError, IndexError, AttributeError)
+
+
+def _clip(text: str, n: int = 80) -> str:
+    """A client's value quoted in an error message, at most ``n`` characters of it."""
+    return repr(text[:n]) + (f"... ({len(text)} characters)" if len(text) > n else "")
 
 
 def _dumps(obj) -> bytes:
@@ -294,7 +300,7 @@ async def feedback(request: Request) -> Response:
     if not isinstance(source, str) or not source:
         return _err("`source` must be a non-empty string", 422, stats, "feedback_invalid")
     if not rec.ingestor.known(tid):
-        return _err(f"unknown trajectory {tid!r}: no call was recorded under it", 404, stats,
+        return _err(f"unknown trajectory {_clip(tid)}: no call was recorded under it", 404, stats,
                     "feedback_unknown_trajectory")
     created, fut = rec.ingestor.commit_reward(tid, float(reward), source)
     try:
@@ -308,7 +314,7 @@ async def feedback(request: Request) -> Response:
 async def stats_route(request: Request) -> Response:
     rec: Recorder = request.app.state.recorder
     return JSONResponse({"counters": rec.stats.as_dict(), "policy_version": rec.cfg.policy_version,
-                         "upstream": rec.cfg.upstream or f"follows {rec.cfg.follow}", "top_logprobs": rec.cfg.top_logprobs,
+                         "upstream": redact(rec.cfg.upstream) if rec.cfg.upstream else f"follows {rec.cfg.follow}", "top_logprobs": rec.cfg.top_logprobs,
                          "tokenizer": rec.tokenizer_source or "none (token strings stay token_id:<id>; pass --tokenizer)",
                          "chat_top_logprobs": rec.chat_k, "record_extra_draw": rec.cfg.record_extra_draw})
 
@@ -331,13 +337,14 @@ class _BearerAuth:
 
     def __init__(self, app, token: str, stats: Stats) -> None:
         self.app = app
-        self.expected = f"Bearer {token}".encode()
+        self.expected = token.encode()
         self.stats = stats
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
-            got = dict(scope["headers"]).get(b"authorization", b"")
-            if not hmac.compare_digest(got, self.expected):
+            scheme, _, got = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            # the scheme is case-insensitive (RFC 9110), the token is not
+            if scheme.lower() != b"bearer" or not hmac.compare_digest(got.strip(), self.expected):
                 self.stats.inc("unauthorized")
                 resp = JSONResponse(error_body("missing or wrong bearer token", 401), status_code=401,
                                     headers={"WWW-Authenticate": "Bearer"})
@@ -366,7 +373,9 @@ def build_recorder_app(config: RecorderConfig) -> Starlette:
         Route("/metrics", metrics, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
     ]
-    app = Starlette(routes=routes, lifespan=lifespan)
+    app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
+        404: lambda request, exc: _err(f"no route {_clip(request.url.path)}", 404),
+        405: lambda request, exc: _err(f"{request.method} is not allowed on {_clip(request.url.path)}", 405)})
     app.state.recorder = rec
     app.add_middleware(_BearerAuth, token=config.token, stats=rec.stats)
     return app

@@ -239,6 +239,11 @@ class Recorder:
 
         if config.policy_version is not None and name_problem(config.policy_version, "--policy-version"):
             raise ValueError(name_problem(config.policy_version, "--policy-version"))
+        from urllib.parse import urlsplit
+
+        if config.upstream and urlsplit(config.upstream).password is not None and config.upstream_api_key:
+            raise ValueError(f"the upstream URL carries credentials and ${UPSTREAM_KEY_ENV} is set: give one of them "
+                             "(a bearer token, or user:password in the URL)")
         self.cfg = config
         self.stats = Stats()
         self.store = TrajectoryStore(config.blob_store())
@@ -254,6 +259,9 @@ class Recorder:
         self.deployment = FollowedEndpoint(config.follow) if config.follow else None
 
     async def start(self) -> None:
+        sweep = getattr(self.store.blobs, "sweep_temporaries", None)  # local stores: a killed writer's leftovers
+        if sweep is not None:
+            self.stats.inc("orphaned_temporaries_removed", sweep())
         self.ingestor.recover()
         self.ingestor.attach_loop(asyncio.get_running_loop())
         self.ingestor.start()

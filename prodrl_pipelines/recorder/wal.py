@@ -180,7 +180,7 @@ class WriteAheadLog:
 
     def _open(self, seq: int) -> Path:
         path = self._path(seq)
-        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
+        self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # as private as the parts
         self._seq = seq
         fsync_dir(self.dir)
         return path

@@ -91,6 +91,21 @@ class LocalBlobStore(BlobStore):
     def __repr__(self) -> str:
         return f"LocalBlobStore({str(self.root)!r})"
 
+    def sweep_temporaries(self, older_than_s: float = 3600.0) -> int:
+        """Remove temporary files a killed writer left (a SIGKILL between ``mkstemp`` and the rename);
+        only old ones, since other processes may be writing into the same store right now."""
+        import time
+
+        cutoff, n = time.time() - older_than_s, 0
+        for tmp in self.root.rglob(f"{_TMP_PREFIX}*"):
+            try:
+                if tmp.is_file() and tmp.stat().st_mtime < cutoff:
+                    tmp.unlink()
+                    n += 1
+            except FileNotFoundError:  # renamed or removed meanwhile
+                pass
+        return n
+
     def _path(self, key: str) -> Path:
         return self.root.joinpath(*validate_key(key).split("/"))
 
