@@ -18,7 +18,7 @@ from prodrl_pipelines.recorder.ingest import Ingestor
 from prodrl_pipelines.recorder.wal import WriteAheadLog, encode_entry
 from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
 from prodrl_pipelines.trajectories.store import MAX_NAME_BYTES, TrajectoryStore
-from tests.test_recorder import AUTH, FakeUpstream, _call_row, fake, start_recorder, upstream  # noqa: F401 - fixtures
+from tests.test_recorder import AUTH, _call_row, fake, start_recorder, upstream  # noqa: F401 - fixtures
 
 BODY = {"prompt": [5, 6, 7], "max_tokens": 3}
 
