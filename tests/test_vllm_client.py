@@ -189,9 +189,10 @@ def test_client_rejects_answers_without_token_ids_or_logprobs():
 
 def test_reload_through_the_client(engine, model_dir, tmp_path):
     other = build_base_policy(tmp_path / "v1", size="tiny", seed=2, sft_steps=5, progress=False)
-    app = build_app(engine, model_dir=model_dir, served_model_name="policy-v0")
+    # load_model replaces what every client is served: only a server with an API key has it
+    app = build_app(engine, model_dir=model_dir, served_model_name="policy-v0", api_key="admin-key")
     p = SamplingParams(max_tokens=5, num_top_logprobs=3)
-    with BackgroundServer(app) as srv, VLLMClient(srv.url) as c:
+    with BackgroundServer(app) as srv, VLLMClient(srv.url, api_key="admin-key") as c:
         before = c.generate(PROMPTS[:2], p, seed=1)
         assert c.reload(other, "policy-v1") == "policy-v1" and c.models() == ["policy-v1"]
         after = c.generate(PROMPTS[:2], p, seed=1)
