@@ -188,22 +188,6 @@ def test_review_through_the_daemon(tmp_path, pg_instance, mlflow_server, s3_endp
         assert (mat.partition, mat.metadata["rollback"].value, mat.metadata["decided_by"].value) == (
             "round-000000", True, "carol")
 
-        # --- the next round trains from the rolled-back checkpoint on its traffic; approved with the CLI
-        simulate_traffic(svc, 8)
-        wait_for(lambda: state("round-000003") == review.PENDING_REVIEW, "round 3 to await review", log, client)
-        assert svc.registry.round_summary("round-000003")["trained_from"] == "round-000000"
-        rc, out, err = prodrl(capsys, settings_file, "review", "list", "--json")
-        assert rc == 0, err
-        rows = json.loads(out)
-        assert (rows[0]["version"], rows[0]["state"]) == ("4", "pending_review")
-        assert {r["version"]: r["live"] for r in rows}["1"] is True
-        rc, out, _ = prodrl(capsys, settings_file, "review", "list")
-        assert out.splitlines()[1].split()[:3] == ["4", "round-000003", "pending_review"] and "*1" in out
-        rc, _, err = prodrl(capsys, settings_file, "review", "approve", "4", "--by", "dan")
-        assert rc == 0, err
-        wait_for(lambda: state("round-000003") == review.DEPLOYED, "the approval of round 3", log, client)
-        assert svc.registry.live().policy_version == "round-000003"
-        assert svc.lineage.alias_version(CHAMPION) == "4"
     finally:
         os.killpg(daemon.pid, signal.SIGTERM)
         try:
@@ -211,6 +195,34 @@ def test_review_through_the_daemon(tmp_path, pg_instance, mlflow_server, s3_endp
         except subprocess.TimeoutExpired:
             os.killpg(daemon.pid, signal.SIGKILL)
             daemon.wait()
+
+    # --- the next round trains from the rolled-back checkpoint on its traffic; approved with the CLI
+    # (in this process from here on: the sensors are the same functions, without a run launch each)
+    simulate_traffic(svc, 8)
+    tick = data_volume_sensor(build_sensor_context(instance=pg_instance, definitions=defs, resources=res))
+    for add in tick.dynamic_partitions_requests:
+        pg_instance.add_dynamic_partitions(add.partitions_def_name, list(add.partition_keys))
+    assert tick.run_requests[0].partition_key == "round-000003"
+    assert defs.resolve_job_def("prod_rl_round").execute_in_process(
+        instance=pg_instance, partition_key="round-000003", tags=tick.run_requests[0].tags).success
+    assert state("round-000003") == review.PENDING_REVIEW
+    assert svc.registry.round_summary("round-000003")["trained_from"] == "round-000000"
+    rc, out, err = prodrl(capsys, settings_file, "review", "list", "--json")
+    assert rc == 0, err
+    rows = json.loads(out)
+    assert (rows[0]["version"], rows[0]["state"]) == ("4", "pending_review")
+    assert {r["version"]: r["live"] for r in rows}["1"] is True
+    rc, out, _ = prodrl(capsys, settings_file, "review", "list")
+    assert out.splitlines()[1].split()[:3] == ["4", "round-000003", "pending_review"] and "*1" in out
+    rc, _, err = prodrl(capsys, settings_file, "review", "approve", "4", "--by", "dan")
+    assert rc == 0, err
+    req = registry_sensor(build_sensor_context(instance=pg_instance, definitions=defs, resources=res)).run_requests[0]
+    assert (req.tags["prodrl/review-action"], req.tags["prodrl/review-by"]) == ("approve", "dan")
+    assert defs.resolve_job_def("registry_decision").execute_in_process(
+        instance=pg_instance, partition_key=req.partition_key, tags=req.tags).success
+    assert state("round-000003") == review.DEPLOYED and svc.registry.live().policy_version == "round-000003"
+    assert svc.lineage.alias_version(CHAMPION) == "4"
+    consistent(client)
 
     # --- decided rounds re-run from the Launchpad: nothing stored changes
     rkeys = ["round-000001", "round-000002", "round-000003"]
