@@ -345,12 +345,16 @@ class FakeUpstream:
                              "choices": choices, "usage": None})
 
 
+def serving(upstream):
+    """Serve a scriptable upstream (its ``app``) on loopback for one test; sets its ``url``."""
+    with BackgroundServer(upstream.app) as srv:
+        upstream.url = srv.url
+        yield upstream
+
+
 @pytest.fixture
 def fake():
-    f = FakeUpstream()
-    with BackgroundServer(f.app) as srv:
-        f.url = srv.url
-        yield f
+    yield from serving(FakeUpstream())
 
 
 def test_unrecordable_calls_are_answered_counted_and_never_stored(fake, start_recorder, tmp_path):

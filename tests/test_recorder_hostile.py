@@ -18,7 +18,7 @@ from prodrl_pipelines.recorder.ingest import Ingestor
 from prodrl_pipelines.recorder.wal import WriteAheadLog, encode_entry
 from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
 from prodrl_pipelines.trajectories.store import MAX_NAME_BYTES, TrajectoryStore
-from tests.test_recorder import AUTH, _call_row, fake, start_recorder, upstream  # noqa: F401 - fixtures
+from tests.test_recorder import AUTH, _call_row, fake, serving, start_recorder, upstream  # noqa: F401 - fixtures
 
 BODY = {"prompt": [5, 6, 7], "max_tokens": 3}
 
@@ -114,10 +114,7 @@ class BrokenUpstream:
 
 @pytest.fixture
 def broken():
-    b = BrokenUpstream()
-    with BackgroundServer(b.app) as srv:
-        b.url = srv.url
-        yield b
+    yield from serving(BrokenUpstream())
 
 
 @pytest.mark.parametrize("answer", [{"choices": "nope"}, [1, 2],
