@@ -42,11 +42,11 @@ def deploy(svc: Services, rkey: str, model_version: str | None = None,
     is recorded on the round and raises ``DeployRejected``."""
     from prodrl_pipelines.deploy_targets.rollout import DeployRejected
     from prodrl_pipelines.review import (
-        AWAITING_DEPLOY, DEPLOYED, PENDING_REVIEW, describe_decision, now, round_state,
+        AWAITING_DEPLOY, DEPLOYED, PENDING_REVIEW, describe_decision, now, version_state,
     )
 
     decision = svc.registry.decision(rkey)
-    state = DEPLOYED if rkey == BASE_VERSION and decision is None else round_state(decision)
+    state = version_state(rkey, decision)
     live = svc.registry.live()
     is_live = live is not None and live.policy_version == rkey
     kind = request.kind if request else None

@@ -47,6 +47,12 @@ def round_state(decision: dict | None) -> str:
     return {"rejected": REJECTED, "pending": PENDING_REVIEW}.get(decision.get("review", "none"), AWAITING_DEPLOY)
 
 
+def version_state(rkey: str, decision: dict | None) -> str:
+    """``round_state``, with the base policy deployed by construction (homes bootstrapped before
+    round 0 had a decision document of its own)."""
+    return DEPLOYED if rkey == BASE_VERSION and decision is None else round_state(decision)
+
+
 def is_decided(decision: dict | None) -> bool:
     return round_state(decision) in FINAL
 
@@ -140,7 +146,7 @@ def registry_actions(svc, champion: str | None = None, versions: list | None = N
         v = str(mv.version)
         decision = svc.registry.decision(rkey)
         base = rkey == BASE_VERSION
-        state = DEPLOYED if base else round_state(decision)
+        state = version_state(rkey, decision)
         tag = mv.tags.get("review", "none")
         at_champion = champion == v and v != live_mv
         by = mv.tags.get(REVIEW_BY) or UNKNOWN_REVIEWER

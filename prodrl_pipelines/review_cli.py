@@ -27,14 +27,12 @@ def _services(settings_path: str):
 
 def version_rows(svc, limit: int = 20) -> list[dict]:
     """The registry's versions, newest first, joined with their recorded decisions."""
-    from prodrl_pipelines.deployment import BASE_VERSION
-
     live = svc.registry.live()
     rows = []
     for mv in reversed(svc.lineage.versions()):
         rkey = mv.tags.get(ROUND_TAG, "")
         d = svc.registry.decision(rkey) if rkey else None
-        state = review.DEPLOYED if rkey == BASE_VERSION else review.round_state(d)
+        state = review.version_state(rkey, d)
         d = d or {}
         rows.append({
             "version": str(mv.version), "round": rkey, "state": state, "live": bool(live and live.model_version == str(mv.version)),
@@ -101,14 +99,13 @@ def cmd_decide(args) -> int:
 
 
 def cmd_rollback(args) -> int:
-    from prodrl_pipelines.deployment import BASE_VERSION
     from prodrl_pipelines.tracking import CHAMPION
 
     svc = _services(args.settings)
     mv = _version(svc, args.version)
     rkey = mv.tags.get(ROUND_TAG, "")
     live = svc.registry.live()
-    deployed = rkey == BASE_VERSION or review.round_state(svc.registry.decision(rkey)) == review.DEPLOYED
+    deployed = review.version_state(rkey, svc.registry.decision(rkey)) == review.DEPLOYED
     _refuse_unless(deployed, f"version {args.version} ({rkey}) was never deployed "
                    f"({review.describe_decision(svc.registry.decision(rkey))}): only a deployed version can be "
                    "rolled back to")

@@ -84,9 +84,9 @@ def registry_sensor(context: SensorEvaluationContext, settings: ProdRLSettings, 
     lin = svc.lineage
     champion, versions, model_tags = lin.alias_version(CHAMPION), lin.versions(), lin.model_tags()
     digest = _registry_digest(champion, versions, model_tags)
-    actions = review.registry_actions(svc, champion, versions)
-    if not actions and context.cursor == digest:
+    if context.cursor == digest:  # acted on at an earlier tick: no decision documents to read again
         return SkipReason(f"registry unchanged; live: {live.policy_version} (model version {live.model_version})")
+    actions = review.registry_actions(svc, champion, versions)
     notes, requests, partitions = [], [], []
     n_events = len(svc.registry.events())
     for a in actions:

@@ -186,10 +186,11 @@ def deployment(context: AssetExecutionContext, settings: ProdRLSettings, store: 
         svc.lineage.set_tags(run_id, {"deployed": "true", "decided_by": dep.decided_by})
         svc.lineage.finish(run_id)
     elif out.kind == "rolled_back":
-        n = sum(1 for e in svc.registry.events() if e["kind"] == "rollback")
+        events = svc.registry.events()
+        n = sum(1 for e in events if e["kind"] == "rollback")
         if version:  # an event beside the version's history, never over it
             svc.lineage.tag_version(version, {f"rollback.{n}": json.dumps(
-                {"by": dep.decided_by, "at": dep.deployed_at, "from": svc.registry.events()[-1]["previous"]})})
+                {"by": dep.decided_by, "at": dep.deployed_at, "from": events[-1]["previous"]})})
             svc.lineage.promote(version)
     yield MaterializeResult(metadata={
         "policy_version": dep.policy_version, "live": True, "how": out.kind if out.kind != "reproduced" else dep.kind,

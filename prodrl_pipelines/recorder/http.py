@@ -47,12 +47,7 @@ def _dumps(obj) -> bytes:
 
 
 MAX_INT_DIGITS = 20  # a JSON integer of a request (ids, seeds, counts) fits in 64 bits
-
-
-def _bounded_int(text: str) -> int:
-    if len(text.lstrip("-")) > MAX_INT_DIGITS:
-        raise ProtocolError(f"an integer of {len(text)} digits in the request body: at most {MAX_INT_DIGITS}")
-    return int(text)
+_INT_BOUND = 10 ** MAX_INT_DIGITS
 
 
 def check_answer_shape(data) -> None:
@@ -70,14 +65,19 @@ def check_answer_shape(data) -> None:
 
 
 def parse_client_json(raw: bytes):
-    """A client's JSON with integers of at most 20 digits, so no later float() of a client value can
-    overflow (NaN and Infinity parse, as Python's json does; fields that need finite numbers check)."""
+    """A client's JSON whose top-level integers have at most 20 digits, so no later float() of a
+    client value (sampling parameters, a reward) can overflow. Checked after a plain parse: a hook
+    per integer made parsing a long token-id prompt 5x slower."""
     try:
-        return json.loads(raw, parse_int=_bounded_int)
-    except ProtocolError:
-        raise
+        body = json.loads(raw)
     except (ValueError, UnicodeDecodeError) as exc:
         raise ProtocolError(f"malformed JSON body: {exc}") from None
+    if isinstance(body, dict):
+        for v in body.values():
+            if type(v) is int and not -_INT_BOUND < v < _INT_BOUND:
+                raise ProtocolError(f"an integer of {len(str(abs(v)))} digits in the request body: "
+                                    f"at most {MAX_INT_DIGITS}")
+    return body
 
 
 async def _body(request: Request) -> dict:
