@@ -9,7 +9,7 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from prodrl_pipelines.engines.types import SamplingParams
-from prodrl_pipelines.rl.config import Recipe
+from prodrl_pipelines.rl.config import Recipe, registered
 
 
 # parity probe bounds (mean, p99 of |log mu_new - log pi_trainer| in nats) per export scheme
@@ -65,9 +65,7 @@ class DeploySettings(BaseModel):
     def _known_target(cls, v: str) -> str:
         from prodrl_pipelines.deploy_targets import TARGETS
 
-        if v not in TARGETS:
-            raise ValueError(f"unknown deploy target {v!r}; choose one of {sorted(TARGETS)}")
-        return v
+        return registered(v, TARGETS, "deploy target")
 
     @field_validator("target_command")
     @classmethod

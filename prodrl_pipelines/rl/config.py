@@ -7,6 +7,13 @@ from typing import Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 
+def registered(name: str, registry, what: str) -> str:
+    """``name`` when it is a key of the registry dict it chooses from, else a ValueError listing them."""
+    if name not in registry:
+        raise ValueError(f"unknown {what} {name!r}; known: {sorted(registry)}")
+    return name
+
+
 class RecipeError(ValueError):
     """A recipe setting that cannot work; the message names the setting."""
 
@@ -45,18 +52,14 @@ class Recipe(BaseModel):
     def _known_correction(cls, v: str) -> str:
         from prodrl_pipelines.rl.losses import POLICY_CORRECTIONS
 
-        if v not in POLICY_CORRECTIONS:
-            raise ValueError(f"unknown correction {v!r}; known: {sorted(POLICY_CORRECTIONS)}")
-        return v
+        return registered(v, POLICY_CORRECTIONS, "correction")
 
     @field_validator("baseline")
     @classmethod
     def _known_baseline(cls, v: str) -> str:
         from prodrl_pipelines.rl.advantages import BASELINES
 
-        if v not in BASELINES:
-            raise ValueError(f"unknown baseline {v!r}; known: {sorted(BASELINES)}")
-        return v
+        return registered(v, BASELINES, "baseline")
 
     @model_validator(mode="after")
     def _consistent(self) -> "Recipe":
