@@ -87,7 +87,7 @@ def main() -> None:
 
     def producer(p: int) -> None:
         for i in range(p, args.calls, args.producers):
-            _, fut = ing.commit_call(f"traj-{i}", dict(base[i % n_distinct]))
+            _, fut, _ = ing.commit_call(f"traj-{i}", dict(base[i % n_distinct]))
             fut.result()
             if i % 256 == 0:
                 wal_peak[0] = max(wal_peak[0], dir_bytes(wal_dir))

@@ -86,7 +86,8 @@ def start_recorder(tmp_path, model_dir):
 
     def start(upstream_url: str, store_dir: Path | None = None, **kw) -> Running:
         kw.setdefault("tokenizer_dir", str(model_dir))
-        cfg = RecorderConfig(upstream=upstream_url, store_dir=str(store_dir or tmp_path / "store"), token=TOKEN, **kw)
+        kw.setdefault("token", "" if kw.get("tokens_file") else TOKEN)
+        cfg = RecorderConfig(upstream=upstream_url, store_dir=str(store_dir or tmp_path / "store"), **kw)
         app = build_recorder_app(cfg)
         r = Running(BackgroundServer(app).start(), app)
         started.append(r)
@@ -597,7 +598,7 @@ def test_flushes_by_count_and_by_time(tmp_path):
     ing = Ingestor(store, tmp_path / "wal", flush_rows=3, flush_interval_s=3600)
     ing.start()
     futs = [ing.commit_call("c", {k: v for k, v in _call_row("c", 0).items()
-                                  if k not in ("trajectory_id", "call_index", "created_at")})[1] for _ in range(3)]
+                                  if k not in ("trajectory_id", "call_index", "created_at")})[1] for _ in range(3)]  # (index, future, retried)
     for f in futs:
         f.result(10)
     deadline = time.monotonic() + 20

@@ -107,7 +107,7 @@ async def read_body(request, limit: int = MAX_BODY_BYTES) -> bytes:
 
 
 _ERROR_TYPES = {400: "BadRequestError", 401: "Unauthorized", 404: "NotFoundError", 413: "RequestTooLarge",
-                422: "UnprocessableEntity",
+                422: "UnprocessableEntity", 429: "RateLimitError",
                 500: "InternalServerError", 502: "BadGateway", 503: "ServiceUnavailable", 504: "GatewayTimeout"}
 
 

@@ -48,6 +48,8 @@ def add_record_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--record-extra-draw", action="store_true",
                    help="also ask the upstream for the extra draw a' ~ mu (prodrl serve's `extra_draw` extension) "
                         "and record it as extra_token_ids (null and counted when the upstream has none, e.g. vLLM)")
+    r.add_argument("--tokens-file", default=None, help="bearer tokens of tenants (JSON, re-read when it changes; "
+                   "see prodrl_pipelines/recorder/tenants.py) instead of one $" + TOKEN_ENV)
     r.add_argument("--log-level", default="warning")
     r.set_defaults(fn=cmd_record)
     return r
@@ -56,9 +58,10 @@ def add_record_parser(sub) -> argparse.ArgumentParser:
 def cmd_record(args) -> int:
     import uvicorn
 
-    token = os.environ.get(TOKEN_ENV)
-    if not token:
-        print(f"prodrl record: set {TOKEN_ENV} to the bearer token clients must send", file=sys.stderr)
+    token = os.environ.get(TOKEN_ENV, "")
+    if not token and not args.tokens_file:
+        print(f"prodrl record: set {TOKEN_ENV} to the bearer token clients must send, or give --tokens-file",
+              file=sys.stderr)
         return 2
     try:
         cfg = RecorderConfig(
@@ -69,12 +72,12 @@ def cmd_record(args) -> int:
             flush_interval_s=args.flush_interval, upstream_timeout_s=args.upstream_timeout,
             s3_bucket=args.s3_bucket, s3_prefix=args.s3_prefix, s3_endpoint_url=args.s3_endpoint_url,
             s3_region=args.s3_region, record_extra_draw=args.record_extra_draw,
-            upstream_keepalive_s=args.upstream_keepalive, follow=args.follow,
+            upstream_keepalive_s=args.upstream_keepalive, follow=args.follow, tokens_file=args.tokens_file,
         )
+        app = build_recorder_app(cfg)  # a bad tokens file fails here, before the server starts
     except ValueError as e:
         print(f"prodrl record: {e}", file=sys.stderr)
         return 2
-    app = build_recorder_app(cfg)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_graceful_shutdown=10, timeout_keep_alive=args.timeout_keep_alive)
     return 0

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import asyncio
-import hmac
+import hashlib
 import json
 import math
 import re
 import time
 import uuid
 from contextlib import asynccontextmanager
+from dataclasses import dataclass
 
 import aiohttp
 from starlette.applications import Starlette
@@ -19,9 +20,10 @@ from starlette.routing import Route
 
 from prodrl_pipelines.engines.openai_protocol import SSE_DONE, ProtocolError, error_body, read_body, sse
 from prodrl_pipelines.recorder.answers import Rewriter, StreamAccumulator
-from prodrl_pipelines.recorder.ingest import Stats
+from prodrl_pipelines.recorder.ingest import Attempt, Stats
 from prodrl_pipelines.recorder.requests import Unrecordable, _is_int, _is_num, client_ask, unrecordable_reason
 from prodrl_pipelines.recorder.service import _TRAJ_ID, Recorder, RecorderConfig
+from prodrl_pipelines.recorder.tenants import Tenant, Tenants
 from prodrl_pipelines.preflight import redact
 from prodrl_pipelines.trajectories.store import name_problem
 
@@ -80,11 +82,12 @@ def parse_client_json(raw: bytes):
     return body
 
 
-async def _body(request: Request) -> dict:
-    body = parse_client_json(await read_body(request, request.app.state.recorder.cfg.max_body_bytes))
+async def _body(request: Request) -> tuple[dict, bytes]:
+    raw = await read_body(request, request.app.state.recorder.cfg.max_body_bytes)
+    body = parse_client_json(raw)
     if not isinstance(body, dict):
         raise ProtocolError("the request body must be a JSON object")
-    return body
+    return body, raw
 
 
 def _trajectory_id(request: Request) -> str:
@@ -96,6 +99,37 @@ def _trajectory_id(request: Request) -> str:
     return tid
 
 
+def _attempt(request: Request, raw: bytes) -> Attempt | None:
+    """The call's identity across client retries: its ``Idempotency-Key``, else (clients that count
+    their retries, like the openai client's ``x-stainless-retry-count``) the body's digest."""
+    key = request.headers.get("idempotency-key")
+    if key is not None:
+        if not 1 <= len(key) <= 256:
+            raise ProtocolError("Idempotency-Key must be 1-256 characters")
+        return Attempt("key:" + key, retry=True)
+    count = request.headers.get("x-stainless-retry-count")
+    if count is None:
+        return None
+    if not count.isdigit() or len(count) > 6:
+        raise ProtocolError(f"x-stainless-retry-count must be a small non-negative integer, got {_clip(count)}")
+    return Attempt("body:" + hashlib.blake2b(raw, digest_size=16).hexdigest(), retry=int(count) > 0)
+
+
+@dataclass
+class Caller:
+    """Who made a call and which trajectory it goes to: the client's id, and the stored one (under
+    its tenant's namespace)."""
+
+    tenant: Tenant
+    client_tid: str
+    tid: str
+    attempt: Attempt | None = None
+
+
+def tenant_of(request: Request) -> Tenant:
+    return request.scope["prodrl.tenant"]
+
+
 def _n_up(up: dict, kind: str) -> int | None:
     n = up.get("logprobs") if kind == "completion" else up.get("top_logprobs")
     return int(n) if _is_int(n) else None
@@ -104,11 +138,13 @@ def _n_up(up: dict, kind: str) -> int | None:
 async def _proxy(request: Request, kind: str) -> Response:
     rec: Recorder = request.app.state.recorder
     stats = rec.stats
-    stats.inc("requests")
+    tenant = tenant_of(request)
+    stats.add_many((("requests", 1), (f"tenant.{tenant.name}.requests", 1)))
     t0 = time.perf_counter()
     try:
-        body = await _body(request)
-        tid = _trajectory_id(request)
+        body, raw = await _body(request)
+        client_tid = _trajectory_id(request)
+        caller = Caller(tenant, client_tid, tenant.stored_id(client_tid), _attempt(request, raw))
     except ProtocolError as exc:
         return _err(str(exc), exc.status, stats, "too_large_requests" if exc.status == 413 else "bad_requests")
     pv = request.headers.get("x-policy-version")
@@ -127,10 +163,10 @@ async def _proxy(request: Request, kind: str) -> Response:
     reason = unrecordable_reason(body, kind)
     up = body if reason else rec.force(body, kind, ask)
     path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"
-    headers = {"X-Trajectory-Id": tid}
+    headers = {"X-Trajectory-Id": client_tid}
     assert rec.http is not None
     if body.get("stream"):
-        return await _proxy_stream(rec, kind, path, up, ask, reason, tid, pv, task_id)
+        return await _proxy_stream(rec, kind, path, up, ask, reason, caller, pv, task_id)
     t1 = time.perf_counter()
     try:
         async with await rec.post_upstream(path.lstrip("/"), _dumps(up)) as resp:
@@ -139,7 +175,7 @@ async def _proxy(request: Request, kind: str) -> Response:
     except asyncio.TimeoutError:
         return _err("the upstream server timed out", 504, stats, "upstream_timeouts", headers)
     except aiohttp.ClientError as exc:
-        return _err(f"the upstream server is unreachable: {exc}", 502, stats, "upstream_unreachable", headers)
+        return _err(f"the upstream server is unreachable: {redact(str(exc))}", 502, stats, "upstream_unreachable", headers)
     t2 = time.perf_counter()
     if status != 200:
         stats.inc("upstream_errors")
@@ -163,9 +199,10 @@ async def _proxy(request: Request, kind: str) -> Response:
     payload = _dumps(answer)
     t3 = time.perf_counter()
     if await request.is_disconnected():  # the client gave up (a timeout): its retry is the call, not this
+        stats.inc(f"tenant.{tenant.name}.client_disconnected")
         return _err("the client disconnected before the answer", 499, stats, "client_disconnected", headers)
     try:
-        index = await rec.commit(tid, row, reason)
+        index = await rec.commit(caller.tid, row, reason, caller.attempt, tenant.name)
     except Exception as exc:  # the WAL failed: the client must not believe the call was recorded
         return _err(f"the call could not be recorded durably: {exc}", 503, stats, "commit_failures", headers)
     rec.time_call(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
@@ -173,16 +210,17 @@ async def _proxy(request: Request, kind: str) -> Response:
     return Response(payload, media_type="application/json", headers=headers)
 
 
-async def _proxy_stream(rec: Recorder, kind, path, up, ask, reason, tid, pv, task_id) -> Response:
+async def _proxy_stream(rec: Recorder, kind, path, up, ask, reason, caller: Caller, pv, task_id) -> Response:
     stats = rec.stats
-    headers = {"X-Trajectory-Id": tid}
+    headers = {"X-Trajectory-Id": caller.client_tid}
+    commit_args = (caller.attempt, caller.tenant.name)
     assert rec.http is not None
     try:
         resp = await rec.post_upstream(path.lstrip("/"), _dumps(up), rec.stream_timeout)
     except asyncio.TimeoutError:
         return _err("the upstream server timed out", 504, stats, "upstream_timeouts", headers)
     except aiohttp.ClientError as exc:
-        return _err(f"the upstream server is unreachable: {exc}", 502, stats, "upstream_unreachable", headers)
+        return _err(f"the upstream server is unreachable: {redact(str(exc))}", 502, stats, "upstream_unreachable", headers)
     if resp.status != 200:
         try:
             content = await resp.read()
@@ -223,7 +261,7 @@ async def _proxy_stream(rec: Recorder, kind, path, up, ask, reason, tid, pv, tas
             return
         except aiohttp.ClientError as exc:
             stats.inc("upstream_unreachable")
-            yield sse(error_body(f"the upstream stream failed: {exc}", 502))
+            yield sse(error_body(f"the upstream stream failed: {redact(str(exc))}", 502))
             yield SSE_DONE
             return
         except (asyncio.CancelledError, GeneratorExit):  # the client went away mid-stream: nothing is appended
@@ -238,7 +276,7 @@ async def _proxy_stream(rec: Recorder, kind, path, up, ask, reason, tid, pv, tas
             if acc.error is None:  # the upstream's own error event was relayed already
                 yield sse(error_body(bad or "the upstream stream ended before [DONE]: the answer is incomplete", 502))
             try:  # the client saw a call fail: it takes its index, stored as a failed (skipped) call
-                await rec.commit(tid, None, why)
+                await rec.commit(caller.tid, None, why, *commit_args)
             except Exception:  # noqa: BLE001 - the error event already told the client
                 stats.inc("commit_failures")
             yield SSE_DONE
@@ -253,13 +291,13 @@ async def _proxy_stream(rec: Recorder, kind, path, up, ask, reason, tid, pv, tas
                 except Unrecordable as u:
                     why = u.reason
         try:
-            index = await rec.commit(tid, row, why)
+            index = await rec.commit(caller.tid, row, why, *commit_args)
         except Exception as exc:
             stats.inc("commit_failures")
             yield sse(error_body(f"the call could not be recorded durably: {exc}", 503))
             yield SSE_DONE
             return
-        yield f": prodrl trajectory_id={tid} call_index={index} recorded={'true' if row else 'false'}\n\n".encode()
+        yield f": prodrl trajectory_id={caller.client_tid} call_index={index} recorded={'true' if row else 'false'}\n\n".encode()
         yield SSE_DONE
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
@@ -282,14 +320,15 @@ async def models(request: Request) -> Response:
     except asyncio.TimeoutError:
         return _err("the upstream server timed out", 504, rec.stats, "upstream_timeouts")
     except aiohttp.ClientError as exc:
-        return _err(f"the upstream server is unreachable: {exc}", 502, rec.stats, "upstream_unreachable")
+        return _err(f"the upstream server is unreachable: {redact(str(exc))}", 502, rec.stats, "upstream_unreachable")
 
 
 async def feedback(request: Request) -> Response:
     rec: Recorder = request.app.state.recorder
     stats = rec.stats
+    tenant = tenant_of(request)
     try:
-        body = await _body(request)
+        body, _ = await _body(request)
     except ProtocolError as exc:
         return _err(str(exc), exc.status, stats, "feedback_bad_requests")
     tid, reward, source = body.get("trajectory_id"), body.get("reward"), body.get("source", "feedback")
@@ -299,21 +338,38 @@ async def feedback(request: Request) -> Response:
         return _err(f"`reward` must be a finite number, got {reward!r}", 422, stats, "feedback_invalid")
     if not isinstance(source, str) or not source:
         return _err("`source` must be a non-empty string", 422, stats, "feedback_invalid")
-    if not rec.ingestor.known(tid):
+    stored = tenant.stored_id(tid)  # a tenant names only its own trajectories
+    if not rec.ingestor.known(stored):
+        stats.inc(f"tenant.{tenant.name}.feedback_unknown_trajectory")
         return _err(f"unknown trajectory {_clip(tid)}: no call was recorded under it", 404, stats,
                     "feedback_unknown_trajectory")
-    created, fut = rec.ingestor.commit_reward(tid, float(reward), source)
+    created, fut = rec.ingestor.commit_reward(stored, float(reward), source)
     try:
         await fut
     except Exception as exc:
         return _err(f"the reward could not be recorded durably: {exc}", 503, stats, "commit_failures")
-    stats.inc("rewards_recorded")
+    stats.add_many((("rewards_recorded", 1), (f"tenant.{tenant.name}.rewards_recorded", 1)))
     return JSONResponse({"trajectory_id": tid, "reward": float(reward), "source": source, "created_at_us": created})
+
+
+def _visible_counters(rec: Recorder, tenant: Tenant) -> tuple[dict, dict]:
+    """(global counters, per-tenant counters) a tenant may see: an admin every tenant's, others their own."""
+    counters, tenants = {}, {}
+    for name, v in rec.stats.as_dict().items():
+        if name.startswith("tenant."):
+            t, _, c = name[len("tenant."):].partition(".")
+            if tenant.admin or t == tenant.name:
+                tenants.setdefault(t, {})[c] = v
+        else:
+            counters[name] = v
+    return counters, tenants
 
 
 async def stats_route(request: Request) -> Response:
     rec: Recorder = request.app.state.recorder
-    return JSONResponse({"counters": rec.stats.as_dict(), "policy_version": rec.cfg.policy_version,
+    counters, tenants = _visible_counters(rec, tenant_of(request))
+    counters["tokens_file_errors"] = rec.tenants.errors
+    return JSONResponse({"counters": counters, "tenants": tenants, "policy_version": rec.cfg.policy_version,
                          "upstream": redact(rec.cfg.upstream) if rec.cfg.upstream else f"follows {rec.cfg.follow}", "top_logprobs": rec.cfg.top_logprobs,
                          "tokenizer": rec.tokenizer_source or "none (token strings stay token_id:<id>; pass --tokenizer)",
                          "chat_top_logprobs": rec.chat_k, "record_extra_draw": rec.cfg.record_extra_draw})
@@ -321,10 +377,19 @@ async def stats_route(request: Request) -> Response:
 
 async def metrics(request: Request) -> Response:
     rec: Recorder = request.app.state.recorder
+    counters, tenants = _visible_counters(rec, tenant_of(request))
+    counters["tokens_file_errors"] = rec.tenants.errors
     lines = []
-    for name, value in rec.stats.as_dict().items():
+    for name, value in counters.items():
         metric = "prodrl_recorder_" + re.sub(r"[^a-zA-Z0-9_]", "_", name)
         lines.append(f"# TYPE {metric} counter\n{metric} {value}")
+    by_counter: dict[str, list[str]] = {}
+    for t, cs in sorted(tenants.items()):
+        for c, v in cs.items():
+            by_counter.setdefault(c, []).append(f'{{tenant="{t}"}} {v}')
+    for c, samples in sorted(by_counter.items()):
+        metric = "prodrl_recorder_tenant_" + re.sub(r"[^a-zA-Z0-9_]", "_", c)
+        lines.append(f"# TYPE {metric} counter\n" + "\n".join(metric + s for s in samples))
     return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
 
 
@@ -333,23 +398,34 @@ async def health(request: Request) -> Response:
 
 
 class _BearerAuth:
-    """Every route needs ``Authorization: Bearer <token>``; others get 401 and are not recorded."""
+    """Every route needs ``Authorization: Bearer <token>`` of a tenant (401 otherwise, nothing is
+    recorded), within the tenant's rate limit (429 with ``Retry-After`` otherwise)."""
 
-    def __init__(self, app, token: str, stats: Stats) -> None:
+    def __init__(self, app, tenants: Tenants, stats: Stats) -> None:
         self.app = app
-        self.expected = token.encode()
+        self.tenants = tenants
         self.stats = stats
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http":
             scheme, _, got = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
             # the scheme is case-insensitive (RFC 9110), the token is not
-            if scheme.lower() != b"bearer" or not hmac.compare_digest(got.strip(), self.expected):
+            tenant = self.tenants.authenticate(got.strip()) if scheme.lower() == b"bearer" else None
+            if tenant is None:
                 self.stats.inc("unauthorized")
                 resp = JSONResponse(error_body("missing or wrong bearer token", 401), status_code=401,
                                     headers={"WWW-Authenticate": "Bearer"})
                 await resp(scope, receive, send)
                 return
+            wait = self.tenants.admit(tenant)
+            if wait > 0.0:
+                self.stats.add_many((("rate_limited", 1), (f"tenant.{tenant.name}.rate_limited", 1)))
+                resp = JSONResponse(error_body(f"tenant {tenant.name!r} is over its rate limit of "
+                                               f"{tenant.requests_per_s:g} requests/s", 429), status_code=429,
+                                    headers={"Retry-After": str(max(1, int(wait + 0.999)))})
+                await resp(scope, receive, send)
+                return
+            scope["prodrl.tenant"] = tenant
         await self.app(scope, receive, send)
 
 
@@ -377,5 +453,5 @@ def build_recorder_app(config: RecorderConfig) -> Starlette:
         404: lambda request, exc: _err(f"no route {_clip(request.url.path)}", 404),
         405: lambda request, exc: _err(f"{request.method} is not allowed on {_clip(request.url.path)}", 405)})
     app.state.recorder = rec
-    app.add_middleware(_BearerAuth, token=config.token, stats=rec.stats)
+    app.add_middleware(_BearerAuth, tenants=rec.tenants, stats=rec.stats)
     return app

@@ -16,12 +16,17 @@
   ``flush_interval_s``; a flusher thread writes the sealed entries through ``TrajectoryStore``
   (``write_calls`` / ``write_rewards``: atomic part files) and then deletes the segment. A failed
   flush is retried (never dropped) and counted.
+* A client's retry of a call it got no answer to (same ``attempt`` key within the trajectory, see
+  ``commit_call``) takes the earlier attempt's call index: its entry carries ``supersedes`` (the
+  earlier row's ``created_at``), and the flush retracts the earlier row
+  (``TrajectoryStore.retract_calls``) before writing the retry's. The keys of the last
+  ``MAX_ATTEMPTS`` attempts are kept in memory only: a retry after a restart appends.
 * ``recover`` (on start) replays every segment left by a previous process: entries whose call id
   (trajectory_id, call_index) or reward identity (trajectory_id, source, created_at, reward) is
   already in the store -- a crash between writing a part and deleting its segment -- are skipped,
   the rest are written, then the segments are deleted. It also rebuilds the per-trajectory next
   call index and the set of known trajectories from the store (a scan of the key columns of every
-  call part; fine for the volumes of one deployment, a compacted index would be the next step).
+  call part, retracted rows included; fine for the volumes of one deployment, a compacted index would be the next step).
 """
 
 from __future__ import annotations
@@ -31,7 +36,7 @@ import json
 import queue
 import threading
 import time
-from collections import Counter
+from collections import Counter, OrderedDict
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -46,6 +51,7 @@ from prodrl_pipelines.trajectories.store import SchemaMismatchError, TrajectoryS
 __all__ = ["Ingestor", "Stats", "SKIPPED_PREFIX", "REJECTED_PREFIX", "now_us"]
 
 SKIPPED_PREFIX = "_recorder/skipped/"
+MAX_ATTEMPTS = 65536  # (trajectory, attempt key) pairs remembered for retries
 REJECTED_PREFIX = "_recorder/rejected/"
 
 
@@ -103,6 +109,20 @@ class _Sealed:
     done: list[threading.Event] = field(default_factory=list)
 
 
+@dataclass(frozen=True)
+class Attempt:
+    """What identifies one call across a client's retries: ``key`` (an ``Idempotency-Key``, or the
+    request body's digest), and whether this request is a retry (``Idempotency-Key`` always may be;
+    a digest only with a retry count > 0)."""
+
+    key: str
+    retry: bool
+
+
+def _retraction(tid: str, index: int, created_us: int) -> dict:
+    return {"trajectory_id": tid, "call_index": int(index), "created_at": int(created_us)}
+
+
 def _reward_key(tid: str, source: Any, created_us: int, reward: float) -> tuple:
     return (tid, source, int(created_us), float(reward))
 
@@ -126,6 +146,8 @@ class Ingestor:
         self.stats = stats or Stats()
         self._lock = threading.Lock()  # call-index state
         self._next_index: dict[str, int] = {}
+        # (trajectory, attempt key) -> (call index, created_at of its row, or None for a skip)
+        self._attempts: OrderedDict[tuple[str, str], tuple[int, int | None]] = OrderedDict()
         self._cond = threading.Condition()
         self._queue: list[_Pending] = []
         self._flush_waiters: list[threading.Event] = []
@@ -162,10 +184,11 @@ class Ingestor:
         """Replay the WAL into the store (exactly once) and rebuild the index state; call before
         ``start``. Returns counts (also added to ``stats``)."""
         counts = Counter()
-        stored_calls: set[str] = set()
-        calls = self.store.read_calls(columns=["trajectory_id", "call_index"], dedupe=False)
-        for tid, ci in zip(calls.column("trajectory_id").to_pylist(), calls.column("call_index").to_pylist()):
-            stored_calls.add(call_id(tid, ci))
+        stored_calls: set[tuple[str, int]] = set()  # (call id, created_at): a retry is another row of its call id
+        calls = self.store.read_calls(columns=["trajectory_id", "call_index", "created_at"], dedupe=False, retracted=True)
+        for tid, ci, c in zip(calls.column("trajectory_id").to_pylist(), calls.column("call_index").to_pylist(),
+                              calls.column("created_at").cast(pa.int64()).to_pylist()):
+            stored_calls.add((call_id(tid, ci), c))
             self._see(tid, int(ci))
         rewards = self.store.read_rewards(latest=False)
         stored_rewards = set()
@@ -181,7 +204,7 @@ class Ingestor:
                 stored_skips.add(call_id(s["trajectory_id"], s["call_index"]))
                 self._see(s["trajectory_id"], int(s["call_index"]))
 
-        new_calls, new_rewards, new_skips = [], [], []
+        new_calls, new_rewards, new_skips, new_retractions = [], [], [], []
         segments = self.wal.segments()
         for path in segments:
             seg = self.wal.read_segment(path)
@@ -191,15 +214,19 @@ class Ingestor:
                 kind = e.get("kind")
                 if kind == "call":
                     row = e["row"]
-                    cid = call_id(row["trajectory_id"], row["call_index"])
+                    cid = (call_id(row["trajectory_id"], row["call_index"]), row.get("created_at"))
                     if cid in stored_calls:
                         counts["replay_duplicates"] += 1
                         continue
                     stored_calls.add(cid)
                     new_calls.append(row)
+                    if e.get("supersedes") is not None:
+                        new_retractions.append(_retraction(row["trajectory_id"], row["call_index"], e["supersedes"]))
                     self._see(row["trajectory_id"], int(row["call_index"]))
                 elif kind == "skip":
                     cid = call_id(e["trajectory_id"], e["call_index"])
+                    if e.get("supersedes") is not None:  # idempotent: written again whether or not it was
+                        new_retractions.append(_retraction(e["trajectory_id"], e["call_index"], e["supersedes"]))
                     if cid in stored_skips:
                         counts["replay_duplicates"] += 1
                         continue
@@ -214,11 +241,12 @@ class Ingestor:
                         continue
                     stored_rewards.add(k)
                     new_rewards.append(row)
-        if new_calls or new_rewards or new_skips:
-            self._write(new_calls, new_rewards, new_skips)
+        if new_calls or new_rewards or new_skips or new_retractions:
+            self._write(new_calls, new_rewards, new_skips, new_retractions)
         counts["replayed_calls"] += len(new_calls)
         counts["replayed_rewards"] += len(new_rewards)
         counts["replayed_skips"] += len(new_skips)
+        counts["replayed_retractions"] += len(new_retractions)
         counts["replayed_segments"] += len(segments)
         for path in segments:
             self.wal.delete(path)
@@ -278,26 +306,54 @@ class Ingestor:
             self._cond.notify()
         return fut
 
-    def commit_call(self, trajectory_id: str, row: dict) -> tuple[int, Future]:
+    def _index_for(self, tid: str, attempt: Attempt | None) -> tuple[int, int | None, bool]:
+        """(call index, created_at of the row it supersedes, whether it retries an earlier attempt);
+        under ``_lock``."""
+        earlier = self._attempts.get((tid, attempt.key)) if attempt is not None and attempt.retry else None
+        if earlier is not None:
+            return earlier[0], earlier[1], True
+        index = self._next_index.get(tid, 0)
+        self._next_index[tid] = index + 1
+        return index, None, False
+
+    def _remember(self, tid: str, attempt: Attempt | None, index: int, created: int | None) -> None:
+        if attempt is None:
+            return
+        k = (tid, attempt.key)
+        self._attempts[k] = (index, created)
+        self._attempts.move_to_end(k)
+        if len(self._attempts) > MAX_ATTEMPTS:
+            self._attempts.popitem(last=False)
+
+    def commit_call(self, trajectory_id: str, row: dict, attempt: Attempt | None = None) -> tuple[int, Future, bool]:
         """Assign the call's index, queue its row; ``row`` gets trajectory_id, call_index and
-        created_at (microseconds). Returns (call_index, durable future)."""
+        created_at (microseconds). A retry of an earlier attempt (``attempt.retry`` with the key of an
+        attempt committed before) takes that attempt's index and supersedes its row. Returns
+        (call_index, durable future, retried)."""
         with self._lock:
-            index = self._next_index.get(trajectory_id, 0)
-            self._next_index[trajectory_id] = index + 1
+            index, supersedes, retried = self._index_for(trajectory_id, attempt)
             row["trajectory_id"] = trajectory_id
             row["call_index"] = index
             row["created_at"] = now_us()
-            fut = self._submit({"kind": "call", "row": row})
-        return index, fut
+            entry = {"kind": "call", "row": row}
+            if supersedes is not None:
+                entry["supersedes"] = supersedes
+            fut = self._submit(entry)
+            self._remember(trajectory_id, attempt, index, row["created_at"])
+        return index, fut, retried
 
-    def commit_skip(self, trajectory_id: str, reason: str) -> tuple[int, Future]:
-        """An answered but unrecordable call: it takes an index, no row is stored."""
+    def commit_skip(self, trajectory_id: str, reason: str, attempt: Attempt | None = None) -> tuple[int, Future, bool]:
+        """An answered but unrecordable call: it takes an index (or, as a retry, its earlier
+        attempt's, whose row it retracts), no row is stored."""
         with self._lock:
-            index = self._next_index.get(trajectory_id, 0)
-            self._next_index[trajectory_id] = index + 1
-            fut = self._submit({"kind": "skip", "trajectory_id": trajectory_id, "call_index": index,
-                                "reason": reason, "created_at": now_us()})
-        return index, fut
+            index, supersedes, retried = self._index_for(trajectory_id, attempt)
+            entry = {"kind": "skip", "trajectory_id": trajectory_id, "call_index": index, "reason": reason,
+                     "created_at": now_us()}
+            if supersedes is not None:
+                entry["supersedes"] = supersedes
+            fut = self._submit(entry)
+            self._remember(trajectory_id, attempt, index, None)
+        return index, fut, retried
 
     def commit_reward(self, trajectory_id: str, reward: float, source: str) -> tuple[int, Future]:
         created = now_us()
@@ -392,16 +448,21 @@ class Ingestor:
         calls = [e["row"] for e in item.entries if e["kind"] == "call"]
         rewards = [e["row"] for e in item.entries if e["kind"] == "reward"]
         skips = [e for e in item.entries if e["kind"] == "skip"]
+        retractions = [_retraction(e["row"]["trajectory_id"] if e["kind"] == "call" else e["trajectory_id"],
+                                   e["row"]["call_index"] if e["kind"] == "call" else e["call_index"], e["supersedes"])
+                       for e in item.entries if e.get("supersedes") is not None]
         if not item.entries:
             return
-        self._write(calls, rewards, skips)
+        self._write(calls, rewards, skips, retractions)
         if item.path is not None:
             self.wal.delete(item.path)
         self.stats.inc("flushed_calls", len(calls))
         self.stats.inc("flushed_rewards", len(rewards))
         self.stats.inc("flush_parts")
 
-    def _write(self, calls: list[dict], rewards: list[dict], skips: list[dict]) -> None:
+    def _write(self, calls: list[dict], rewards: list[dict], skips: list[dict], retractions: list[dict] = ()) -> None:
+        if retractions:  # before the rows that supersede them: a crash between leaves a gap, not a conflict
+            self.store.retract_calls(retractions)
         if calls:
             try:
                 self.store.write_calls(calls)

@@ -43,8 +43,15 @@ answer carries ``X-Trajectory-Id`` and (when not streaming) ``X-Call-Index`` and
 Rewards: ``POST /v1/feedback {"trajectory_id", "reward", "source"?}`` -> 200 once durable;
 unknown trajectory 404; reward missing, not a number or not finite 422; malformed JSON 400.
 
-Every route needs ``Authorization: Bearer <PRODRL_RECORDER_TOKEN>`` (401 otherwise; nothing is
-recorded). ``GET /stats`` (JSON) and ``GET /metrics`` (Prometheus text) expose the counters.
+Every route needs ``Authorization: Bearer <token>`` (401 otherwise; nothing is recorded): one
+``PRODRL_RECORDER_TOKEN``, or tenants from ``--tokens-file`` (``tenants``: rotated without a restart,
+trajectory ids namespaced per tenant, optional per-tenant rate limit). ``GET /stats`` (JSON) and
+``GET /metrics`` (Prometheus text) expose the counters, per tenant too.
+
+Retries: a request that repeats a call the client got no answer to -- the same ``Idempotency-Key``
+header, or the same body with a retry count above 0 (``x-stainless-retry-count``, which the openai
+client sends) in the same trajectory -- takes the earlier attempt's call index and supersedes its
+record (``retried_calls``), so a client's automatic retries add no phantom calls.
 
 Calls that cannot be recorded are still answered, counted (``unrecordable.<reason>``) and take
 their call index (see ``ingest``), but are never stored: ``n > 1``, beam search, several prompts in
@@ -92,8 +99,9 @@ from prodrl_pipelines.engines.openai_protocol import (
     parse_chat_logprobs,
     parse_completion_logprobs,
 )
-from prodrl_pipelines.recorder.ingest import Ingestor, Stats
+from prodrl_pipelines.recorder.ingest import Attempt, Ingestor, Stats
 from prodrl_pipelines.recorder.requests import Ask, Unrecordable, _is_int
+from prodrl_pipelines.recorder.tenants import Tenants
 from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
 from prodrl_pipelines.trajectories.store import TrajectoryStore
 
@@ -111,7 +119,7 @@ _RESET_ERRORS = tuple(e for e in (getattr(aiohttp, "ServerDisconnectedError", No
 class RecorderConfig:
     upstream: str
     store_dir: str  # local store directory ("" when the store is on S3)
-    token: str
+    token: str = ""  # one bearer token (tenant ``default``), or ``tokens_file``
     wal_dir: str | None = None  # default: <store_dir>/_recorder/wal (required with an S3 store)
     top_logprobs: int = 20  # K recorded per generated position
     upstream_max_logprobs: int = 20  # the upstream's --max-logprobs
@@ -136,13 +144,15 @@ class RecorderConfig:
     # the deployment's endpoint file (deploy_targets.base.EndpointFile): upstream URL, served model name
     # and policy version re-read whenever it changes, instead of a fixed ``upstream``
     follow: str | None = None
+    tokens_file: str | None = None  # bearer tokens -> tenants (``tenants``), re-read when it changes
 
     def __post_init__(self) -> None:
         if bool(self.upstream) == bool(self.follow):
             raise ValueError("the recorder needs exactly one upstream: a URL (--upstream) or the deployment's "
                              "endpoint file to follow (--follow)")
-        if not self.token:
-            raise ValueError(f"the recorder needs a bearer token (set {TOKEN_ENV})")
+        if bool(self.token) == bool(self.tokens_file):
+            raise ValueError(f"the recorder needs exactly one source of bearer tokens: {TOKEN_ENV} (one tenant) "
+                             "or --tokens-file (tenants)")
         if bool(self.store_dir) == bool(self.s3_bucket):
             raise ValueError("the recorder needs exactly one trajectory store: a local directory (--store) "
                              "or an S3 bucket (--s3-bucket)")
@@ -245,6 +255,7 @@ class Recorder:
             raise ValueError(f"the upstream URL carries credentials and ${UPSTREAM_KEY_ENV} is set: give one of them "
                              "(a bearer token, or user:password in the URL)")
         self.cfg = config
+        self.tenants = Tenants(config.token or None, config.tokens_file)  # a bad tokens file fails here
         self.stats = Stats()
         self.store = TrajectoryStore(config.blob_store())
         self.ingestor = Ingestor(self.store, config.wal_path, flush_rows=config.flush_rows,
@@ -458,15 +469,18 @@ class Recorder:
                              ("time_us.after_upstream", int(after * 1e6)), ("time_us.commit_wait", int(commit * 1e6)),
                              ("timed_calls", 1)))
 
-    async def commit(self, tid: str, row: dict | None, reason: str | None) -> int:
-        """Durably commit a recorded row or a skip; returns the call index."""
+    async def commit(self, tid: str, row: dict | None, reason: str | None, attempt: Attempt | None = None,
+                     tenant: str | None = None) -> int:
+        """Durably commit a recorded row or a skip; returns the call index. A retry of an earlier
+        attempt takes its index and supersedes it (``retried_calls``)."""
         if row is not None:
-            index, fut = self.ingestor.commit_call(tid, row)
-            await fut
-            self.stats.inc("recorded_calls")
+            index, fut, retried = self.ingestor.commit_call(tid, row, attempt)
+            counters = ["recorded_calls"]
         else:
-            index, fut = self.ingestor.commit_skip(tid, reason or "unknown")
-            await fut
-            self.stats.inc(f"unrecordable.{reason}")
-            self.stats.inc("unrecordable_calls")
+            index, fut, retried = self.ingestor.commit_skip(tid, reason or "unknown", attempt)
+            counters = [f"unrecordable.{reason}", "unrecordable_calls"]
+        await fut
+        if retried:
+            counters.append("retried_calls")
+        self.stats.add_many([(c, 1) for c in counters] + [(f"tenant.{tenant}.{c}", 1) for c in counters if tenant])
         return index

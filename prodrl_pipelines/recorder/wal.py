@@ -40,7 +40,7 @@ _ID_LISTS = ("prompt_token_ids", "output_token_ids")
 _HEAD_FIELDS = ("top_token_ids", "top_logprobs")
 
 
-def _encode_call(row: dict) -> bytes | None:
+def _encode_call(row: dict, supersedes: int | None = None) -> bytes | None:
     """Binary payload of a call entry; None when the row does not have the usual shape."""
     try:
         out = row["output_token_ids"]
@@ -56,6 +56,8 @@ def _encode_call(row: dict) -> bytes | None:
                   if key not in _ID_LISTS and key not in _HEAD_FIELDS and key != "output_logprobs"
                   and not (key == "extra_token_ids" and extra is not None)}
         header["_n"] = [len(row["prompt_token_ids"]), n_out, k]
+        if supersedes is not None:  # the entry's, not the row's: a retry's earlier row
+            header["_s"] = supersedes
         ids = array("q", row["prompt_token_ids"])
         ids.extend(out)
         ids.extend(chain.from_iterable(heads_ids))
@@ -76,6 +78,7 @@ def _decode_call(payload: bytes) -> dict:
     nl = payload.index(b"\n")
     row = json.loads(payload[1:nl])
     lengths = row.pop("_n")
+    supersedes = row.pop("_s", None)
     n_prompt, n_out, k = lengths[:3]
     n_extra = lengths[3] if len(lengths) > 3 else None  # older entries: no extra ids in the arrays
     n_ids = n_prompt + n_out + n_out * k + (n_extra or 0)
@@ -96,12 +99,15 @@ def _decode_call(payload: bytes) -> dict:
         row["extra_token_ids"] = ids_l[base + n_out * k :]
     row["output_logprobs"] = lps_l[:n_out]
     row["top_logprobs"] = [lps_l[n_out + i * k : n_out + (i + 1) * k] for i in range(n_out)]
-    return {"kind": "call", "row": row}
+    entry = {"kind": "call", "row": row}
+    if supersedes is not None:
+        entry["supersedes"] = supersedes
+    return entry
 
 
 def encode_entry(entry: dict) -> bytes:
     """One framed entry (see the module docstring)."""
-    payload = _encode_call(entry["row"]) if entry.get("kind") == "call" else None
+    payload = _encode_call(entry["row"], entry.get("supersedes")) if entry.get("kind") == "call" else None
     if payload is None:
         payload = json.dumps(entry, separators=(",", ":"), allow_nan=True).encode()
     return b"%08x %08x " % (len(payload), zlib.crc32(payload)) + payload + b"\n"

@@ -36,12 +36,23 @@ CALLS_PREFIX = "trajectories/"
 REWARDS_PREFIX = "rewards/"
 QUARANTINE_PREFIX = "quarantine/"
 LEDGER_PREFIX = "ledger/"
+RETRACTED_PREFIX = "retracted/"
 
 LEDGER_SCHEMA = pa.schema(
     [
         pa.field("trajectory_id", pa.string(), nullable=False),
         # "trained": in the round's dataset; "quarantined": rejected by the round's validation.
         pa.field("status", pa.string(), nullable=False),
+    ]
+)
+
+# A stored call superseded by a later row of the same call id (a client's retry of the same call):
+# read_calls leaves it out, so the retry's row is the call and nothing conflicts.
+RETRACTION_SCHEMA = pa.schema(
+    [
+        pa.field("trajectory_id", pa.string(), nullable=False),
+        pa.field("call_index", pa.int32(), nullable=False),
+        pa.field("created_at", pa.timestamp("us", tz="UTC"), nullable=False),
     ]
 )
 
@@ -173,6 +184,25 @@ def latest_rewards(rewards: pa.Table) -> pa.Table:
     last[:-1] = sorted_codes[1:] != sorted_codes[:-1]
     keep = np.sort(order[last])
     return rewards.take(pa.array(keep))
+
+
+def _without_retracted(calls: pa.Table, retractions: pa.Table) -> pa.Table:
+    """``calls`` minus the rows whose (trajectory_id, call_index, created_at) is retracted."""
+    gone = set(zip(retractions.column("trajectory_id").to_pylist(), retractions.column("call_index").to_pylist(),
+                   retractions.column("created_at").cast(pa.int64()).to_pylist()))
+    candidates = np.flatnonzero(pc.is_in(calls.column("trajectory_id"),
+                                         value_set=pa.array({g[0] for g in gone}, pa.string())).to_numpy(zero_copy_only=False))
+    if len(candidates) == 0:
+        return calls
+    sub = calls.take(pa.array(candidates))
+    hit = [k in gone for k in zip(sub.column("trajectory_id").to_pylist(), sub.column("call_index").to_pylist(),
+                                  sub.column("created_at").cast(pa.int64()).to_pylist())]
+    drop = candidates[np.asarray(hit, dtype=bool)]
+    if len(drop) == 0:
+        return calls
+    keep = np.ones(calls.num_rows, dtype=bool)
+    keep[drop] = False
+    return calls.filter(pa.array(keep))
 
 
 def first_calls(calls: pa.Table) -> pa.Table:
@@ -345,6 +375,7 @@ class TrajectoryStore:
         *,
         dedupe: bool = True,
         columns: Sequence[str] | None = None,
+        retracted: bool = False,
     ) -> pa.Table:
         """Calls of the given policy versions (all when ``None``) as a CALL_SCHEMA table.
 
@@ -353,16 +384,22 @@ class TrajectoryStore:
         (trajectory_id, call_index) keeps its first-written row -- de-duplication only sees the
         partitions read. ``dedupe=False`` returns every stored copy (validation then quarantines the
         extra copies). ``columns`` restricts the columns read (the key columns and policy_version are
-        always included); the result then has those columns in CALL_SCHEMA order.
+        always included); the result then has those columns in CALL_SCHEMA order. Rows retracted
+        (``retract_calls``: superseded by a retry of the same call) are left out unless ``retracted``.
         """
         if isinstance(policy_versions, str):
             policy_versions = [policy_versions]
         schema = CALL_SCHEMA
+        retractions = None if retracted else self.read_retractions()
+        if retractions is not None and retractions.num_rows == 0:
+            retractions = None
         if columns is not None:
             unknown = sorted(set(columns) - set(CALL_SCHEMA.names))
             if unknown:
                 raise ValueError(f"read_calls: unknown column(s) {unknown}")
             wanted = set(columns) | {"trajectory_id", "call_index", "policy_version"}
+            if retractions is not None:
+                wanted.add("created_at")
             schema = pa.schema([f for f in CALL_SCHEMA if f.name in wanted])
         file_columns = [n for n in schema.names if n != "policy_version"]
         tables = []
@@ -377,7 +414,26 @@ class TrajectoryStore:
         if not tables:
             return schema.empty_table()
         table = pa.concat_tables(tables).combine_chunks()
+        if retractions is not None:
+            table = _without_retracted(table, retractions)
+            if columns is not None and "created_at" not in columns:
+                table = table.drop_columns(["created_at"])
         return first_calls(table) if dedupe else table
+
+    def retract_calls(self, rows: Sequence[dict[str, Any]]) -> str | None:
+        """Record that the calls identified by (trajectory_id, call_index, created_at) are superseded:
+        an append-only ``retracted/part-<uuid7>.parquet`` part (``None`` for no rows)."""
+        table = to_table(rows, RETRACTION_SCHEMA, "retract_calls")
+        if table.num_rows == 0:
+            return None
+        key = f"{RETRACTED_PREFIX}{_part_name()}"
+        self._put_table(key, table)
+        return key
+
+    def read_retractions(self) -> pa.Table:
+        keys = sorted(self.blobs.list(RETRACTED_PREFIX), key=_part_order)
+        tables = [conform(self._get_table(k), RETRACTION_SCHEMA) for k in keys]
+        return pa.concat_tables(tables).combine_chunks() if tables else RETRACTION_SCHEMA.empty_table()
 
     # --- rewards -----------------------------------------------------------------------------
 
