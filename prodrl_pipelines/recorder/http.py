@@ -21,6 +21,7 @@ from starlette.routing import Route
 from prodrl_pipelines.engines.openai_protocol import SSE_DONE, ProtocolError, error_body, read_body, sse
 from prodrl_pipelines.recorder.answers import Rewriter, StreamAccumulator
 from prodrl_pipelines.recorder.ingest import Attempt, Stats
+from prodrl_pipelines.recorder.responses import ResponsesShape
 from prodrl_pipelines.recorder.requests import Unrecordable, _is_int, _is_num, client_ask, unrecordable_reason
 from prodrl_pipelines.recorder.service import _TRAJ_ID, Recorder, RecorderConfig
 from prodrl_pipelines.recorder.tenants import Tenant, Tenants
@@ -136,6 +137,7 @@ def _n_up(up: dict, kind: str) -> int | None:
 
 
 async def _proxy(request: Request, kind: str) -> Response:
+    """One proxied call; ``kind``: completion, chat, or responses (recorded as chat: ``ResponsesShape``)."""
     rec: Recorder = request.app.state.recorder
     stats = rec.stats
     tenant = tenant_of(request)
@@ -145,6 +147,10 @@ async def _proxy(request: Request, kind: str) -> Response:
         body, raw = await _body(request)
         client_tid = _trajectory_id(request)
         caller = Caller(tenant, client_tid, tenant.stored_id(client_tid), _attempt(request, raw))
+        shape = None
+        if kind == "responses":
+            shape = ResponsesShape(body)
+            body, kind = shape.chat_request(), "chat"
     except ProtocolError as exc:
         return _err(str(exc), exc.status, stats, "too_large_requests" if exc.status == 413 else "bad_requests")
     pv = request.headers.get("x-policy-version")
@@ -166,7 +172,7 @@ async def _proxy(request: Request, kind: str) -> Response:
     headers = {"X-Trajectory-Id": client_tid}
     assert rec.http is not None
     if body.get("stream"):
-        return await _proxy_stream(rec, kind, path, up, ask, reason, caller, pv, task_id)
+        return await _proxy_stream(rec, kind, path, up, ask, reason, caller, pv, task_id, shape)
     t1 = time.perf_counter()
     try:
         async with await rec.post_upstream(path.lstrip("/"), _dumps(up)) as resp:
@@ -192,7 +198,12 @@ async def _proxy(request: Request, kind: str) -> Response:
                 row = rec.build_row(kind, data, up, pv, task_id)
             except Unrecordable as u:
                 reason = u.reason
+        if shape is not None:
+            first = data["choices"][0]
+            usage = shape.usage(data.get("prompt_token_ids"), first.get("token_ids"), data.get("usage"))
         answer = Rewriter(kind, ask, rec.tokens, stats, _n_up(up, kind)).rewrite(data) if up is not body else data
+        if shape is not None:
+            answer = shape.answer(answer, usage)
     except UPSTREAM_SHAPE_ERRORS as exc:  # the upstream said 200 but its answer is not an OpenAI answer
         return _err(f"the upstream server's answer is malformed ({type(exc).__name__}: {exc})", 502, stats,
                     "upstream_bad_answers", headers)
@@ -210,7 +221,8 @@ async def _proxy(request: Request, kind: str) -> Response:
     return Response(payload, media_type="application/json", headers=headers)
 
 
-async def _proxy_stream(rec: Recorder, kind, path, up, ask, reason, caller: Caller, pv, task_id) -> Response:
+async def _proxy_stream(rec: Recorder, kind, path, up, ask, reason, caller: Caller, pv, task_id,
+                        shape: ResponsesShape | None = None) -> Response:
     stats = rec.stats
     headers = {"X-Trajectory-Id": caller.client_tid}
     commit_args = (caller.attempt, caller.tenant.name)
@@ -231,8 +243,17 @@ async def _proxy_stream(rec: Recorder, kind, path, up, ask, reason, caller: Call
     rewriter = Rewriter(kind, ask, rec.tokens, stats, _n_up(up, kind)) if reason is None else None
     acc = StreamAccumulator(kind)
 
+    def failed(message: str, code: int) -> list[bytes]:
+        """The events that end a failed stream: an error event, then the end of the stream."""
+        if shape is not None:  # a Responses stream has no [DONE]
+            return [shape.error_event(message, code)]
+        return [sse(error_body(message, code)), SSE_DONE]
+
     async def events():
         done, bad = False, ""
+        if shape is not None:
+            for ev in shape.start_events():
+                yield ev
         try:
             async for raw in resp.content:
                 line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
@@ -245,24 +266,27 @@ async def _proxy_stream(rec: Recorder, kind, path, up, ask, reason, caller: Call
                 try:
                     chunk = json.loads(payload)
                 except ValueError:
-                    yield (line + "\n\n").encode()
+                    if shape is None:
+                        yield (line + "\n\n").encode()
                     continue
                 try:
                     acc.add(chunk)
                     out = rewriter.rewrite(chunk) if rewriter is not None else chunk
+                    pieces = list(shape.chunk_events(out)) if shape is not None else [sse(out)]
                 except UPSTREAM_SHAPE_ERRORS as exc:
                     bad = f"the upstream server's stream is malformed ({type(exc).__name__}: {exc})"
                     break
-                yield sse(out)
+                for piece in pieces:
+                    yield piece
         except asyncio.TimeoutError:
             stats.inc("upstream_timeouts")
-            yield sse(error_body("the upstream server timed out", 504))
-            yield SSE_DONE
+            for piece in failed("the upstream server timed out", 504):
+                yield piece
             return
         except aiohttp.ClientError as exc:
             stats.inc("upstream_unreachable")
-            yield sse(error_body(f"the upstream stream failed: {redact(str(exc))}", 502))
-            yield SSE_DONE
+            for piece in failed(f"the upstream stream failed: {redact(str(exc))}", 502):
+                yield piece
             return
         except (asyncio.CancelledError, GeneratorExit):  # the client went away mid-stream: nothing is appended
             stats.inc("client_disconnected")
@@ -273,13 +297,18 @@ async def _proxy_stream(rec: Recorder, kind, path, up, ask, reason, caller: Call
             why = ("upstream_bad_stream" if bad else "upstream_error" if acc.error is not None
                    else "upstream_stream_cut")
             stats.inc("upstream_errors")
-            if acc.error is None:  # the upstream's own error event was relayed already
-                yield sse(error_body(bad or "the upstream stream ended before [DONE]: the answer is incomplete", 502))
-            try:  # the client saw a call fail: it takes its index, stored as a failed (skipped) call
+            try:  # the client sees a call fail: it takes its index, stored as a failed (skipped) call
                 await rec.commit(caller.tid, None, why, *commit_args)
-            except Exception:  # noqa: BLE001 - the error event already told the client
+            except Exception:  # noqa: BLE001 - the error event tells the client
                 stats.inc("commit_failures")
-            yield SSE_DONE
+            message = bad or "the upstream stream ended before [DONE]: the answer is incomplete"
+            if acc.error is not None:  # the upstream's own error event: relayed already on a chat stream
+                if shape is None:
+                    yield SSE_DONE
+                    return
+                message = str(acc.error.get("message") if isinstance(acc.error, dict) else acc.error)
+            for piece in failed(message, 502):
+                yield piece
             return
         row, why = None, reason
         if why is None:
@@ -294,10 +323,15 @@ async def _proxy_stream(rec: Recorder, kind, path, up, ask, reason, caller: Call
             index = await rec.commit(caller.tid, row, why, *commit_args)
         except Exception as exc:
             stats.inc("commit_failures")
-            yield sse(error_body(f"the call could not be recorded durably: {exc}", 503))
-            yield SSE_DONE
+            for piece in failed(f"the call could not be recorded durably: {exc}", 503):
+                yield piece
             return
         yield f": prodrl trajectory_id={caller.client_tid} call_index={index} recorded={'true' if row else 'false'}\n\n".encode()
+        if shape is not None:
+            usage = shape.usage(acc.prompt_ids, acc.ids if acc.have_ids else None, None)
+            for ev in shape.end_events(acc.finish, usage):
+                yield ev
+            return
         yield SSE_DONE
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
@@ -309,6 +343,10 @@ async def completions(request: Request) -> Response:
 
 async def chat_completions(request: Request) -> Response:
     return await _proxy(request, "chat")
+
+
+async def responses(request: Request) -> Response:
+    return await _proxy(request, "responses")
 
 
 async def models(request: Request) -> Response:
@@ -443,6 +481,7 @@ def build_recorder_app(config: RecorderConfig) -> Starlette:
     routes = [
         Route("/v1/completions", completions, methods=["POST"]),
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
+        Route("/v1/responses", responses, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/feedback", feedback, methods=["POST"]),
         Route("/stats", stats_route, methods=["GET"]),

@@ -1,0 +1,289 @@
+"""The OpenAI Responses API (``POST /v1/responses``) on top of the upstream's chat completions.
+
+The recorder records a Responses call exactly like a chat call: the request is translated to a chat
+request (what the upstream samples from, and what gives the exact prompt and output token ids), and
+the chat answer or stream is translated back into a Response object or Responses stream events.
+This works in front of any upstream with chat completions (vLLM, ``prodrl serve``), and the record
+has the same fields as a chat call's.
+
+Translated: ``input`` (a string, or message items with text content parts, ``function_call`` and
+``function_call_output`` items), ``instructions``, ``max_output_tokens``, ``temperature``, ``top_p``,
+function ``tools`` and ``tool_choice``, ``text.format`` (text or JSON schema), ``top_logprobs`` with
+``include: ["message.output_text.logprobs"]``, ``stream``; other fields (``seed``, vLLM's ``top_k``,
+...) go to the chat request as they are, so the usual unrecordable rules apply. Refused with a 400
+naming the field: server-side state (``previous_response_id``, ``conversation``, ``background``),
+built-in tools, non-text input parts, ``reasoning``, other ``include`` values.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import uuid
+from typing import Any, Iterator
+
+from prodrl_pipelines.engines.openai_protocol import ProtocolError
+
+__all__ = ["ResponsesShape", "LOGPROBS_INCLUDE"]
+
+LOGPROBS_INCLUDE = "message.output_text.logprobs"
+_STATEFUL = ("previous_response_id", "conversation", "background", "prompt")
+_PASSED_BY_US = {"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "top_logprobs", "include",
+                 "stream", "store", "metadata", "user", "parallel_tool_calls", "truncation", "service_tier",
+                 "prompt_cache_key", "safety_identifier", "stream_options", "reasoning", "max_tool_calls", *_STATEFUL}
+
+
+def _bad(field: str, why: str) -> ProtocolError:
+    return ProtocolError(f"/v1/responses: `{field}` {why}")
+
+
+def _text_of(content: Any, where: str) -> str:
+    if isinstance(content, str):
+        return content
+    if not isinstance(content, list):
+        raise _bad(where, "must be a string or a list of text parts")
+    out = []
+    for i, part in enumerate(content):
+        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
+            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
+            raise _bad(f"{where}[{i}]", f"is a {kind!r} part: the recorder takes text parts only")
+        if not isinstance(part.get("text"), str):
+            raise _bad(f"{where}[{i}].text", "must be a string")
+        out.append(part["text"])
+    return "".join(out)
+
+
+def _messages(body: dict) -> list[dict]:
+    msgs: list[dict] = []
+    if body.get("instructions") is not None:
+        if not isinstance(body["instructions"], str):
+            raise _bad("instructions", "must be a string")
+        msgs.append({"role": "system", "content": body["instructions"]})
+    items = body.get("input")
+    if isinstance(items, str):
+        return msgs + [{"role": "user", "content": items}]
+    if not isinstance(items, list) or not items:
+        raise _bad("input", "must be a string or a non-empty list of items")
+    for i, item in enumerate(items):
+        where = f"input[{i}]"
+        if not isinstance(item, dict):
+            raise _bad(where, "must be an object")
+        kind = item.get("type", "message")
+        if kind == "message":
+            role = item.get("role")
+            if role not in ("user", "system", "developer", "assistant"):
+                raise _bad(f"{where}.role", f"must be user, system, developer or assistant, got {role!r}")
+            msgs.append({"role": "system" if role == "developer" else role,
+                         "content": _text_of(item.get("content"), f"{where}.content")})
+        elif kind == "function_call":
+            for f in ("call_id", "name", "arguments"):
+                if not isinstance(item.get(f), str):
+                    raise _bad(f"{where}.{f}", "must be a string")
+            call = {"id": item["call_id"], "type": "function",
+                    "function": {"name": item["name"], "arguments": item["arguments"]}}
+            if msgs and msgs[-1]["role"] == "assistant" and "tool_calls" in msgs[-1]:
+                msgs[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            else:
+                msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
+        elif kind == "function_call_output":
+            if not isinstance(item.get("call_id"), str):
+                raise _bad(f"{where}.call_id", "must be a string")
+            msgs.append({"role": "tool", "tool_call_id": item["call_id"],
+                         "content": _text_of(item.get("output"), f"{where}.output")})
+        else:
+            raise _bad(f"{where}.type", f"{kind!r} items are not supported (message, function_call, "
+                       "function_call_output)")
+    return msgs
+
+
+def _tools(body: dict) -> list[dict] | None:
+    tools = body.get("tools")
+    if tools is None:
+        return None
+    if not isinstance(tools, list):
+        raise _bad("tools", "must be a list")
+    out = []
+    for i, t in enumerate(tools):
+        if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
+            kind = t.get("type") if isinstance(t, dict) else type(t).__name__
+            raise _bad(f"tools[{i}]", f"is a {kind!r} tool: the recorder takes function tools only")
+        fn = {"name": t["name"], "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
+        if t.get("description") is not None:
+            fn["description"] = t["description"]
+        out.append({"type": "function", "function": fn})
+    return out
+
+
+def _tool_choice(tc: Any) -> Any:
+    if tc is None or tc in ("auto", "none", "required"):
+        return tc
+    if isinstance(tc, dict) and tc.get("type") == "function" and isinstance(tc.get("name"), str):
+        return {"type": "function", "function": {"name": tc["name"]}}
+    raise _bad("tool_choice", f"must be auto, none, required or a function, got {tc!r}")
+
+
+def _response_format(text: Any) -> dict | None:
+    if text is None:
+        return None
+    fmt = text.get("format") if isinstance(text, dict) else None
+    if fmt is None:
+        return None
+    if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_schema", "json_object"):
+        raise _bad("text.format", "must be text, json_schema or json_object")
+    if fmt["type"] == "json_schema":
+        return {"type": "json_schema", "json_schema": {k: v for k, v in fmt.items() if k != "type"}}
+    return {"type": fmt["type"]}
+
+
+class ResponsesShape:
+    """One Responses call: its chat request, and the chat answer (or stream) turned into a Response."""
+
+    def __init__(self, body: dict) -> None:
+        for f in _STATEFUL:
+            if body.get(f):
+                raise _bad(f, "needs server-side state, which the recorder keeps none of: send the whole "
+                           "conversation as `input`")
+        if body.get("reasoning") is not None:
+            raise _bad("reasoning", "is not supported by the recorder")
+        include = body.get("include") or []
+        if not isinstance(include, list) or any(x != LOGPROBS_INCLUDE for x in include):
+            raise _bad("include", f"may only hold {LOGPROBS_INCLUDE!r}")
+        self.body = body
+        self.logprobs = LOGPROBS_INCLUDE in include or body.get("top_logprobs") is not None
+        self.id = "resp_" + uuid.uuid4().hex
+        self.msg_id = "msg_" + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.seq = 0
+        self.text: list[str] = []
+        self.lps: list = []
+        self.tool_calls: dict[int, dict] = {}
+        self.model = body.get("model")
+
+    def chat_request(self) -> dict:
+        body = self.body
+        chat = {k: v for k, v in body.items() if k not in _PASSED_BY_US}
+        chat["messages"] = _messages(body)
+        if body.get("max_output_tokens") is not None:
+            chat["max_tokens"] = body["max_output_tokens"]
+        for name, value in (("tools", _tools(body)), ("tool_choice", _tool_choice(body.get("tool_choice"))),
+                            ("response_format", _response_format(body.get("text")))):
+            if value is not None:
+                chat[name] = value
+        if self.logprobs:
+            chat["logprobs"] = True
+            chat["top_logprobs"] = body.get("top_logprobs") or 0
+        if body.get("stream"):
+            chat["stream"] = True
+        return chat
+
+    # ------------------------------------------------------------------ the Response object
+
+    def _output(self, text: str, lps: list | None, tool_calls: list[dict], done: bool) -> list[dict]:
+        out = []
+        if text or not tool_calls:
+            part = {"type": "output_text", "text": text, "annotations": []}
+            if self.logprobs:
+                part["logprobs"] = lps or []
+            out.append({"type": "message", "id": self.msg_id, "status": "completed" if done else "in_progress",
+                        "role": "assistant", "content": [part]})
+        for tc in tool_calls:
+            fn = tc.get("function") or {}
+            out.append({"type": "function_call", "id": "fc_" + str(tc.get("id", "")), "call_id": tc.get("id"),
+                        "name": fn.get("name"), "arguments": fn.get("arguments") or "", "status": "completed"})
+        return out
+
+    def response(self, output: list[dict], status: str, finish: str | None, usage: dict | None) -> dict:
+        b = self.body
+        return {
+            "id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
+            "output": output, "error": None,
+            "incomplete_details": {"reason": "max_output_tokens"} if finish == "length" else None,
+            "instructions": b.get("instructions"), "max_output_tokens": b.get("max_output_tokens"),
+            "temperature": b.get("temperature"), "top_p": b.get("top_p"), "top_logprobs": b.get("top_logprobs"),
+            "tools": b.get("tools") or [], "tool_choice": b.get("tool_choice") or "auto",
+            "parallel_tool_calls": b.get("parallel_tool_calls", True), "previous_response_id": None,
+            "text": b.get("text") or {"format": {"type": "text"}}, "truncation": "disabled",
+            "metadata": b.get("metadata") or {}, "store": False, "usage": usage,
+        }
+
+    @staticmethod
+    def usage(prompt_ids: list | None, output_ids: list | None, upstream: dict | None) -> dict | None:
+        if prompt_ids is not None and output_ids is not None:
+            n_in, n_out = len(prompt_ids), len(output_ids)
+        elif isinstance(upstream, dict) and "prompt_tokens" in upstream:
+            n_in, n_out = int(upstream.get("prompt_tokens") or 0), int(upstream.get("completion_tokens") or 0)
+        else:
+            return None
+        return {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": n_out,
+                "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": n_in + n_out}
+
+    def answer(self, chat: dict, usage: dict | None) -> dict:
+        """The (rewritten) chat answer as a Response object."""
+        self.model = chat.get("model", self.model)
+        choice = chat["choices"][0]
+        msg = choice.get("message") or {}
+        lp = choice.get("logprobs") or {}
+        finish = choice.get("finish_reason")
+        out = self._output(msg.get("content") or "", lp.get("content"), msg.get("tool_calls") or [], True)
+        return self.response(out, "incomplete" if finish == "length" else "completed", finish, usage)
+
+    # ------------------------------------------------------------------ streamed
+
+    def _event(self, kind: str, **fields) -> bytes:
+        ev = {"type": kind, "sequence_number": self.seq, **fields}
+        self.seq += 1
+        return f"event: {kind}\ndata: ".encode() + json.dumps(ev, separators=(",", ":")).encode() + b"\n\n"
+
+    def start_events(self) -> Iterator[bytes]:
+        yield self._event("response.created", response=self.response([], "in_progress", None, None))
+        yield self._event("response.in_progress", response=self.response([], "in_progress", None, None))
+        item = {"type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant", "content": []}
+        yield self._event("response.output_item.added", output_index=0, item=item)
+        yield self._event("response.content_part.added", item_id=self.msg_id, output_index=0, content_index=0,
+                          part={"type": "output_text", "text": "", "annotations": []})
+
+    def chunk_events(self, chunk: dict) -> Iterator[bytes]:
+        """One (rewritten) chat stream chunk as Responses events."""
+        if not isinstance(chunk, dict):
+            return
+        self.model = chunk.get("model", self.model)
+        for ch in chunk.get("choices") or []:
+            delta = ch.get("delta") or {}
+            lps = (ch.get("logprobs") or {}).get("content") or []
+            self.lps.extend(lps)
+            for tc in delta.get("tool_calls") or []:
+                acc = self.tool_calls.setdefault(int(tc.get("index", 0)), {"id": None, "function": {"name": "", "arguments": ""}})
+                acc["id"] = tc.get("id") or acc["id"]
+                fn = tc.get("function") or {}
+                acc["function"]["name"] += fn.get("name") or ""
+                acc["function"]["arguments"] += fn.get("arguments") or ""
+            text = delta.get("content")
+            if text:
+                self.text.append(text)
+                fields = {"logprobs": lps} if self.logprobs else {}
+                yield self._event("response.output_text.delta", item_id=self.msg_id, output_index=0, content_index=0,
+                                  delta=text, **fields)
+
+    def end_events(self, finish: str | None, usage: dict | None) -> Iterator[bytes]:
+        text = "".join(self.text)
+        part = {"type": "output_text", "text": text, "annotations": []}
+        if self.logprobs:
+            part["logprobs"] = self.lps
+        yield self._event("response.output_text.done", item_id=self.msg_id, output_index=0, content_index=0, text=text,
+                          **({"logprobs": self.lps} if self.logprobs else {}))
+        yield self._event("response.content_part.done", item_id=self.msg_id, output_index=0, content_index=0, part=part)
+        calls = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+        output = self._output(text, self.lps, calls, True)
+        if not (text or not calls):  # only tool calls: the message item opened at the start stays, empty
+            output.insert(0, {"type": "message", "id": self.msg_id, "status": "completed", "role": "assistant",
+                              "content": [part]})
+        yield self._event("response.output_item.done", output_index=0, item=output[0])
+        for i, item in enumerate(output[1:], start=1):
+            yield self._event("response.output_item.added", output_index=i, item={**item, "status": "in_progress"})
+            yield self._event("response.output_item.done", output_index=i, item=item)
+        status = "incomplete" if finish == "length" else "completed"
+        yield self._event("response.incomplete" if status == "incomplete" else "response.completed",
+                          response=self.response(output, status, finish, usage))
+
+    def error_event(self, message: str, code: int) -> bytes:
+        return self._event("error", code=str(code), message=message, param=None)
