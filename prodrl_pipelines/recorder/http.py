@@ -3,137 +3,41 @@
 from __future__ import annotations
 
 import asyncio
-import hashlib
 import json
 import math
 import re
 import time
-import uuid
 from contextlib import asynccontextmanager
-from dataclasses import dataclass
 
 import aiohttp
 from starlette.applications import Starlette
 from starlette.requests import Request
-from starlette.responses import JSONResponse, Response, StreamingResponse
+from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
-from prodrl_pipelines.engines.openai_protocol import SSE_DONE, ProtocolError, error_body, read_body, sse
-from prodrl_pipelines.recorder.answers import Rewriter, StreamAccumulator
-from prodrl_pipelines.recorder.ingest import Attempt, Stats
-from prodrl_pipelines.recorder.responses import ResponsesShape
-from prodrl_pipelines.recorder.requests import Unrecordable, _is_int, _is_num, client_ask, unrecordable_reason
-from prodrl_pipelines.recorder.service import _TRAJ_ID, Recorder, RecorderConfig
-from prodrl_pipelines.recorder.tenants import Tenant, Tenants
+from prodrl_pipelines.engines.openai_protocol import ProtocolError, error_body
 from prodrl_pipelines.preflight import redact
+from prodrl_pipelines.recorder.answers import Rewriter
+from prodrl_pipelines.recorder.calls import (
+    UPSTREAM_SHAPE_ERRORS,
+    Caller,
+    attempt_of,
+    check_answer_shape,
+    clip,
+    dumps,
+    err,
+    n_up,
+    read_call_body,
+    tenant_of,
+    trajectory_id_of,
+)
+from prodrl_pipelines.recorder.ingest import Stats
+from prodrl_pipelines.recorder.requests import Unrecordable, _is_num, client_ask, unrecordable_reason
+from prodrl_pipelines.recorder.responses import ResponsesShape
+from prodrl_pipelines.recorder.service import Recorder, RecorderConfig
+from prodrl_pipelines.recorder.streaming import proxy_stream
+from prodrl_pipelines.recorder.tenants import Tenant, Tenants
 from prodrl_pipelines.trajectories.store import name_problem
-
-
-def _err(message: str, status: int, stats: Stats | None = None, counter: str | None = None,
-         headers: dict | None = None) -> JSONResponse:
-    if stats is not None and counter:
-        stats.inc(counter)
-    return JSONResponse(error_body(message, status), status_code=status, headers=headers)
-
-
-# What a malformed upstream answer raises while it is read as an OpenAI answer.
-UPSTREAM_SHAPE_ERRORS = (ProtocolError, KeyError, TypeError, ValueError, IndexError, AttributeError)
-
-
-def _clip(text: str, n: int = 80) -> str:
-    """A client's value quoted in an error message, at most ``n`` characters of it."""
-    return repr(text[:n]) + (f"... ({len(text)} characters)" if len(text) > n else "")
-
-
-def _dumps(obj) -> bytes:
-    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
-
-
-MAX_INT_DIGITS = 20  # a JSON integer of a request (ids, seeds, counts) fits in 64 bits
-_INT_BOUND = 10 ** MAX_INT_DIGITS
-
-
-def check_answer_shape(data) -> None:
-    """What every later read of an upstream answer relies on: a list of choice objects whose token id
-    fields, when present, are lists of integers."""
-    if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
-        raise ProtocolError("no list of choices")
-    for c in data["choices"]:
-        if not isinstance(c, dict):
-            raise ProtocolError("a choice is not an object")
-        for name in ("token_ids", "prompt_token_ids"):
-            ids = c.get(name)
-            if ids is not None and not (isinstance(ids, list) and all(_is_int(t) for t in ids)):
-                raise ProtocolError(f"choice {name} is not a list of integers")
-
-
-def parse_client_json(raw: bytes):
-    """A client's JSON whose top-level integers have at most 20 digits, so no later float() of a
-    client value (sampling parameters, a reward) can overflow. Checked after a plain parse: a hook
-    per integer made parsing a long token-id prompt 5x slower."""
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ProtocolError(f"malformed JSON body: {exc}") from None
-    if isinstance(body, dict):
-        for v in body.values():
-            if type(v) is int and not -_INT_BOUND < v < _INT_BOUND:
-                raise ProtocolError(f"an integer of {len(str(abs(v)))} digits in the request body: "
-                                    f"at most {MAX_INT_DIGITS}")
-    return body
-
-
-async def _body(request: Request) -> tuple[dict, bytes]:
-    raw = await read_body(request, request.app.state.recorder.cfg.max_body_bytes)
-    body = parse_client_json(raw)
-    if not isinstance(body, dict):
-        raise ProtocolError("the request body must be a JSON object")
-    return body, raw
-
-
-def _trajectory_id(request: Request) -> str:
-    tid = request.headers.get("x-trajectory-id")
-    if tid is None:
-        return uuid.uuid4().hex
-    if not _TRAJ_ID.match(tid):
-        raise ProtocolError("X-Trajectory-Id must be 1-256 characters of [A-Za-z0-9._:@/+=-]")
-    return tid
-
-
-def _attempt(request: Request, raw: bytes) -> Attempt | None:
-    """The call's identity across client retries: its ``Idempotency-Key``, else (clients that count
-    their retries, like the openai client's ``x-stainless-retry-count``) the body's digest."""
-    key = request.headers.get("idempotency-key")
-    if key is not None:
-        if not 1 <= len(key) <= 256:
-            raise ProtocolError("Idempotency-Key must be 1-256 characters")
-        return Attempt("key:" + key, retry=True)
-    count = request.headers.get("x-stainless-retry-count")
-    if count is None:
-        return None
-    if not count.isdigit() or len(count) > 6:
-        raise ProtocolError(f"x-stainless-retry-count must be a small non-negative integer, got {_clip(count)}")
-    return Attempt("body:" + hashlib.blake2b(raw, digest_size=16).hexdigest(), retry=int(count) > 0)
-
-
-@dataclass
-class Caller:
-    """Who made a call and which trajectory it goes to: the client's id, and the stored one (under
-    its tenant's namespace)."""
-
-    tenant: Tenant
-    client_tid: str
-    tid: str
-    attempt: Attempt | None = None
-
-
-def tenant_of(request: Request) -> Tenant:
-    return request.scope["prodrl.tenant"]
-
-
-def _n_up(up: dict, kind: str) -> int | None:
-    n = up.get("logprobs") if kind == "completion" else up.get("top_logprobs")
-    return int(n) if _is_int(n) else None
 
 
 async def _proxy(request: Request, kind: str) -> Response:
@@ -144,22 +48,22 @@ async def _proxy(request: Request, kind: str) -> Response:
     stats.add_many((("requests", 1), (f"tenant.{tenant.name}.requests", 1)))
     t0 = time.perf_counter()
     try:
-        body, raw = await _body(request)
-        client_tid = _trajectory_id(request)
-        caller = Caller(tenant, client_tid, tenant.stored_id(client_tid), _attempt(request, raw))
+        body, raw = await read_call_body(request)
+        client_tid = trajectory_id_of(request)
+        caller = Caller(tenant, client_tid, tenant.stored_id(client_tid), attempt_of(request, raw))
         shape = None
         if kind == "responses":
             shape = ResponsesShape(body)
             body, kind = shape.chat_request(), "chat"
     except ProtocolError as exc:
-        return _err(str(exc), exc.status, stats, "too_large_requests" if exc.status == 413 else "bad_requests")
+        return err(str(exc), exc.status, stats, "too_large_requests" if exc.status == 413 else "bad_requests")
     pv = request.headers.get("x-policy-version")
     task_id = request.headers.get("x-task-id")
     problem = name_problem(pv, "X-Policy-Version") if pv is not None else None
     if problem:
-        return _err(problem, 400, stats, "bad_requests")
+        return err(problem, 400, stats, "bad_requests")
     if task_id is not None and len(task_id) > 1024:
-        return _err("X-Task-Id must be at most 1024 characters", 400, stats, "bad_requests")
+        return err("X-Task-Id must be at most 1024 characters", 400, stats, "bad_requests")
     if rec.tokens is None:
         await rec.find_tokenizer()  # token strings as text, not token_id:<id>, once the upstream tells
     served = rec.served_model()
@@ -172,16 +76,16 @@ async def _proxy(request: Request, kind: str) -> Response:
     headers = {"X-Trajectory-Id": client_tid}
     assert rec.http is not None
     if body.get("stream"):
-        return await _proxy_stream(rec, kind, path, up, ask, reason, caller, pv, task_id, shape)
+        return await proxy_stream(rec, kind, path, up, ask, reason, caller, pv, task_id, shape)
     t1 = time.perf_counter()
     try:
-        async with await rec.post_upstream(path.lstrip("/"), _dumps(up)) as resp:
+        async with await rec.post_upstream(path.lstrip("/"), dumps(up)) as resp:
             content = await resp.read()
             status, ctype = resp.status, resp.headers.get("content-type")
     except asyncio.TimeoutError:
-        return _err("the upstream server timed out", 504, stats, "upstream_timeouts", headers)
+        return err("the upstream server timed out", 504, stats, "upstream_timeouts", headers)
     except aiohttp.ClientError as exc:
-        return _err(f"the upstream server is unreachable: {redact(str(exc))}", 502, stats, "upstream_unreachable", headers)
+        return err(f"the upstream server is unreachable: {redact(str(exc))}", 502, stats, "upstream_unreachable", headers)
     t2 = time.perf_counter()
     if status != 200:
         stats.inc("upstream_errors")
@@ -189,7 +93,7 @@ async def _proxy(request: Request, kind: str) -> Response:
     try:
         data = json.loads(content)
     except ValueError:
-        return _err("the upstream answer is not JSON", 502, stats, "upstream_bad_answers", headers)
+        return err("the upstream answer is not JSON", 502, stats, "upstream_bad_answers", headers)
     row = None
     try:
         check_answer_shape(data)
@@ -201,140 +105,24 @@ async def _proxy(request: Request, kind: str) -> Response:
         if shape is not None:
             first = data["choices"][0]
             usage = shape.usage(data.get("prompt_token_ids"), first.get("token_ids"), data.get("usage"))
-        answer = Rewriter(kind, ask, rec.tokens, stats, _n_up(up, kind)).rewrite(data) if up is not body else data
+        answer = Rewriter(kind, ask, rec.tokens, stats, n_up(up, kind)).rewrite(data) if up is not body else data
         if shape is not None:
             answer = shape.answer(answer, usage)
     except UPSTREAM_SHAPE_ERRORS as exc:  # the upstream said 200 but its answer is not an OpenAI answer
-        return _err(f"the upstream server's answer is malformed ({type(exc).__name__}: {exc})", 502, stats,
+        return err(f"the upstream server's answer is malformed ({type(exc).__name__}: {exc})", 502, stats,
                     "upstream_bad_answers", headers)
-    payload = _dumps(answer)
+    payload = dumps(answer)
     t3 = time.perf_counter()
     if await request.is_disconnected():  # the client gave up (a timeout): its retry is the call, not this
         stats.inc(f"tenant.{tenant.name}.client_disconnected")
-        return _err("the client disconnected before the answer", 499, stats, "client_disconnected", headers)
+        return err("the client disconnected before the answer", 499, stats, "client_disconnected", headers)
     try:
         index = await rec.commit(caller.tid, row, reason, caller.attempt, tenant.name)
     except Exception as exc:  # the WAL failed: the client must not believe the call was recorded
-        return _err(f"the call could not be recorded durably: {exc}", 503, stats, "commit_failures", headers)
+        return err(f"the call could not be recorded durably: {exc}", 503, stats, "commit_failures", headers)
     rec.time_call(t1 - t0, t2 - t1, t3 - t2, time.perf_counter() - t3)
     headers.update({"X-Call-Index": str(index), "X-Prodrl-Recorded": "true" if row is not None else "false"})
     return Response(payload, media_type="application/json", headers=headers)
-
-
-async def _proxy_stream(rec: Recorder, kind, path, up, ask, reason, caller: Caller, pv, task_id,
-                        shape: ResponsesShape | None = None) -> Response:
-    stats = rec.stats
-    headers = {"X-Trajectory-Id": caller.client_tid}
-    commit_args = (caller.attempt, caller.tenant.name)
-    assert rec.http is not None
-    try:
-        resp = await rec.post_upstream(path.lstrip("/"), _dumps(up), rec.stream_timeout)
-    except asyncio.TimeoutError:
-        return _err("the upstream server timed out", 504, stats, "upstream_timeouts", headers)
-    except aiohttp.ClientError as exc:
-        return _err(f"the upstream server is unreachable: {redact(str(exc))}", 502, stats, "upstream_unreachable", headers)
-    if resp.status != 200:
-        try:
-            content = await resp.read()
-        finally:
-            resp.release()
-        stats.inc("upstream_errors")
-        return Response(content, status_code=resp.status, headers=headers, media_type=resp.headers.get("content-type"))
-    rewriter = Rewriter(kind, ask, rec.tokens, stats, _n_up(up, kind)) if reason is None else None
-    acc = StreamAccumulator(kind)
-
-    def failed(message: str, code: int) -> list[bytes]:
-        """The events that end a failed stream: an error event, then the end of the stream."""
-        if shape is not None:  # a Responses stream has no [DONE]
-            return [shape.error_event(message, code)]
-        return [sse(error_body(message, code)), SSE_DONE]
-
-    async def events():
-        done, bad = False, ""
-        if shape is not None:
-            for ev in shape.start_events():
-                yield ev
-        try:
-            async for raw in resp.content:
-                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    done = True
-                    break
-                try:
-                    chunk = json.loads(payload)
-                except ValueError:
-                    if shape is None:
-                        yield (line + "\n\n").encode()
-                    continue
-                try:
-                    acc.add(chunk)
-                    out = rewriter.rewrite(chunk) if rewriter is not None else chunk
-                    pieces = list(shape.chunk_events(out)) if shape is not None else [sse(out)]
-                except UPSTREAM_SHAPE_ERRORS as exc:
-                    bad = f"the upstream server's stream is malformed ({type(exc).__name__}: {exc})"
-                    break
-                for piece in pieces:
-                    yield piece
-        except asyncio.TimeoutError:
-            stats.inc("upstream_timeouts")
-            for piece in failed("the upstream server timed out", 504):
-                yield piece
-            return
-        except aiohttp.ClientError as exc:
-            stats.inc("upstream_unreachable")
-            for piece in failed(f"the upstream stream failed: {redact(str(exc))}", 502):
-                yield piece
-            return
-        except (asyncio.CancelledError, GeneratorExit):  # the client went away mid-stream: nothing is appended
-            stats.inc("client_disconnected")
-            raise
-        finally:
-            resp.close()
-        if bad or not done or acc.error is not None:  # the upstream failed mid-stream: a failed call
-            why = ("upstream_bad_stream" if bad else "upstream_error" if acc.error is not None
-                   else "upstream_stream_cut")
-            stats.inc("upstream_errors")
-            try:  # the client sees a call fail: it takes its index, stored as a failed (skipped) call
-                await rec.commit(caller.tid, None, why, *commit_args)
-            except Exception:  # noqa: BLE001 - the error event tells the client
-                stats.inc("commit_failures")
-            message = bad or "the upstream stream ended before [DONE]: the answer is incomplete"
-            if acc.error is not None:  # the upstream's own error event: relayed already on a chat stream
-                if shape is None:
-                    yield SSE_DONE
-                    return
-                message = str(acc.error.get("message") if isinstance(acc.error, dict) else acc.error)
-            for piece in failed(message, 502):
-                yield piece
-            return
-        row, why = None, reason
-        if why is None:
-            if acc.extra_choices:
-                why = "n>1"
-            else:
-                try:
-                    row = rec.build_row(kind, acc.answer(), up, pv, task_id)
-                except Unrecordable as u:
-                    why = u.reason
-        try:
-            index = await rec.commit(caller.tid, row, why, *commit_args)
-        except Exception as exc:
-            stats.inc("commit_failures")
-            for piece in failed(f"the call could not be recorded durably: {exc}", 503):
-                yield piece
-            return
-        yield f": prodrl trajectory_id={caller.client_tid} call_index={index} recorded={'true' if row else 'false'}\n\n".encode()
-        if shape is not None:
-            usage = shape.usage(acc.prompt_ids, acc.ids if acc.have_ids else None, None)
-            for ev in shape.end_events(acc.finish, usage):
-                yield ev
-            return
-        yield SSE_DONE
-
-    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
 
 
 async def completions(request: Request) -> Response:
@@ -356,9 +144,9 @@ async def models(request: Request) -> Response:
         async with rec.http.get(rec.upstream_url("v1/models")) as resp:
             return Response(await resp.read(), status_code=resp.status, media_type=resp.headers.get("content-type"))
     except asyncio.TimeoutError:
-        return _err("the upstream server timed out", 504, rec.stats, "upstream_timeouts")
+        return err("the upstream server timed out", 504, rec.stats, "upstream_timeouts")
     except aiohttp.ClientError as exc:
-        return _err(f"the upstream server is unreachable: {redact(str(exc))}", 502, rec.stats, "upstream_unreachable")
+        return err(f"the upstream server is unreachable: {redact(str(exc))}", 502, rec.stats, "upstream_unreachable")
 
 
 async def feedback(request: Request) -> Response:
@@ -366,26 +154,26 @@ async def feedback(request: Request) -> Response:
     stats = rec.stats
     tenant = tenant_of(request)
     try:
-        body, _ = await _body(request)
+        body, _ = await read_call_body(request)
     except ProtocolError as exc:
-        return _err(str(exc), exc.status, stats, "feedback_bad_requests")
+        return err(str(exc), exc.status, stats, "feedback_bad_requests")
     tid, reward, source = body.get("trajectory_id"), body.get("reward"), body.get("source", "feedback")
     if not isinstance(tid, str) or not tid:
-        return _err("`trajectory_id` (a non-empty string) is required", 422, stats, "feedback_invalid")
+        return err("`trajectory_id` (a non-empty string) is required", 422, stats, "feedback_invalid")
     if not _is_num(reward) or not math.isfinite(float(reward)):
-        return _err(f"`reward` must be a finite number, got {reward!r}", 422, stats, "feedback_invalid")
+        return err(f"`reward` must be a finite number, got {reward!r}", 422, stats, "feedback_invalid")
     if not isinstance(source, str) or not source:
-        return _err("`source` must be a non-empty string", 422, stats, "feedback_invalid")
+        return err("`source` must be a non-empty string", 422, stats, "feedback_invalid")
     stored = tenant.stored_id(tid)  # a tenant names only its own trajectories
     if not rec.ingestor.known(stored):
         stats.inc(f"tenant.{tenant.name}.feedback_unknown_trajectory")
-        return _err(f"unknown trajectory {_clip(tid)}: no call was recorded under it", 404, stats,
+        return err(f"unknown trajectory {clip(tid)}: no call was recorded under it", 404, stats,
                     "feedback_unknown_trajectory")
     created, fut = rec.ingestor.commit_reward(stored, float(reward), source)
     try:
         await fut
     except Exception as exc:
-        return _err(f"the reward could not be recorded durably: {exc}", 503, stats, "commit_failures")
+        return err(f"the reward could not be recorded durably: {exc}", 503, stats, "commit_failures")
     stats.add_many((("rewards_recorded", 1), (f"tenant.{tenant.name}.rewards_recorded", 1)))
     return JSONResponse({"trajectory_id": tid, "reward": float(reward), "source": source, "created_at_us": created})
 
@@ -489,8 +277,8 @@ def build_recorder_app(config: RecorderConfig) -> Starlette:
         Route("/health", health, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
-        404: lambda request, exc: _err(f"no route {_clip(request.url.path)}", 404),
-        405: lambda request, exc: _err(f"{request.method} is not allowed on {_clip(request.url.path)}", 405)})
+        404: lambda request, exc: err(f"no route {clip(request.url.path)}", 404),
+        405: lambda request, exc: err(f"{request.method} is not allowed on {clip(request.url.path)}", 405)})
     app.state.recorder = rec
     app.add_middleware(_BearerAuth, tenants=rec.tenants, stats=rec.stats)
     return app

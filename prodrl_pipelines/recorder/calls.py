@@ -1,0 +1,127 @@
+"""Reading one client call: its JSON body (bounded), trajectory id, retry identity and tenant; the
+JSON error answers; what an upstream answer must look like before it is read."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import uuid
+from dataclasses import dataclass
+
+from starlette.requests import Request
+from starlette.responses import JSONResponse
+
+from prodrl_pipelines.engines.openai_protocol import ProtocolError, error_body, read_body
+from prodrl_pipelines.recorder.ingest import Attempt, Stats
+from prodrl_pipelines.recorder.requests import _is_int
+from prodrl_pipelines.recorder.service import _TRAJ_ID
+from prodrl_pipelines.recorder.tenants import Tenant
+
+
+def err(message: str, status: int, stats: Stats | None = None, counter: str | None = None,
+         headers: dict | None = None) -> JSONResponse:
+    if stats is not None and counter:
+        stats.inc(counter)
+    return JSONResponse(error_body(message, status), status_code=status, headers=headers)
+
+
+# What a malformed upstream answer raises while it is read as an OpenAI answer.
+UPSTREAM_SHAPE_ERRORS = (ProtocolError, KeyError, TypeError, ValueError, IndexError, AttributeError)
+
+
+def clip(text: str, n: int = 80) -> str:
+    """A client's value quoted in an error message, at most ``n`` characters of it."""
+    return repr(text[:n]) + (f"... ({len(text)} characters)" if len(text) > n else "")
+
+
+def dumps(obj) -> bytes:
+    return json.dumps(obj, separators=(",", ":"), ensure_ascii=False).encode()
+
+
+MAX_INT_DIGITS = 20  # a JSON integer of a request (ids, seeds, counts) fits in 64 bits
+_INT_BOUND = 10 ** MAX_INT_DIGITS
+
+
+def check_answer_shape(data) -> None:
+    """What every later read of an upstream answer relies on: a list of choice objects whose token id
+    fields, when present, are lists of integers."""
+    if not isinstance(data, dict) or not isinstance(data.get("choices"), list):
+        raise ProtocolError("no list of choices")
+    for c in data["choices"]:
+        if not isinstance(c, dict):
+            raise ProtocolError("a choice is not an object")
+        for name in ("token_ids", "prompt_token_ids"):
+            ids = c.get(name)
+            if ids is not None and not (isinstance(ids, list) and all(_is_int(t) for t in ids)):
+                raise ProtocolError(f"choice {name} is not a list of integers")
+
+
+def parse_client_json(raw: bytes):
+    """A client's JSON whose top-level integers have at most 20 digits, so no later float() of a
+    client value (sampling parameters, a reward) can overflow. Checked after a plain parse: a hook
+    per integer made parsing a long token-id prompt 5x slower."""
+    try:
+        body = json.loads(raw)
+    except (ValueError, UnicodeDecodeError) as exc:
+        raise ProtocolError(f"malformed JSON body: {exc}") from None
+    if isinstance(body, dict):
+        for v in body.values():
+            if type(v) is int and not -_INT_BOUND < v < _INT_BOUND:
+                raise ProtocolError(f"an integer of {len(str(abs(v)))} digits in the request body: "
+                                    f"at most {MAX_INT_DIGITS}")
+    return body
+
+
+async def read_call_body(request: Request) -> tuple[dict, bytes]:
+    raw = await read_body(request, request.app.state.recorder.cfg.max_body_bytes)
+    body = parse_client_json(raw)
+    if not isinstance(body, dict):
+        raise ProtocolError("the request body must be a JSON object")
+    return body, raw
+
+
+def trajectory_id_of(request: Request) -> str:
+    tid = request.headers.get("x-trajectory-id")
+    if tid is None:
+        return uuid.uuid4().hex
+    if not _TRAJ_ID.match(tid):
+        raise ProtocolError("X-Trajectory-Id must be 1-256 characters of [A-Za-z0-9._:@/+=-]")
+    return tid
+
+
+def attempt_of(request: Request, raw: bytes) -> Attempt | None:
+    """The call's identity across client retries: its ``Idempotency-Key``, else (clients that count
+    their retries, like the openai client's ``x-stainless-retry-count``) the body's digest."""
+    key = request.headers.get("idempotency-key")
+    if key is not None:
+        if not 1 <= len(key) <= 256:
+            raise ProtocolError("Idempotency-Key must be 1-256 characters")
+        return Attempt("key:" + key, retry=True)
+    count = request.headers.get("x-stainless-retry-count")
+    if count is None:
+        return None
+    if not count.isdigit() or len(count) > 6:
+        raise ProtocolError(f"x-stainless-retry-count must be a small non-negative integer, got {clip(count)}")
+    return Attempt("body:" + hashlib.blake2b(raw, digest_size=16).hexdigest(), retry=int(count) > 0)
+
+
+@dataclass
+class Caller:
+    """Who made a call and which trajectory it goes to: the client's id, and the stored one (under
+    its tenant's namespace)."""
+
+    tenant: Tenant
+    client_tid: str
+    tid: str
+    attempt: Attempt | None = None
+
+
+def tenant_of(request: Request) -> Tenant:
+    return request.scope["prodrl.tenant"]
+
+
+def n_up(up: dict, kind: str) -> int | None:
+    n = up.get("logprobs") if kind == "completion" else up.get("top_logprobs")
+    return int(n) if _is_int(n) else None
+
+

@@ -1,0 +1,135 @@
+"""A streamed call through the recorder: the upstream's SSE relayed (rewritten) chunk by chunk,
+accumulated into the record, committed before the stream ends; a cut or malformed stream ends with an
+error event and is a failed call. Chat streams can be re-shaped as Responses events."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import aiohttp
+from starlette.responses import Response, StreamingResponse
+
+from prodrl_pipelines.engines.openai_protocol import SSE_DONE, error_body, sse
+from prodrl_pipelines.preflight import redact
+from prodrl_pipelines.recorder.answers import Rewriter, StreamAccumulator
+from prodrl_pipelines.recorder.calls import UPSTREAM_SHAPE_ERRORS, Caller, dumps, err, n_up
+from prodrl_pipelines.recorder.requests import Unrecordable
+from prodrl_pipelines.recorder.responses import ResponsesShape
+from prodrl_pipelines.recorder.service import Recorder
+
+
+async def proxy_stream(rec: Recorder, kind, path, up, ask, reason, caller: Caller, pv, task_id,
+                        shape: ResponsesShape | None = None) -> Response:
+    stats = rec.stats
+    headers = {"X-Trajectory-Id": caller.client_tid}
+    commit_args = (caller.attempt, caller.tenant.name)
+    assert rec.http is not None
+    try:
+        resp = await rec.post_upstream(path.lstrip("/"), dumps(up), rec.stream_timeout)
+    except asyncio.TimeoutError:
+        return err("the upstream server timed out", 504, stats, "upstream_timeouts", headers)
+    except aiohttp.ClientError as exc:
+        return err(f"the upstream server is unreachable: {redact(str(exc))}", 502, stats, "upstream_unreachable", headers)
+    if resp.status != 200:
+        try:
+            content = await resp.read()
+        finally:
+            resp.release()
+        stats.inc("upstream_errors")
+        return Response(content, status_code=resp.status, headers=headers, media_type=resp.headers.get("content-type"))
+    rewriter = Rewriter(kind, ask, rec.tokens, stats, n_up(up, kind)) if reason is None else None
+    acc = StreamAccumulator(kind)
+
+    def failed(message: str, code: int) -> list[bytes]:
+        """The events that end a failed stream: an error event, then the end of the stream."""
+        if shape is not None:  # a Responses stream has no [DONE]
+            return [shape.error_event(message, code)]
+        return [sse(error_body(message, code)), SSE_DONE]
+
+    async def events():
+        done, bad = False, ""
+        if shape is not None:
+            for ev in shape.start_events():
+                yield ev
+        try:
+            async for raw in resp.content:
+                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                if not line.startswith("data:"):
+                    continue
+                payload = line[5:].strip()
+                if payload == "[DONE]":
+                    done = True
+                    break
+                try:
+                    chunk = json.loads(payload)
+                except ValueError:
+                    if shape is None:
+                        yield (line + "\n\n").encode()
+                    continue
+                try:
+                    acc.add(chunk)
+                    out = rewriter.rewrite(chunk) if rewriter is not None else chunk
+                    pieces = list(shape.chunk_events(out)) if shape is not None else [sse(out)]
+                except UPSTREAM_SHAPE_ERRORS as exc:
+                    bad = f"the upstream server's stream is malformed ({type(exc).__name__}: {exc})"
+                    break
+                for piece in pieces:
+                    yield piece
+        except asyncio.TimeoutError:
+            stats.inc("upstream_timeouts")
+            for piece in failed("the upstream server timed out", 504):
+                yield piece
+            return
+        except aiohttp.ClientError as exc:
+            stats.inc("upstream_unreachable")
+            for piece in failed(f"the upstream stream failed: {redact(str(exc))}", 502):
+                yield piece
+            return
+        except (asyncio.CancelledError, GeneratorExit):  # the client went away mid-stream: nothing is appended
+            stats.inc("client_disconnected")
+            raise
+        finally:
+            resp.close()
+        if bad or not done or acc.error is not None:  # the upstream failed mid-stream: a failed call
+            why = ("upstream_bad_stream" if bad else "upstream_error" if acc.error is not None
+                   else "upstream_stream_cut")
+            stats.inc("upstream_errors")
+            try:  # the client sees a call fail: it takes its index, stored as a failed (skipped) call
+                await rec.commit(caller.tid, None, why, *commit_args)
+            except Exception:  # noqa: BLE001 - the error event tells the client
+                stats.inc("commit_failures")
+            message = bad or "the upstream stream ended before [DONE]: the answer is incomplete"
+            if acc.error is not None:  # the upstream's own error event: relayed already on a chat stream
+                if shape is None:
+                    yield SSE_DONE
+                    return
+                message = str(acc.error.get("message") if isinstance(acc.error, dict) else acc.error)
+            for piece in failed(message, 502):
+                yield piece
+            return
+        row, why = None, reason
+        if why is None:
+            if acc.extra_choices:
+                why = "n>1"
+            else:
+                try:
+                    row = rec.build_row(kind, acc.answer(), up, pv, task_id)
+                except Unrecordable as u:
+                    why = u.reason
+        try:
+            index = await rec.commit(caller.tid, row, why, *commit_args)
+        except Exception as exc:
+            stats.inc("commit_failures")
+            for piece in failed(f"the call could not be recorded durably: {exc}", 503):
+                yield piece
+            return
+        yield f": prodrl trajectory_id={caller.client_tid} call_index={index} recorded={'true' if row else 'false'}\n\n".encode()
+        if shape is not None:
+            usage = shape.usage(acc.prompt_ids, acc.ids if acc.have_ids else None, None)
+            for ev in shape.end_events(acc.finish, usage):
+                yield ev
+            return
+        yield SSE_DONE
+
+    return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
