@@ -623,10 +623,10 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn_recorder(upstream_url: str, store: Path, port: int) -> subprocess.Popen:
+def _spawn_recorder(upstream_url: str, store: Path, port: int, *flush: str) -> subprocess.Popen:
     env = {**os.environ, "PRODRL_RECORDER_TOKEN": TOKEN}
     cmd = [sys.executable, "-m", "prodrl_pipelines.cli", "record", "--upstream", upstream_url, "--store", str(store),
-           "--port", str(port), "--flush-rows", "25", "--flush-interval", "0.1"]
+           "--port", str(port), *(flush or ("--flush-rows", "25", "--flush-interval", "0.1"))]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     return wait_healthy(proc, f"http://127.0.0.1:{port}/health", AUTH, 60, "the recorder")
 

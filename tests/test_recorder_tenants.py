@@ -5,10 +5,17 @@ from __future__ import annotations
 
 import json
 import os
+import signal
+import subprocess
+import sys
+import threading
 import time
+from collections import Counter
+from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
+import pyarrow as pa
 import pytest
 
 from prodrl_pipelines.recorder.ingest import Ingestor
@@ -17,7 +24,7 @@ from prodrl_pipelines.recorder.tenants import Tenants, TokensFileError
 from prodrl_pipelines.recorder.wal import WriteAheadLog, encode_entry
 from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
 from prodrl_pipelines.trajectories.store import TrajectoryStore
-from tests.test_recorder import AUTH, _call_row, fake, serving, start_recorder  # noqa: F401 - fixtures
+from tests.test_recorder import AUTH, REPO, _call_row, fake, serving, start_recorder  # noqa: F401 - fixtures
 
 BODY = {"prompt": [5, 6, 7], "max_tokens": 3}
 ALICE, ALICE_NEW, BOB, OPS = "alice-token-0123456789", "alice-token-rotated-99", "bob-token-0123456789ab", "ops-token-0123456789abc"
@@ -209,3 +216,78 @@ def test_replay_of_a_retry_keeps_one_row_per_call(tmp_path):
     again = Ingestor(store, tmp_path / "wal").recover()
     assert again["replay_duplicates"] == 3 and again.get("replayed_calls", 0) == 0
     assert store.read_calls(dedupe=False).num_rows == 2
+
+
+def test_sigkill_with_retries_in_flight_and_during_replay_loses_nothing(fake, tmp_path):
+    """kill -9 under load where every call is retried once (the openai client's retry count), then
+    kill -9 again while the restarted recorder replays its log: afterwards every acknowledged call
+    is in the store exactly once (one row per call id, the retry's), every reward once."""
+    from tests.test_recorder import _free_port, _spawn_recorder
+
+    store_dir, port = tmp_path / "store", _free_port()
+    proc = _spawn_recorder(fake.url, store_dir, port, "--flush-rows", "100000", "--flush-interval", "3600")
+    acked: dict[tuple[str, int], list[int]] = {}  # call id -> the answer the client got last
+    rewards: set[tuple[str, int]] = set()
+    lock, stop = threading.Lock(), threading.Event()
+
+    def client(w: int) -> None:
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=10) as c:
+            i = 0
+            while not stop.is_set():
+                tid = f"w{w}-{i}"
+                try:
+                    for call in range(2):
+                        body = {"prompt": [w, i, call], "max_tokens": 3, "seed": i}
+                        for retry in range(2):  # the same call sent twice: the second is its retry
+                            resp = c.post("/v1/completions", json=body,
+                                          headers={"X-Trajectory-Id": tid, "x-stainless-retry-count": str(retry)})
+                            if resp.status_code != 200:
+                                return
+                            with lock:
+                                acked[(tid, int(resp.headers["x-call-index"]))] = resp.json()["choices"][0]["token_ids"] or []
+                    fb = c.post("/v1/feedback", json={"trajectory_id": tid, "reward": 1.0})
+                    if fb.status_code != 200:
+                        return
+                    with lock:
+                        rewards.add((tid, fb.json()["created_at_us"]))
+                except httpx.HTTPError:
+                    return
+                i += 1
+
+    with ThreadPoolExecutor(8) as pool:
+        workers = [pool.submit(client, w) for w in range(8)]
+        deadline = time.monotonic() + 60
+        while len(acked) < 150 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        stop.set()
+        for f in workers:
+            f.result(30)
+    assert len(acked) >= 150
+    for delay in (1.0, 2.0, 3.0):  # before, during and after the replay of a log of every call
+        env = {**os.environ, "PRODRL_RECORDER_TOKEN": "rec-token"}
+        p = subprocess.Popen([sys.executable, "-m", "prodrl_pipelines.cli", "record", "--upstream", fake.url,
+                              "--store", str(store_dir), "--port", str(port)], env=env, cwd=REPO,
+                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        time.sleep(delay)
+        p.kill()
+        p.wait(10)
+    proc = _spawn_recorder(fake.url, store_dir, port)
+    try:
+        store = TrajectoryStore(LocalBlobStore(store_dir))
+        calls = store.read_calls(dedupe=False)
+        got = Counter(zip(calls.column("trajectory_id").to_pylist(), calls.column("call_index").to_pylist()))
+        assert all(got[k] == 1 for k in acked) and max(got.values()) == 1
+        assert store.read_calls(dedupe=False, retracted=True).num_rows >= calls.num_rows + 100  # the first attempts
+        by_id = {(c["trajectory_id"], c["call_index"]): c["output_token_ids"] for c in calls.to_pylist()}
+        assert all(by_id[k] == ids for k, ids in acked.items() if ids)  # the row is the answer the client kept
+        r = store.read_rewards(latest=False)
+        rc = Counter(zip(r.column("trajectory_id").to_pylist(), r.column("created_at").cast(pa.int64()).to_pylist()))
+        assert all(rc[k] == 1 for k in rewards) and max(rc.values()) == 1
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        try:
+            proc.wait(30)
+        except subprocess.TimeoutExpired:
+            proc.kill()
