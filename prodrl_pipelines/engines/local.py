@@ -30,20 +30,31 @@ TOP_LOGPROB_FLOOR = -9999.0
 def _sample(proc: Tensor, top_ids: Tensor, top_lps: Tensor, complete: Tensor, gen: torch.Generator) -> Tensor:
     """Draw one token per row of the processed distribution ``proc`` [b, V] -> ids [b].
 
-    When every row's support lies in its recorded head, draw from the head ([b, K]). Otherwise draw
-    by inverting the fp64 CDF of the whole row: one uniform per row and a binary search, much cheaper
-    than ``torch.multinomial`` on a 152k vocabulary (~40-100 ms against ~300-450 ms for 64 rows on
-    one core). A token with zero probability cannot be drawn: the uniform is kept strictly below the
-    total, and ``searchsorted(right=True)`` only lands where the CDF strictly increases.
+    By inverting the fp64 CDF of each row, taken in vocabulary order: one uniform per row and a
+    binary search, much cheaper than ``torch.multinomial`` on a 152k vocabulary (~40-100 ms against
+    ~300-450 ms for 64 rows on one core). A token with zero probability cannot be drawn: the uniform
+    is kept strictly below the total, and ``searchsorted(right=True)`` only lands where the CDF
+    strictly increases.
+
+    The draw must not depend on K (``num_top_logprobs``, i.e. the logprobs a client asked for): a
+    seeded request gives the same tokens whatever logprobs it asks, as in vLLM. So when every row's
+    support lies in its recorded head ([b, K]), the same CDF is built from the head alone: its ids in
+    vocabulary order, the tokens outside it having probability exactly 0 (adding 0.0 is exact, so
+    on CPU's sequential cumsum the partial sums, the total and therefore the drawn token are bitwise
+    those of the whole-row path), from the same single uniform per row.
     """
     if bool(complete.all()):
-        pick = torch.multinomial(top_lps.exp(), 1, generator=gen)
-        return top_ids.gather(-1, pick).squeeze(-1)
-    cdf = torch.cumsum(proc.exp(), dim=-1, dtype=torch.float64)
+        # Vocabulary order. The head's values are proc's own; its padding (vocabulary < K) is -inf.
+        ids, order = torch.sort(top_ids, dim=-1, stable=True)
+        cdf = torch.cumsum(top_lps.gather(-1, order).exp(), dim=-1, dtype=torch.float64)
+    else:
+        ids = None
+        cdf = torch.cumsum(proc.exp(), dim=-1, dtype=torch.float64)
     total = cdf[:, -1:]
     u = torch.rand(total.shape, dtype=torch.float64, device=proc.device, generator=gen) * total
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
-    return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp_(max=proc.shape[-1] - 1)
+    at = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)
+    return (at if ids is None else ids.gather(-1, at)).squeeze(-1)
 
 
 class LocalEngine:
