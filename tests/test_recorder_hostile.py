@@ -18,7 +18,7 @@ from prodrl_pipelines.recorder.ingest import Ingestor
 from prodrl_pipelines.recorder.wal import WriteAheadLog, encode_entry
 from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
 from prodrl_pipelines.trajectories.store import MAX_NAME_BYTES, TrajectoryStore
-from tests.test_recorder import AUTH, _call_row, fake, serving, start_recorder, upstream  # noqa: F401 - fixtures
+from tests.test_recorder import AUTH, _call_row, direct, fake, serving, start_recorder, upstream  # noqa: F401 - fixtures
 
 BODY = {"prompt": [5, 6, 7], "max_tokens": 3}
 
@@ -256,3 +256,20 @@ def test_a_killed_writers_temporary_files_are_swept_at_start(fake, start_recorde
     fresh.write_bytes(b"in flight")
     r = start_recorder(fake.url, tokenizer_dir=None)
     assert not old.exists() and fresh.exists() and r.stats()["orphaned_temporaries_removed"] == 1
+
+
+@pytest.mark.parametrize("path, body", [
+    ("/v1/completions", {"prompt": [1, 116, 5, 24, 17, 25, 35, 2, 5], "max_tokens": 24, "top_k": 20, "top_p": 0.9}),
+    ("/v1/chat/completions", {"messages": [{"role": "user", "content": "7+5="}], "max_tokens": 24, "top_k": 20}),
+])
+def test_a_seeded_call_through_the_recorder_samples_what_a_direct_call_samples(upstream, direct, start_recorder,
+                                                                              path, body):
+    """The recorder asks the upstream for 20 logprobs (chat: 21) and token ids; with a seed and
+    top-k <= 20 that used to change every sampled token on prodrl serve."""
+    r = start_recorder(upstream.url)
+    for seed in range(6):
+        want = direct.post(path, json={**body, "seed": seed}).json()["choices"][0]
+        got = r.http.post(path, json={**body, "seed": seed}).json()["choices"][0]
+        text = (lambda c: c.get("text") if "text" in c else c["message"]["content"])
+        assert text(got) == text(want), seed
+    assert r.stats()["recorded_calls"] == 6

@@ -5,11 +5,12 @@ from __future__ import annotations
 
 import hashlib
 import json
+import re
 import uuid
 from dataclasses import dataclass
 
 from starlette.requests import Request
-from starlette.responses import JSONResponse
+from starlette.responses import JSONResponse, Response
 
 from prodrl_pipelines.engines.openai_protocol import ProtocolError, error_body, read_body
 from prodrl_pipelines.recorder.ingest import Attempt, Stats
@@ -56,20 +57,68 @@ def check_answer_shape(data) -> None:
                 raise ProtocolError(f"choice {name} is not a list of integers")
 
 
+_SURROGATE_ESCAPE = re.compile(rb"\\u[dD][89a-fA-F]")
+
+
+def _lone_surrogate(obj, path: str = "body") -> str | None:
+    """Where in ``obj`` a string holds a lone surrogate (it cannot be written as UTF-8), or None."""
+    stack = [(obj, path)]
+    while stack:
+        o, at = stack.pop()
+        if isinstance(o, str):
+            try:
+                o.encode("utf-8")
+            except UnicodeEncodeError:
+                return at
+        elif isinstance(o, dict):
+            for k, v in o.items():
+                stack.append((k, f"{at} key"))
+                stack.append((v, f"{at}.{k}"[:120]))
+        elif isinstance(o, list):
+            stack.extend((v, f"{at}[{i}]") for i, v in enumerate(o))
+    return None
+
+
 def parse_client_json(raw: bytes):
-    """A client's JSON whose top-level integers have at most 20 digits, so no later float() of a
-    client value (sampling parameters, a reward) can overflow. Checked after a plain parse: a hook
-    per integer made parsing a long token-id prompt 5x slower."""
+    """A client's JSON that can be stored and sent on: UTF-8, nested at most as deep as the parser
+    goes, no lone surrogate in a string (``\\ud800``: no UTF-8 form, so no Parquet or upstream body
+    could hold it; looked for only when the raw body has such an escape), and top-level integers of
+    at most 20 digits, so no later float() of a client value (sampling parameters, a reward) can
+    overflow. Checked after a plain parse: a hook per integer made parsing a long token-id prompt 5x
+    slower."""
     try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise ProtocolError(f"the request body is not UTF-8 ({exc.reason} at byte {exc.start})") from None
+    try:
+        body = json.loads(text)
+    except ValueError as exc:
         raise ProtocolError(f"malformed JSON body: {exc}") from None
+    except RecursionError:
+        raise ProtocolError("the JSON body is nested too deeply") from None
+    if _SURROGATE_ESCAPE.search(raw) and (where := _lone_surrogate(body)) is not None:
+        raise ProtocolError(f"a string at {where} holds a lone UTF-16 surrogate (no UTF-8 form)")
     if isinstance(body, dict):
         for v in body.values():
             if type(v) is int and not -_INT_BOUND < v < _INT_BOUND:
                 raise ProtocolError(f"an integer of {len(str(abs(v)))} digits in the request body: "
                                     f"at most {MAX_INT_DIGITS}")
     return body
+
+
+def upstream_error(status: int, content: bytes, ctype: str | None, headers: dict, stats: Stats) -> Response:
+    """The upstream's error answer, relayed as it is when it is a JSON error (vLLM's), else as a JSON
+    error naming the upstream: its status when it refused the request (4xx), 502 when it failed."""
+    stats.inc("upstream_errors")
+    try:
+        if (ctype or "").startswith("application/json") and isinstance(json.loads(content), dict):
+            return Response(content, status_code=status, headers=headers, media_type=ctype)
+    except ValueError:
+        pass
+    text = content[:200].decode("utf-8", errors="replace").strip()
+    if 400 <= status < 500:
+        return err(f"the upstream server refused the request ({status}): {text}", status, headers=headers)
+    return err(f"the upstream server failed ({status}): {text}", 502, headers=headers)
 
 
 async def read_call_body(request: Request) -> tuple[dict, bytes]:

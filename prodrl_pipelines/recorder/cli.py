@@ -48,6 +48,11 @@ def add_record_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--record-extra-draw", action="store_true",
                    help="also ask the upstream for the extra draw a' ~ mu (prodrl serve's `extra_draw` extension) "
                         "and record it as extra_token_ids (null and counted when the upstream has none, e.g. vLLM)")
+    for name, typ, default in (("temperature", float, 1.0), ("top-p", float, 1.0), ("top-k", int, 0)):
+        r.add_argument(f"--default-{name}", type=typ, default=default,
+                       help=f"{name} asked of the upstream when a client leaves it out (default {default}; "
+                            "set the upstream's own defaults here, e.g. the model's generation_config.json under "
+                            "vLLM's --generation-config auto, so such a client samples as it would directly)")
     r.add_argument("--tokens-file", default=None, help="bearer tokens of tenants (JSON, re-read when it changes; "
                    "see prodrl_pipelines/recorder/tenants.py) instead of one $" + TOKEN_ENV)
     r.add_argument("--log-level", default="warning")
@@ -73,6 +78,8 @@ def cmd_record(args) -> int:
             s3_bucket=args.s3_bucket, s3_prefix=args.s3_prefix, s3_endpoint_url=args.s3_endpoint_url,
             s3_region=args.s3_region, record_extra_draw=args.record_extra_draw,
             upstream_keepalive_s=args.upstream_keepalive, follow=args.follow, tokens_file=args.tokens_file,
+            default_temperature=args.default_temperature, default_top_p=args.default_top_p,
+            default_top_k=args.default_top_k,
         )
         app = build_recorder_app(cfg)  # a bad tokens file fails here, before the server starts
     except ValueError as e:

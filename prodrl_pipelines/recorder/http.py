@@ -30,6 +30,7 @@ from prodrl_pipelines.recorder.calls import (
     read_call_body,
     tenant_of,
     trajectory_id_of,
+    upstream_error,
 )
 from prodrl_pipelines.recorder.ingest import Stats
 from prodrl_pipelines.recorder.requests import Unrecordable, _is_num, client_ask, unrecordable_reason
@@ -88,8 +89,7 @@ async def _proxy(request: Request, kind: str) -> Response:
         return err(f"the upstream server is unreachable: {redact(str(exc))}", 502, stats, "upstream_unreachable", headers)
     t2 = time.perf_counter()
     if status != 200:
-        stats.inc("upstream_errors")
-        return Response(content, status_code=status, headers=headers, media_type=ctype)
+        return upstream_error(status, content, ctype, headers, stats)
     try:
         data = json.loads(content)
     except ValueError:

@@ -45,7 +45,7 @@ from typing import Any
 import pyarrow as pa
 
 from prodrl_pipelines.recorder.wal import WriteAheadLog, encode_entry
-from prodrl_pipelines.trajectories.schema import CALL_SCHEMA, call_id
+from prodrl_pipelines.trajectories.schema import CALL_SCHEMA, REWARD_SCHEMA, call_id
 from prodrl_pipelines.trajectories.store import SchemaMismatchError, TrajectoryStore, name_problem, to_table, uuid7
 
 __all__ = ["Ingestor", "Stats", "SKIPPED_PREFIX", "REJECTED_PREFIX", "now_us"]
@@ -467,27 +467,32 @@ class Ingestor:
             try:
                 self.store.write_calls(calls)
             except SchemaMismatchError:
-                self._write_calls_one_by_one(calls)
+                self._write_one_by_one(calls, "calls")
         if rewards:
-            self.store.write_rewards(rewards)
+            try:
+                self.store.write_rewards(rewards)
+            except SchemaMismatchError:
+                self._write_one_by_one(rewards, "rewards")
         if skips:
             payload = [{k: s[k] for k in ("trajectory_id", "call_index", "reason", "created_at")} for s in skips]
             self.store.blobs.put_bytes(f"{SKIPPED_PREFIX}part-{uuid7()}.json", json.dumps(payload).encode())
 
-    def _write_calls_one_by_one(self, calls: list[dict]) -> None:
-        """A row that cannot be brought to CALL_SCHEMA is set aside (JSON, counted), the rest stored."""
+    def _write_one_by_one(self, rows: list[dict], kind: str) -> None:
+        """A row that cannot be brought to its schema is set aside (JSON, counted: ``rejected_rows``),
+        the rest stored: one bad row never stalls the flush of the others."""
+        schema = CALL_SCHEMA if kind == "calls" else REWARD_SCHEMA
         good, bad = [], []
-        for row in calls:
+        for row in rows:
             try:
-                to_table([row], CALL_SCHEMA)
-                problem = name_problem(row.get("policy_version"), "policy_version")
+                to_table([row], schema)
+                problem = name_problem(row.get("policy_version"), "policy_version") if kind == "calls" else None
                 if problem:
                     raise SchemaMismatchError(problem)
                 good.append(row)
             except SchemaMismatchError as exc:
-                bad.append({"row": row, "error": str(exc)})
+                bad.append({"kind": kind, "row": row, "error": str(exc)})
         if good:
-            self.store.write_calls(good)
+            (self.store.write_calls if kind == "calls" else self.store.write_rewards)(good)
         if bad:
             self.store.blobs.put_bytes(f"{REJECTED_PREFIX}part-{uuid7()}.json", json.dumps(bad).encode())
             self.stats.inc("rejected_rows", len(bad))

@@ -61,6 +61,8 @@ def unrecordable_reason(body: dict, kind: str) -> str | None:
     for name, typ in (("temperature", _is_num), ("top_p", _is_num), ("top_k", _is_int), ("n", _is_int)):
         if body.get(name) is not None and not typ(body[name]):
             return "invalid_request"
+    if body.get("top_k") is not None and not -1 <= body["top_k"] < 2**31:  # the record's top_k is an int32
+        return "invalid_request"
     if kind == "completion":
         if body.get("logprobs") is not None and not _is_int(body["logprobs"]):
             return "invalid_request"

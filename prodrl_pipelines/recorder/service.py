@@ -11,8 +11,13 @@ Clients talk to the recorder exactly as to vLLM (``POST /v1/completions``,
    ``top_logprobs`` K + 1, at most ``--upstream-max-logprobs``, because vLLM's chat list starts with
    the sampled token and stops at n entries, so n = K + 1 gives an exact top-K head; with n = 20 the
    chat head has 19 entries), ``return_prompt_text`` (chat), and explicit ``temperature`` /
-   ``top_p`` / ``top_k`` when the client left them out (the recorder's defaults: 1, 1, off) so what
-   is recorded is what was sampled whatever the server's generation-config defaults;
+   ``top_p`` / ``top_k`` when the client left them out (``--default-temperature`` / ``--default-top-p``
+   / ``--default-top-k``: 1, 1, off) so what is recorded is what was sampled whatever the server's
+   generation-config defaults (a client that leaves them out samples as it would directly only when
+   these equal the upstream's defaults: vLLM's ``--generation-config vllm`` has 1, 1, off, ``auto``
+   takes the model's ``generation_config.json``). None of the recording fields changes what a seeded
+   request samples, on vLLM 0.32 (measured: logprobs 0-20, top_logprobs 0-21, token ids as ids or
+   not, 20 prompts x 32 tokens, top_k/top_p on and off: 0 of 20 differ) or on ``prodrl serve``;
 2. answers the client with the upstream answer, minus what the client did not ask for (token ids,
    logprobs, more top logprobs than asked, token-id strings -- turned back into text with
    ``--tokenizer``, the served model's tokenizer; without it they stay ``token_id:<id>``);

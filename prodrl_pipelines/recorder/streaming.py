@@ -13,7 +13,7 @@ from starlette.responses import Response, StreamingResponse
 from prodrl_pipelines.engines.openai_protocol import SSE_DONE, error_body, sse
 from prodrl_pipelines.preflight import redact
 from prodrl_pipelines.recorder.answers import Rewriter, StreamAccumulator
-from prodrl_pipelines.recorder.calls import UPSTREAM_SHAPE_ERRORS, Caller, dumps, err, n_up
+from prodrl_pipelines.recorder.calls import UPSTREAM_SHAPE_ERRORS, Caller, dumps, err, n_up, upstream_error
 from prodrl_pipelines.recorder.requests import Unrecordable
 from prodrl_pipelines.recorder.responses import ResponsesShape
 from prodrl_pipelines.recorder.service import Recorder
@@ -36,8 +36,7 @@ async def proxy_stream(rec: Recorder, kind, path, up, ask, reason, caller: Calle
             content = await resp.read()
         finally:
             resp.release()
-        stats.inc("upstream_errors")
-        return Response(content, status_code=resp.status, headers=headers, media_type=resp.headers.get("content-type"))
+        return upstream_error(resp.status, content, resp.headers.get("content-type"), headers, stats)
     rewriter = Rewriter(kind, ask, rec.tokens, stats, n_up(up, kind)) if reason is None else None
     acc = StreamAccumulator(kind)
 

@@ -133,7 +133,7 @@ def _array_from_values(values: list[Any], field: pa.Field, what: str) -> pa.Arra
         # pa.array(..., type=int32) silently truncates 1.5 -> 1; infer, then cast safely instead.
         try:
             inferred = pa.array(values)
-        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError):
+        except (pa.ArrowInvalid, pa.ArrowTypeError, TypeError, ValueError, OverflowError):
             inferred = None
         if inferred is not None:
             try:
@@ -144,7 +144,8 @@ def _array_from_values(values: list[Any], field: pa.Field, what: str) -> pa.Arra
                 ) from None
     try:
         return pa.array(values, type=field.type)
-    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError) as e:
+    except (pa.ArrowInvalid, pa.ArrowTypeError, pa.ArrowNotImplementedError, TypeError, ValueError,
+            OverflowError) as e:  # ValueError includes a string with no UTF-8 form
         first_error = e
     try:  # e.g. ISO strings for a timestamp: infer, then cast safely
         return pa.array(values).cast(field.type)
