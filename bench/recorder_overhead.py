@@ -1,35 +1,52 @@
-"""What the recorder costs: latency added and throughput, against calling the upstream directly.
+"""What the recorder costs: throughput and latency through ``prodrl record``, against calling the upstream directly.
 
 Loopback, one run: ``prodrl serve`` (the tiny lab model, one torch thread) and ``prodrl record`` in
-front of it, each its own process (uvicorn with uvloop/httptools); this process drives closed-loop
-load at concurrency 32 (httpx, asyncio). Phases are interleaved (ABCABC...) so drift hits all of
-them alike:
+front of it, each its own process (uvicorn with uvloop/httptools), started from the same source
+tree as this script's ``prodrl_pipelines`` (``PYTHONPATH``; the tree is printed). The load
+generator is the official ``openai`` client in this process: ``openai.AsyncOpenAI`` (``max_retries=0``,
+one client per phase, its keep-alive connection pool sized to the concurrency, connections opened
+and warmed before the clock starts), ``client.completions.create(model=..., prompt=[token ids],
+max_tokens=16)``, unseeded so the upstream batches. Through the recorder the client sends the
+recorder's bearer token as its ``api_key`` and one ``X-Trajectory-Id`` per worker and phase (each
+worker is an agent appending to its trajectory); the recorder asks the upstream for the recording
+fields (token ids, 20 top logprobs), records the call (WAL fsync before the answer) and gives the
+client the answer it asked for.
 
-* ``direct``: the client's request straight to the upstream (completions, token-id prompt,
-  ``max_tokens`` 16, no logprobs, unseeded so the server batches);
-* ``direct+fields``: the same request with the fields the recorder adds (token ids, 20 top
-  logprobs as token-id strings): what the upstream itself pays for recording;
-* ``recorder``: the client's request through the recorder (WAL fsync before each answer, Parquet
-  flushes in the background).
+Closed loop: ``C`` workers, each sending its next request when the last is answered, for
+``--seconds`` per phase, at concurrency ``C`` = 1, 8 and 32. Phases are interleaved in one run
+(each round: for each concurrency, ``direct`` then ``recorder``; over the rounds ABAB at every
+concurrency) so that drift hits both alike. Per concurrency it prints requests/s and p50/p99
+latency of ``direct`` and ``recorder``, prompts per engine call of the upstream, the CPU time per
+request of each process and the cores that everything else used meanwhile (other users of the
+shared cores, the kernel's loopback work: the noise); the throughput ratio recorder/direct and the
+added p50 (over all rounds, and the spread of the per-round values), with PASS/MISS against the
+goals: ratio >= 0.95 and added p50 <= 1 ms at every concurrency.
 
-Reported: p50/p99 latency, requests/s, prompts per engine call and CPU per request of each process
-per phase; the targets compare ``recorder`` with ``direct`` (throughput ratio >= 0.9, added p50 <=
-2 ms); ``recorder`` vs ``direct+fields`` leaves out what the upstream pays for the recording fields.
-On these machines all three processes share 2 CPU cores, so the proxy's CPU time is taken from the
-upstream, and the proxy relays a returning batch of answers one after the other, which splits the
-local engine's static batches (vLLM batches continuously): both make this comparison pessimistic
-for a recorder in front of a GPU server. A last pair of phases replaces the upstream by a process
-that answers instantly with a recorded vLLM answer: the proxy's own ceiling (requests/s, latency).
+Where the recorder's time goes: its ``time_us.*`` counters (``/stats``), taken around each
+recorder phase, divided per call: ``before_upstream`` (reading and parsing the client's body,
+the forced fields), ``upstream`` (waiting for the upstream's answer), ``after_upstream`` (parsing
+the answer, building the row, rewriting the client's answer), ``commit_wait`` (waiting for the WAL
+group fsync); and per WAL group: calls per fsync, ``wal_append`` (encode + write + fdatasync)
+per fsync, ``wal_entry_wait`` per entry. What is left of the added mean latency is uvicorn, the
+extra hop's sockets and the scheduling of three processes on shared cores.
 
-``--compare-src DIR`` adds a phase ``recorder (base)``: the same recorder from another source tree
-(e.g. ``mkdir /tmp/base && git archive <rev> prodrl_pipelines | tar -x -C /tmp/base``), in front of
-the same upstream, interleaved with the others: before/after figures from one run.
+A last pair of phases per concurrency replaces the upstream by a process that answers instantly
+with a recorded answer of the tiny model (with the recording fields when asked for them, without
+otherwise): ``instant`` (the client straight to it) and ``instant+rec`` (through a second
+recorder): the proxy's own ceiling (requests/s, latency, recorder CPU per call).
 
-The breakdown printed at the end separates what the upstream pays for the recording fields
-(``direct+fields`` vs ``direct``: 20 top logprobs per position and token ids, larger answers) from
-the proxy's own cost (``recorder`` vs ``direct+fields``: relaying, parsing, the WAL fsync).
+On these machines all processes (upstream, recorder, this load generator) share 2 CPU cores, so
+the recorder's CPU time is taken from the upstream, and the proxy relays a returning batch of
+answers one after the other, which splits the local engine's static batches (vLLM batches
+continuously): both make the comparison pessimistic for a recorder in front of a GPU server.
+``--pin`` puts the upstream on CPU 0 and the recorder and the load generator on CPU 1.
 
-Usage: ``python bench/recorder_overhead.py [--requests 640] [--rounds 3] [--model-dir DIR] [--compare-src DIR]``
+``--compare-src DIR`` adds ``recorder (base)`` (and ``instant+rec (base)``): the same recorder
+from another source tree (e.g. ``mkdir /tmp/base && git archive <rev> prodrl_pipelines | tar -x -C
+/tmp/base``), in front of the same upstream, interleaved with the others: before/after in one run.
+
+Usage: ``python bench/recorder_overhead.py [--rounds 6] [--seconds 3] [--concurrency 1 8 32]
+[--instant-seconds 1.5] [--http aiohttp|httpx] [--pin] [--model-dir DIR] [--compare-src DIR] [--json FILE]``
 """
 
 from __future__ import annotations
@@ -47,11 +64,14 @@ import tempfile
 import time
 from pathlib import Path
 
-import aiohttp
 import httpx
+import openai
 
 TOKEN = "bench-token"
+MODEL = "bench-v0"
 PROMPT = [1, 116, 5, 24, 17, 25, 35, 2, 5, 1, 121, 5]
+GOAL_RATIO, GOAL_ADDED_P50_MS = 0.95, 1.0
+TIME_KEYS = ("before_upstream", "upstream", "after_upstream", "commit_wait")
 
 
 def free_port() -> int:
@@ -61,7 +81,7 @@ def free_port() -> int:
 
 
 def _cli(src: str | None) -> list[str]:
-    """The ``prodrl`` command line, from the installed package or from the source tree ``src``."""
+    """The ``prodrl`` command line: from ``$PYTHONPATH``'s tree, or from the source tree ``src``."""
     if src is None:
         return [sys.executable, "-m", "prodrl_pipelines.cli"]
     launcher = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in "
@@ -86,30 +106,6 @@ def spawn(args: list[str], port: int, env: dict, headers: dict | None = None, sr
     raise RuntimeError(f"{args[0]} did not come up")
 
 
-async def load(url: str, body: dict, n: int, concurrency: int, headers: dict) -> tuple[list[float], float]:
-    """Closed loop: ``concurrency`` workers send ``n`` requests in all; latencies and wall time.
-    aiohttp: httpx's client costs ~4 ms of CPU per request here, which the servers would lose."""
-    lat: list[float] = []
-    todo = iter(range(n))
-    payload = json.dumps(body).encode()
-    hdrs = {**headers, "Content-Type": "application/json"}
-    connector = aiohttp.TCPConnector(limit=concurrency)
-    async with aiohttp.ClientSession(url + "/", headers=hdrs, connector=connector,
-                                     timeout=aiohttp.ClientTimeout(total=120)) as c:
-        async def worker():
-            for _ in todo:
-                t = time.perf_counter()
-                async with c.post("v1/completions", data=payload) as r:
-                    text = await r.read()
-                lat.append(time.perf_counter() - t)
-                if r.status != 200:
-                    raise RuntimeError(f"HTTP {r.status}: {text[:300]!r}")
-
-        t0 = time.perf_counter()
-        await asyncio.gather(*(worker() for _ in range(concurrency)))
-        return lat, time.perf_counter() - t0
-
-
 def pin(pid: int, cpus: set[int]) -> None:
     """Pin every thread of a process to ``cpus``."""
     for task in Path(f"/proc/{pid}/task").iterdir():
@@ -122,17 +118,78 @@ def cpu_seconds(pid: int) -> float:
     return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
 
 
+def machine_busy_seconds() -> float:
+    """CPU time the whole machine spent busy (all cores, all processes; Linux /proc/stat)."""
+    f = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:9]]
+    return (sum(f) - f[3] - f[4]) / os.sysconf("SC_CLK_TCK")  # less idle and iowait
+
+
 def pct(xs: list[float], q: float) -> float:
     xs = sorted(xs)
     return xs[min(int(q * len(xs)), len(xs) - 1)]
 
 
+def make_client(base_url: str, api_key: str, concurrency: int, backend: str) -> openai.AsyncOpenAI:
+    """One ``AsyncOpenAI`` per phase: no retries, a keep-alive pool of ``concurrency`` connections."""
+    import httpx2  # the HTTP library of this openai release (its limits type)
+
+    limits = httpx2.Limits(max_connections=concurrency, max_keepalive_connections=concurrency, keepalive_expiry=60)
+    cls = openai.DefaultAioHttpClient if backend == "aiohttp" else openai.DefaultAsyncHttpxClient
+    return openai.AsyncOpenAI(base_url=base_url + "/v1", api_key=api_key, max_retries=0, timeout=120,
+                              http_client=cls(limits=limits, timeout=120))
+
+
+async def load(base_url: str, api_key: str, concurrency: int, seconds: float, max_tokens: int, backend: str,
+               tid_prefix: str | None, snap) -> dict:
+    """Closed loop for ``seconds``: ``concurrency`` workers, each sending its next request when the last
+    is answered. ``snap()`` is taken after the warm-up and after the last answer."""
+    client = make_client(base_url, api_key, concurrency, backend)
+    lat: list[float] = []
+
+    async def call(w: int) -> float:
+        hdrs = {"X-Trajectory-Id": f"{tid_prefix}-w{w}"} if tid_prefix else None
+        t = time.perf_counter()
+        r = await client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=max_tokens, extra_headers=hdrs)
+        dt = time.perf_counter() - t
+        if not r.choices or r.choices[0].text is None:
+            raise RuntimeError(f"an empty answer: {r}")
+        return dt
+
+    async def worker(w: int, deadline: float) -> None:
+        while time.perf_counter() < deadline:
+            lat.append(await call(w))
+
+    async with client:
+        for _ in range(2):  # open the pool's connections (all at once) and warm them
+            await asyncio.gather(*(call(w) for w in range(concurrency)))
+        s0 = snap()
+        t0 = time.perf_counter()
+        await asyncio.gather(*(worker(w, t0 + seconds) for w in range(concurrency)))
+        wall = time.perf_counter() - t0
+        s1 = snap()
+    return {"lat": lat, "wall": wall, "delta": {k: s1[k] - s0[k] for k in s0}}
+
+
+def run_loop(coro):
+    try:
+        import uvloop
+    except ImportError:
+        return asyncio.run(coro)
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as r:  # the servers' loop, the client's too
+        return r.run(coro)
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--requests", type=int, default=640, help="requests per phase and round")
-    ap.add_argument("--rounds", type=int, default=3)
-    ap.add_argument("--concurrency", type=int, default=32)
+    ap.add_argument("--rounds", type=int, default=6, help="rounds of interleaved phases")
+    ap.add_argument("--seconds", type=float, default=3.0, help="seconds per phase (direct, recorder) and round")
+    ap.add_argument("--concurrency", type=int, nargs="+", default=[1, 8, 32])
+    ap.add_argument("--instant-seconds", type=float, default=1.5,
+                    help="seconds per instant-upstream phase and round (0: leave them out)")
     ap.add_argument("--max-tokens", type=int, default=16)
+    ap.add_argument("--http", choices=("aiohttp", "httpx"), default="aiohttp",
+                    help="the openai client's HTTP backend (DefaultAioHttpClient or DefaultAsyncHttpxClient); "
+                         "aiohttp costs the load generator less CPU, which the servers share")
     ap.add_argument("--model-dir", default=None, help="checkpoint to serve (default: build the tiny lab model)")
     ap.add_argument("--batch-wait-ms", type=float, default=10.0, help="the upstream's longest batching wait")
     ap.add_argument("--batch-quiet-ms", type=float, default=1.0, help="the upstream's quiet gap closing a batch")
@@ -143,97 +200,108 @@ def main() -> None:
                     help="source tree of another prodrl_pipelines (e.g. the previous commit's): adds 'recorder (base)'")
     ap.add_argument("--json", default=None, help="also write the results here")
     args = ap.parse_args()
+    t_start = time.monotonic()
 
+    import prodrl_pipelines
+
+    src_root = str(Path(prodrl_pipelines.__file__).resolve().parent.parent)
     tmp = Path(tempfile.mkdtemp(prefix="recorder-bench-"))
     model_dir = args.model_dir
     if model_dir is None:
         from prodrl_pipelines.lab.warmstart import build_base_policy
 
         model_dir = str(build_base_policy(tmp / "model", size="tiny", sft_steps=5, progress=False))
-    env = {**os.environ, "PRODRL_RECORDER_TOKEN": TOKEN, "TOKENIZERS_PARALLELISM": "false"}
-    up_port, rec_port = free_port(), free_port()
+    pypath = os.pathsep.join([src_root, *filter(None, os.environ.get("PYTHONPATH", "").split(os.pathsep))])
+    env = {**os.environ, "PRODRL_RECORDER_TOKEN": TOKEN, "TOKENIZERS_PARALLELISM": "false", "PYTHONPATH": pypath}
+    child_src = subprocess.run([sys.executable, "-c", "import prodrl_pipelines; print(prodrl_pipelines.__file__)"],
+                               env=env, capture_output=True, text=True, check=True).stdout.strip()
+    print(f"prodrl_pipelines: this process {prodrl_pipelines.__file__}, the servers {child_src}")
+    if Path(child_src).resolve() != Path(prodrl_pipelines.__file__).resolve():
+        raise SystemExit("the servers would import another prodrl_pipelines than this process")
     auth = {"Authorization": f"Bearer {TOKEN}"}
-    procs = []
+    up_port, rec_port, base_port = free_port(), free_port(), free_port()
+    procs: list[subprocess.Popen] = []
+
+    def record(upstream_port: int, port: int, store: str, src: str | None = None) -> subprocess.Popen:
+        p = spawn(["record", "--upstream", f"http://127.0.0.1:{upstream_port}", "--store", str(tmp / store),
+                   "--port", str(port), "--tokenizer", model_dir], port, env, auth, src=src)
+        procs.append(p)
+        return p
+
+    results: dict[tuple[str, int], dict] = {}
     try:
-        procs.append(spawn(["serve", model_dir, "--port", str(up_port), "--served-model-name", "bench-v0",
+        procs.append(spawn(["serve", model_dir, "--port", str(up_port), "--served-model-name", MODEL,
                             "--threads", "1", "--batch-wait-ms", str(args.batch_wait_ms),
                             "--batch-quiet-ms", str(args.batch_quiet_ms)], up_port, env))
-        procs.append(spawn(["record", "--upstream", f"http://127.0.0.1:{up_port}", "--store", str(tmp / "store"),
-                            "--port", str(rec_port), "--tokenizer", model_dir], rec_port, env, auth))
-        base_port = free_port()
+        up_proc = procs[0]
+        rec_proc = record(up_port, rec_port, "store")
+        # name -> (url, api key, recorder process or None, upstream process, seconds)
+        phases = {"direct": (f"http://127.0.0.1:{up_port}", "EMPTY", None, up_proc, args.seconds),
+                  "recorder": (f"http://127.0.0.1:{rec_port}", TOKEN, rec_proc, up_proc, args.seconds)}
         if args.compare_src:
-            procs.append(spawn(["record", "--upstream", f"http://127.0.0.1:{up_port}", "--store",
-                                str(tmp / "store-base"), "--port", str(base_port), "--tokenizer", model_dir],
-                               base_port, env, auth, src=args.compare_src))
+            phases["recorder (base)"] = (f"http://127.0.0.1:{base_port}", TOKEN,
+                                         record(up_port, base_port, "store-base", args.compare_src), up_proc,
+                                         args.seconds)
+        if args.instant_seconds > 0:
+            # the proxy alone: an instant upstream replaying the tiny model's answers
+            fields = {"return_token_ids": True, "return_tokens_as_token_ids": True, "logprobs": 20,
+                      "temperature": 1.0, "top_p": 1.0, "top_k": -1}
+            base = {"model": MODEL, "prompt": PROMPT, "max_tokens": args.max_tokens}
+            for name, body in (("full", {**base, **fields}), ("plain", base)):
+                ans = httpx.post(f"http://127.0.0.1:{up_port}/v1/completions", json=body, timeout=60)
+                ans.raise_for_status()
+                (tmp / f"answer-{name}.json").write_bytes(ans.content)
+            canned_port, rec2_port, rec3_port = free_port(), free_port(), free_port()
+            procs.append(subprocess.Popen([sys.executable, __file__, "--_canned", str(canned_port), str(tmp)],
+                                          env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
+            canned = procs[-1]
+            phases["instant"] = (f"http://127.0.0.1:{canned_port}", "EMPTY", None, canned, args.instant_seconds)
+            phases["instant+rec"] = (f"http://127.0.0.1:{rec2_port}", TOKEN, record(canned_port, rec2_port, "store2"),
+                                     canned, args.instant_seconds)
+            if args.compare_src:
+                phases["instant+rec (base)"] = (f"http://127.0.0.1:{rec3_port}", TOKEN,
+                                                record(canned_port, rec3_port, "store3", args.compare_src),
+                                                canned, args.instant_seconds)
         if args.pin:
-            pin(procs[0].pid, {0})
+            pin(up_proc.pid, {0})
             for p in procs[1:]:
                 pin(p.pid, {1})
             os.sched_setaffinity(0, {1})
-        base = {"prompt": PROMPT, "max_tokens": args.max_tokens}
-        fields = {**base, "return_token_ids": True, "return_tokens_as_token_ids": True, "logprobs": 20,
-                  "temperature": 1.0, "top_p": 1.0, "top_k": -1}
-        phases = {
-            "direct": (f"http://127.0.0.1:{up_port}", base, {}),
-            "direct+fields": (f"http://127.0.0.1:{up_port}", fields, {}),
-            "recorder": (f"http://127.0.0.1:{rec_port}", base, auth),
-        }
-        rec_pid = {"recorder": procs[1].pid}
-        if args.compare_src:
-            phases["recorder (base)"] = (f"http://127.0.0.1:{base_port}", base, auth)
-            rec_pid["recorder (base)"] = procs[2].pid
-        for url, body, headers in phases.values():  # warm up connections, caches, the engine
-            asyncio.run(load(url, body, args.concurrency * 2, args.concurrency, headers))
-        results = {name: {"lat": [], "wall": 0.0, "n": 0, "cpu_up": 0.0, "cpu_rec": 0.0, "cpu_load": 0.0,
-                          "gen_calls": 0, "gen_prompts": 0, "time_us": {}} for name in phases}
 
-        def rec_times(port: int) -> dict:
-            c = httpx.get(f"http://127.0.0.1:{port}/stats", headers=auth).json()["counters"]
-            return {k: v for k, v in c.items() if k.startswith("time_us.") or k in ("timed_calls", "wal_fsyncs",
-                                                                                      "wal_appends")}
-        up_stats = lambda: httpx.get(f"http://127.0.0.1:{up_port}/stats").json()  # noqa: E731
-        for _ in range(args.rounds):
-            for name, (url, body, headers) in phases.items():
-                rpid = rec_pid.get(name, procs[1].pid)
-                c_up, c_rec, c_load = cpu_seconds(procs[0].pid), cpu_seconds(rpid), time.process_time()
-                u0 = up_stats()
-                t0 = rec_times(rec_port) if name == "recorder" else {}
-                lat, wall = asyncio.run(load(url, body, args.requests, args.concurrency, headers))
-                u1 = up_stats()
-                if name == "recorder":
-                    for k, v in rec_times(rec_port).items():
-                        results[name]["time_us"][k] = results[name]["time_us"].get(k, 0) + v - t0.get(k, 0)
-                r = results[name]
-                r["gen_calls"] += u1["generate_calls"] - u0["generate_calls"]
-                r["gen_prompts"] += u1["prompts"] - u0["prompts"]
-                r["lat"] += lat
-                r["wall"] += wall
-                r["n"] += len(lat)
-                r["cpu_up"] += cpu_seconds(procs[0].pid) - c_up
-                r["cpu_rec"] += cpu_seconds(rpid) - c_rec
-                r["cpu_load"] += time.process_time() - c_load
-        stats = httpx.get(f"http://127.0.0.1:{rec_port}/stats", headers=auth).json()["counters"]
-        # the proxy alone: an instant upstream replaying a recorded answer
-        answer = httpx.post(f"http://127.0.0.1:{up_port}/v1/completions", json=fields, timeout=60).content
-        (tmp / "answer.json").write_bytes(answer)
-        canned_port, rec2_port = free_port(), free_port()
-        procs.append(subprocess.Popen([sys.executable, __file__, "--_canned", str(canned_port), str(tmp / "answer.json")],
-                                      env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE))
-        procs.append(spawn(["record", "--upstream", f"http://127.0.0.1:{canned_port}", "--store",
-                            str(tmp / "store2"), "--port", str(rec2_port), "--tokenizer", model_dir], rec2_port, env, auth))
-        canned = {"instant upstream": (f"http://127.0.0.1:{canned_port}", base, {}, procs[-1].pid),
-                  "its recorder": (f"http://127.0.0.1:{rec2_port}", base, auth, procs[-1].pid)}
-        if args.compare_src:
-            rec3_port = free_port()
-            procs.append(spawn(["record", "--upstream", f"http://127.0.0.1:{canned_port}", "--store",
-                                str(tmp / "store3"), "--port", str(rec3_port), "--tokenizer", model_dir], rec3_port,
-                               env, auth, src=args.compare_src))
-            canned["its recorder (base)"] = (f"http://127.0.0.1:{rec3_port}", base, auth, procs[-1].pid)
-        for name, (url, body, headers, pid) in canned.items():
-            asyncio.run(load(url, body, args.concurrency * 4, args.concurrency, headers))
-            c_rec = cpu_seconds(pid)
-            lat, wall = asyncio.run(load(url, body, args.requests * args.rounds, args.concurrency, headers))
-            results[name] = {"lat": lat, "wall": wall, "n": len(lat), "cpu_rec": cpu_seconds(pid) - c_rec}
+        def snapper(rec: subprocess.Popen | None, upstream: subprocess.Popen, url: str):
+            def snap() -> dict:
+                s = {"cpu_up": cpu_seconds(upstream.pid), "cpu_load": time.process_time(),
+                     # everything else that ran meanwhile (other users of the shared cores): busy - ours
+                     "cpu_others": machine_busy_seconds() - time.process_time()
+                     - sum(cpu_seconds(p.pid) for p in procs if p.poll() is None)}
+                if upstream is up_proc:
+                    u = httpx.get(f"http://127.0.0.1:{up_port}/stats").json()
+                    s.update(gen_calls=u["generate_calls"], gen_prompts=u["prompts"])
+                if rec is not None:
+                    s["cpu_rec"] = cpu_seconds(rec.pid)
+                    c = httpx.get(f"{url}/stats", headers=auth).json()["counters"]
+                    for k in (*(f"time_us.{t}" for t in TIME_KEYS), "time_us.wal_append", "time_us.wal_entry_wait",
+                              "timed_calls", "wal_fsyncs", "wal_appends"):
+                        s[k] = c.get(k, 0)
+                return s
+            return snap
+
+        for rnd in range(args.rounds):
+            for conc in args.concurrency:
+                for name, (url, key, rec, upstream, secs) in phases.items():
+                    out = run_loop(load(url, key, conc, secs, args.max_tokens, args.http,
+                                        f"bench-{name.replace(' ', '').replace('(', '').replace(')', '').replace('+', '-')}"
+                                        f"-c{conc}-r{rnd}" if rec else None,
+                                        snapper(rec, upstream, url)))
+                    r = results.setdefault((name, conc), {"lat": [], "wall": 0.0, "n": 0, "rounds": [], "delta": {}})
+                    r["lat"] += out["lat"]
+                    r["wall"] += out["wall"]
+                    r["n"] += len(out["lat"])
+                    r["rounds"].append({"req_per_s": len(out["lat"]) / out["wall"], "p50": pct(out["lat"], 0.5)})
+                    for k, v in out["delta"].items():
+                        r["delta"][k] = r["delta"].get(k, 0) + v
+            print(f"round {rnd + 1}/{args.rounds} done ({time.monotonic() - t_start:.0f} s)", flush=True)
+        rec_counters = httpx.get(f"http://127.0.0.1:{rec_port}/stats", headers=auth).json()["counters"]
     finally:
         for p in procs:
             p.send_signal(signal.SIGTERM)
@@ -243,91 +311,140 @@ def main() -> None:
             except subprocess.TimeoutExpired:
                 p.kill()
 
-    summary = {}
-    proxy_alone = [n for n in ("instant upstream", "its recorder", "its recorder (base)") if n in results]
-    for name in proxy_alone:
-        r = results.pop(name)
-        summary[name] = {"p50_ms": 1000 * pct(r["lat"], 0.5), "p99_ms": 1000 * pct(r["lat"], 0.99),
-                         "req_per_s": r["n"] / r["wall"], "recorder_cpu_ms_per_req": 1000 * r["cpu_rec"] / r["n"]}
-    for name, r in results.items():
-        times = r.pop("time_us", {})
-        summary[name] = {"p50_ms": 1000 * pct(r["lat"], 0.5), "p99_ms": 1000 * pct(r["lat"], 0.99),
-                         "mean_ms": 1000 * statistics.fmean(r["lat"]), "req_per_s": r["n"] / r["wall"],
-                         "upstream_prompts_per_generate": r["gen_prompts"] / max(r["gen_calls"], 1),
-                         "cpu_ms_per_req": {"upstream": 1000 * r["cpu_up"] / r["n"],
-                                            "recorder": 1000 * r["cpu_rec"] / r["n"],
-                                            "load": 1000 * r["cpu_load"] / r["n"]}}
-        if times.get("wal_fsyncs"):
-            summary[name]["wal"] = {"entries_per_fsync": times["wal_appends"] / times["wal_fsyncs"],
-                                    "append_ms": times.get("time_us.wal_append", 0) / 1000 / times["wal_fsyncs"],
-                                    "entry_wait_ms": times.get("time_us.wal_entry_wait", 0) / 1000
-                                    / max(times["wal_appends"], 1)}
-        if times.get("timed_calls"):
-            summary[name]["handler_ms_per_call"] = {k[len("time_us."):]: v / 1000 / times["timed_calls"]
-                                                    for k, v in times.items()
-                                                    if k.startswith("time_us.") and not k.startswith("time_us.wal")}
-    d, f, rec = summary["direct"], summary["direct+fields"], summary["recorder"]
-    summary["ratios"] = {
-        "throughput_recorder_vs_direct": rec["req_per_s"] / d["req_per_s"],
-        "added_p50_ms_vs_direct": rec["p50_ms"] - d["p50_ms"],
-        "added_p99_ms_vs_direct": rec["p99_ms"] - d["p99_ms"],
-        "throughput_recorder_vs_direct_fields": rec["req_per_s"] / f["req_per_s"],
-        "added_p50_ms_vs_direct_fields": rec["p50_ms"] - f["p50_ms"],
-    }
-    summary["recorder_counters"] = {k: v for k, v in stats.items()
-                                    if k in ("recorded_calls", "wal_appends", "wal_fsyncs", "flushed_calls")}
-    summary["setup"] = {"concurrency": args.concurrency, "requests_per_phase": args.requests * args.rounds,
-                        "max_tokens": args.max_tokens, "cpus": os.cpu_count(), "pinned": args.pin,
-                        "upstream_batch_wait_ms": args.batch_wait_ms, "upstream_batch_quiet_ms": args.batch_quiet_ms}
-    print(f"{'phase':<17}{'p50 ms':>9}{'p99 ms':>9}{'req/s':>9}{'batch':>7}   CPU ms/request: upstream recorder load")
-    for name in phases:
-        s = summary[name]
-        c = s["cpu_ms_per_req"]
-        print(f"{name:<17}{s['p50_ms']:9.2f}{s['p99_ms']:9.2f}{s['req_per_s']:9.1f}"
-              f"{s['upstream_prompts_per_generate']:7.1f}{c['upstream']:22.2f}{c['recorder']:9.2f}{c['load']:6.2f}")
-    r = summary["ratios"]
-    print(f"recorder vs direct: throughput x{r['throughput_recorder_vs_direct']:.3f} (target >= 0.9), "
-          f"p50 {r['added_p50_ms_vs_direct']:+.2f} ms (target <= 2), p99 {r['added_p99_ms_vs_direct']:+.2f} ms")
-    print(f"breakdown: the upstream's cost of the recording fields (direct+fields vs direct): throughput "
-          f"x{f['req_per_s'] / d['req_per_s']:.3f}, p50 {f['p50_ms'] - d['p50_ms']:+.2f} ms; "
-          f"the proxy's own cost (recorder vs direct+fields): throughput x{r['throughput_recorder_vs_direct_fields']:.3f}, "
-          f"p50 {r['added_p50_ms_vs_direct_fields']:+.2f} ms, recorder CPU {rec['cpu_ms_per_req']['recorder']:.2f} ms/call")
-    h = rec.get("handler_ms_per_call")
-    if h:
-        inside = h["before_upstream"] + h["after_upstream"] + h["commit_wait"]
-        print(f"recorder handler, mean ms per call: waiting for the upstream {h['upstream']:.2f}; its own "
-              f"{inside:.2f} = before the upstream request {h['before_upstream']:.2f} + parsing/recording/rewriting "
-              f"{h['after_upstream']:.2f} + WAL fsync wait {h['commit_wait']:.2f}; the client's mean latency "
-              f"{rec['mean_ms']:.2f} (the rest: uvicorn, sockets, the client)")
-        w = summary["recorder"].get("wal", {})
-        if w:
-            print(f"  WAL: {w['entries_per_fsync']:.1f} calls per fsync group, encode+write+fdatasync "
-                  f"{w['append_ms']:.2f} ms per group, an entry waits {w['entry_wait_ms']:.2f} ms to be durable; "
-                  f"the rest of the fsync wait is the event loop resuming the handler")
-    if "recorder (base)" in summary:
-        b = summary["recorder (base)"]
-        summary["ratios"]["throughput_recorder_vs_base"] = rec["req_per_s"] / b["req_per_s"]
-        print(f"recorder vs recorder (base): throughput x{rec['req_per_s'] / b['req_per_s']:.3f}, p50 "
-              f"{rec['p50_ms'] - b['p50_ms']:+.2f} ms, recorder CPU {b['cpu_ms_per_req']['recorder']:.2f} -> "
-              f"{rec['cpu_ms_per_req']['recorder']:.2f} ms/call")
-    print("recorder:", summary["recorder_counters"])
-    a, b = summary["instant upstream"], summary["its recorder"]
-    print(f"proxy alone (instant upstream): {a['req_per_s']:.0f} -> {b['req_per_s']:.0f} req/s, p50 {a['p50_ms']:.2f} -> "
-          f"{b['p50_ms']:.2f} ms, p99 {a['p99_ms']:.2f} -> {b['p99_ms']:.2f} ms, recorder CPU "
-          f"{b['recorder_cpu_ms_per_req']:.2f} ms/request")
-    if "its recorder (base)" in summary:
-        c = summary["its recorder (base)"]
-        print(f"  base recorder, same instant upstream: {c['req_per_s']:.0f} req/s, p50 {c['p50_ms']:.2f} ms, "
-              f"p99 {c['p99_ms']:.2f} ms, recorder CPU {c['recorder_cpu_ms_per_req']:.2f} ms/request")
+    summary = report(args, phases, results, rec_counters)
+    print(f"(total {time.monotonic() - t_start:.0f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
 
 
-def serve_canned(port: int, path: str) -> None:
-    """A stand-in upstream that answers every request instantly with the bytes in ``path``."""
+def report(args, phases: dict, results: dict, rec_counters: dict) -> dict:
+    summary: dict = {"setup": {"concurrency": args.concurrency, "rounds": args.rounds, "seconds": args.seconds,
+                               "instant_seconds": args.instant_seconds, "max_tokens": args.max_tokens,
+                               "http": args.http, "cpus": os.cpu_count(), "pinned": args.pin,
+                               "upstream_batch_wait_ms": args.batch_wait_ms,
+                               "upstream_batch_quiet_ms": args.batch_quiet_ms}, "phases": {}, "goals": {},
+               "time_split_ms": {}}
+    for (name, conc), r in results.items():
+        d, n = r["delta"], r["n"]
+        s = {"n": n, "req_per_s": n / r["wall"], "others_cores": max(d["cpu_others"], 0.0) / r["wall"],
+             "p50_ms": 1000 * pct(r["lat"], 0.5),
+             "p99_ms": 1000 * pct(r["lat"], 0.99), "mean_ms": 1000 * statistics.fmean(r["lat"]),
+             "cpu_ms_per_req": {"upstream": 1000 * d["cpu_up"] / n, "load": 1000 * d["cpu_load"] / n}}
+        if "cpu_rec" in d:
+            s["cpu_ms_per_req"]["recorder"] = 1000 * d["cpu_rec"] / n
+        if d.get("gen_calls"):
+            s["prompts_per_generate"] = d["gen_prompts"] / d["gen_calls"]
+        if d.get("timed_calls"):
+            s["handler_ms_per_call"] = {t: d[f"time_us.{t}"] / 1000 / d["timed_calls"] for t in TIME_KEYS}
+        if d.get("wal_fsyncs"):
+            s["wal"] = {"calls_per_fsync": d["wal_appends"] / d["wal_fsyncs"],
+                        "append_ms_per_fsync": d["time_us.wal_append"] / 1000 / d["wal_fsyncs"],
+                        "entry_wait_ms": d["time_us.wal_entry_wait"] / 1000 / max(d["wal_appends"], 1)}
+        s["rounds"] = r["rounds"]
+        summary["phases"][f"{name} c{conc}"] = s
+
+    def row(name: str, conc: int) -> str:
+        s = summary["phases"][f"{name} c{conc}"]
+        c = s["cpu_ms_per_req"]
+        batch = f"{s['prompts_per_generate']:7.1f}" if "prompts_per_generate" in s else f"{'':7}"
+        rec = f"{c['recorder']:9.2f}" if "recorder" in c else f"{'-':>9}"
+        return (f"{conc:>4}  {name:<20}{s['req_per_s']:9.1f}{s['p50_ms']:9.2f}{s['p99_ms']:9.2f}{batch}"
+                f"{c['upstream']:11.2f}{rec}{c['load']:7.2f}{s['others_cores']:8.2f}")
+
+    recorders = [n for n in phases if n.startswith("recorder")]
+    print()
+    print(f"openai.AsyncOpenAI ({args.http}), closed loop, {args.rounds} rounds x {args.seconds:g} s per phase, "
+          f"phases interleaved ABAB; {os.cpu_count()} CPUs{', pinned' if args.pin else ''}; "
+          f"max_tokens {args.max_tokens}")
+    head = (f"{'conc':>4}  {'phase':<20}{'req/s':>9}{'p50 ms':>9}{'p99 ms':>9}{'batch':>7}"
+            f"   CPU ms/req: upstream recorder load  others (cores)")
+    print(head)
+    for conc in args.concurrency:
+        for name in ("direct", *recorders):
+            print(row(name, conc))
+    print()
+    print(f"goals: throughput recorder/direct >= {GOAL_RATIO}, added p50 <= {GOAL_ADDED_P50_MS:g} ms "
+          f"(per-round min..max in brackets)")
+    all_pass = True
+    for conc in args.concurrency:
+        d = summary["phases"][f"direct c{conc}"]
+        for name in recorders:
+            s = summary["phases"][f"{name} c{conc}"]
+            ratio, added = s["req_per_s"] / d["req_per_s"], s["p50_ms"] - d["p50_ms"]
+            rr = [a["req_per_s"] / b["req_per_s"] for a, b in zip(s["rounds"], d["rounds"])]
+            ra = [1000 * (a["p50"] - b["p50"]) for a, b in zip(s["rounds"], d["rounds"])]
+            ok_r, ok_a = ratio >= GOAL_RATIO, added <= GOAL_ADDED_P50_MS
+            if name == "recorder":
+                all_pass &= ok_r and ok_a
+            summary["goals"][f"{name} c{conc}"] = {
+                "throughput_ratio": ratio, "added_p50_ms": added, "added_p99_ms": s["p99_ms"] - d["p99_ms"],
+                "added_mean_ms": s["mean_ms"] - d["mean_ms"], "ratio_pass": ok_r, "added_p50_pass": ok_a,
+                "round_ratios": rr, "round_added_p50_ms": ra}
+            print(f"{conc:>4}  {name:<17} throughput x{ratio:.3f} {'PASS' if ok_r else 'MISS'} "
+                  f"[{min(rr):.3f}..{max(rr):.3f}]   added p50 {added:+.2f} ms {'PASS' if ok_a else 'MISS'} "
+                  f"[{min(ra):+.2f}..{max(ra):+.2f}]   added p99 {s['p99_ms'] - d['p99_ms']:+.2f} ms")
+    summary["all_goals_pass"] = all_pass
+    print(f"all goals: {'PASS' if all_pass else 'MISS'}")
+
+    print()
+    print("where the recorder's time goes, mean ms per call (its time_us.* counters / timed_calls):")
+    print(f"{'conc':>4}  {'phase':<20}{'before':>8}{'upstrm':>8}{'after':>8}{'commit':>8}{'own':>7}"
+          f"{'client':>8}{'direct':>8}{'added':>7}{'up-dir':>8}{'rest':>7}"
+          f"   WAL: calls/fsync, append ms/fsync, entry wait ms")
+    for conc in args.concurrency:
+        for name in [n for n in phases if not n.startswith("direct") and n != "instant"]:
+            s = summary["phases"][f"{name} c{conc}"]
+            h = s.get("handler_ms_per_call")
+            if not h:
+                print(f"{conc:>4}  {name:<20}(no time_us counters)")
+                continue
+            ref = summary["phases"][f"{'instant' if name.startswith('instant') else 'direct'} c{conc}"]
+            own = h["before_upstream"] + h["after_upstream"] + h["commit_wait"]
+            added = s["mean_ms"] - ref["mean_ms"]
+            up_extra = h["upstream"] - ref["mean_ms"]  # the upstream's cost of the fields, the 2nd hop's client side
+            rest = added - own - up_extra
+            w = s.get("wal", {})
+            wal = (f"{w['calls_per_fsync']:.1f}, {w['append_ms_per_fsync']:.2f}, {w['entry_wait_ms']:.2f}"
+                   if w else "-")
+            summary["time_split_ms"][f"{name} c{conc}"] = {**h, "own": own, "client_mean": s["mean_ms"],
+                                                           "reference_mean": ref["mean_ms"], "added_mean": added,
+                                                           "upstream_minus_reference": up_extra, "rest": rest,
+                                                           "wal": w}
+            print(f"{conc:>4}  {name:<20}{h['before_upstream']:8.3f}{h['upstream']:8.2f}{h['after_upstream']:8.3f}"
+                  f"{h['commit_wait']:8.3f}{own:7.2f}{s['mean_ms']:8.2f}{ref['mean_ms']:8.2f}{added:+7.2f}"
+                  f"{up_extra:+8.2f}{rest:+7.2f}   {wal}")
+    print("  before/after/commit: in the handler before the upstream request, parsing + recording + rewriting "
+          "the answer, waiting for the WAL group fsync; own = their sum;")
+    print("  client/direct: mean latency seen by the client through the recorder / straight to the upstream "
+          "(instant+rec: to the instant upstream); added = client - direct;")
+    print("  up-dir = the recorder's wait for the upstream - direct (the recording fields' cost upstream, the "
+          "second hop); rest = added - own - up-dir (uvicorn, sockets, the scheduling of shared cores)")
+
+    if "instant" in phases:
+        print()
+        print("the proxy's own ceiling (an instant upstream replaying a recorded answer):")
+        print(head.replace("upstream", "instant "))
+        for conc in args.concurrency:
+            for name in [n for n in phases if n.startswith("instant")]:
+                print(row(name, conc))
+        for conc in args.concurrency:
+            a, b = summary["phases"][f"instant c{conc}"], summary["phases"][f"instant+rec c{conc}"]
+            print(f"{conc:>4}  instant -> through the recorder: x{b['req_per_s'] / a['req_per_s']:.3f} req/s, "
+                  f"p50 {b['p50_ms'] - a['p50_ms']:+.2f} ms, recorder CPU {b['cpu_ms_per_req']['recorder']:.2f} ms/call")
+    summary["recorder_counters"] = {k: v for k, v in rec_counters.items()
+                                    if k in ("recorded_calls", "wal_appends", "wal_fsyncs", "flushed_calls",
+                                             "retried_calls", "unrecordable_calls")}
+    print("recorder:", summary["recorder_counters"])
+    return summary
+
+
+def serve_canned(port: int, answers_dir: str) -> None:
+    """A stand-in upstream that answers every request instantly with a recorded answer: the one with
+    the recording fields when the request asks for logprobs, the plain one otherwise."""
     import uvicorn
 
-    data = Path(path).read_bytes()
+    full = (Path(answers_dir) / "answer-full.json").read_bytes()
+    plain = (Path(answers_dir) / "answer-plain.json").read_bytes()
 
     async def app(scope, receive, send):
         if scope["type"] == "lifespan":
@@ -338,12 +455,17 @@ def serve_canned(port: int, path: str) -> None:
                 else:
                     await send({"type": "lifespan.shutdown.complete"})
                     return
-        while (await receive()).get("more_body"):
-            pass
+        body = b""
+        while True:
+            msg = await receive()
+            body += msg.get("body", b"")
+            if not msg.get("more_body"):
+                break
+        data = full if b'"logprobs"' in body else plain
         await send({"type": "http.response.start", "status": 200, "headers": [(b"content-type", b"application/json")]})
         await send({"type": "http.response.body", "body": data})
 
-    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning")
+    uvicorn.run(app, host="127.0.0.1", port=port, log_level="warning", access_log=False)
 
 
 if __name__ == "__main__":
