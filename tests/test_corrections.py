@@ -197,14 +197,16 @@ def test_is_ratio_under_top_k_is_ratio_of_renormalised_probs():
         lp_k = torch.log_softmax(z_k, -1)
         lp_all = torch.cat([lp_k[a:a + 1], lp_k[head]])[None]
         b = SimpleNamespace(head_mask=torch.isfinite(proc[head])[None], target_in_head=torch.tensor([True]),
-                            filtered=torch.tensor([True]))
+                            filtered=torch.tensor([True]), head_mu=proc[head][None], logp_mu=proc[a:a + 1],
+                            support_complete=torch.tensor([True]))
         got = support_renormalised(lp_all, b)[0] - proc[a]
         pk_s = lp_k.exp()[support]
         expected = torch.log(lp_k.exp()[a] / pk_s.sum()) - proc[a]
         torch.testing.assert_close(got, expected)
     # unfiltered serving: no renormalisation
     b = SimpleNamespace(head_mask=torch.ones(1, K, dtype=torch.bool), target_in_head=torch.tensor([True]),
-                        filtered=torch.tensor([False]))
+                        filtered=torch.tensor([False]), head_mu=proc[head][None], logp_mu=proc[:1],
+                        support_complete=torch.tensor([False]))
     assert support_renormalised(lp_all, b)[0] == lp_all[0, 0]
 
 

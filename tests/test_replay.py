@@ -17,7 +17,7 @@ import pytest
 from prodrl_pipelines.lab.tokenizer import CHAT_TEMPLATE, IM_END, build_tokenizer
 from prodrl_pipelines.rl.batch import pack_minibatch, trajectories_from_table
 from prodrl_pipelines.trajectories.retokenize import FILLED_COLUMN, parse_chatml, retokenize_calls
-from prodrl_pipelines.trajectories.schema import CALL_SCHEMA
+from prodrl_pipelines.trajectories.schema import CALL_SCHEMA, UNTRAINED_COLUMN
 
 # Like the lab template, but assistant content is trimmed when (re-)rendered (Qwen3's template
 # similarly rewrites earlier assistant turns).
@@ -190,8 +190,9 @@ def test_retokenize_counts_on_handmade_calls(tok):
         assert getattr(stats, k) == v, k
     d = stats.as_dict()
     assert d["retokenized_prompt_ids_differ"] == 1 and d["retokenized_output_ids_differ"] == 3
-    assert retok.num_rows == table.num_rows and retok.column_names == table.column_names + [FILLED_COLUMN]
-    assert retok.schema.remove(retok.num_columns - 1).equals(table.schema)
+    assert retok.num_rows == table.num_rows and retok.column_names == table.column_names + [FILLED_COLUMN, UNTRAINED_COLUMN]
+    assert retok.schema.remove(retok.num_columns - 1).remove(retok.num_columns - 2).equals(table.schema)
+    assert stats.untrained == 0 and not any(retok.column(UNTRAINED_COLUMN).to_pylist())  # sampled unrestricted
     old = {(r["trajectory_id"], r["call_index"]): r for r in table.to_pylist()}
     new = {(r["trajectory_id"], r["call_index"]): r for r in retok.to_pylist()}
     assert [(r["trajectory_id"], r["call_index"]) for r in retok.to_pylist()] == list(old)  # row order kept
@@ -359,3 +360,25 @@ def test_replay_setting_reaches_the_recipe():
     assert ProdRLSettings(replay="retokenized").settings().recipe.replay == "retokenized"
     with pytest.raises(Exception, match="replay"):
         ProdRLSettings(replay="rerendered").settings()
+
+
+@pytest.mark.parametrize("restriction", [{"top_k": 5}, {"top_p": 0.9}])
+def test_a_retokenized_call_with_an_unknown_restricted_support_is_not_trained_on(tok, restriction):
+    """Its length changed, so no recorded log mu or head lines up with it; sampled with top-k/top-p
+    its support is unknown, and the one-token head it used to get made S = {a}: every IS correction
+    then gave it an exactly zero gradient, silently. Now it is left out of the objective, counted."""
+    table, _ = handmade_table(tok)
+    rows = [r | restriction for r in table.to_pylist()]
+    retok, stats = retokenize_calls(to_table(rows), tok)
+    assert stats.logprobs_filled == 2 and stats.untrained == 2
+    untrained = {(r["trajectory_id"], r["call_index"]) for r in retok.to_pylist() if r[UNTRAINED_COLUMN]}
+    assert untrained == {("t2", 0), ("t3", 0)}
+    trajs = {t.trajectory_id: t for t in trajectories_from_table(retok)}
+    b = pack_minibatch([trajs["t2"], trajs["t3"]], np.ones(2), pad_id=tok.pad_token_id, vocab_size=len(tok))
+    n0 = len(trajs["t2"].calls[0].output_ids)
+    t2_tokens = n0 + len(trajs["t2"].calls[1].output_ids)
+    assert b.weight[:n0].tolist() == [0.0] * n0  # t2's call 0: kept as context, not trained
+    assert b.weight[n0:t2_tokens].tolist() == pytest.approx([1 / (2 * (t2_tokens - n0))] * (t2_tokens - n0))
+    assert float(b.weight[t2_tokens:].sum()) == 0.0  # t3: its only call untrained
+    # unrestricted sampling keeps them (the support is the vocabulary: nothing to renormalise)
+    assert retokenize_calls(table, tok)[1].untrained == 0

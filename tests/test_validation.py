@@ -100,6 +100,8 @@ CASES = {
                          "call 2 output_token_ids is empty"),
     "null_generation": (lambda c, r: c[2].update(output_token_ids=None), "empty_generation",
                         "call 2 output_token_ids is null"),
+    "empty_prompt": (lambda c, r: c[1].update(prompt_token_ids=[]), "empty_prompt", "call 1 prompt_token_ids is empty"),
+    "null_prompt": (lambda c, r: c[0].update(prompt_token_ids=None), "empty_prompt", "call 0 prompt_token_ids is null"),
     "unknown_version": (lambda c, r: c[1].update(policy_version="v9"), "unknown_policy_version",
                         "call 1 policy_version='v9' is not a known version"),
     "reward_missing": (lambda c, r: r.clear(), "missing_reward", "no reward row for the trajectory"),

@@ -88,10 +88,17 @@ def test_recorder_in_front_of_vllm(vllm_server, tmp_path):
                                               max_tokens=6, logprobs=True, top_logprobs=2, seed=3,
                                               extra_headers={"X-Trajectory-Id": "t-chat"})
         answers["t-chat"] = chat.choices[0].message.content or ""
+        resp = client.responses.create(model="dense-bf16", input="2+2=", max_output_tokens=6,
+                                       extra_body={"seed": 4}, extra_headers={"X-Trajectory-Id": "t-resp"})
+        answers["t-resp"] = resp.output_text
+        events = list(client.responses.create(model="dense-bf16", input="5+2=", max_output_tokens=6, stream=True,
+                                              extra_body={"seed": 5}, extra_headers={"X-Trajectory-Id": "t-resp-s"}))
+        assert events[-1].type in ("response.completed", "response.incomplete")
+        answers["t-resp-s"] = events[-1].response.output_text
         rec = app.state.recorder
         assert rec.ingestor.flush(30)
         rows = {r["trajectory_id"]: r for r in rec.store.read_calls().to_pylist()}
-    assert set(rows) == {"t-comp", "t-stream", "t-chat"}
+    assert set(rows) == {"t-comp", "t-stream", "t-chat", "t-resp", "t-resp-s"}
     # every recorded call is what vLLM returned: re-score its tokens through vLLM itself
     with VLLMClient(vllm_server.url) as vc:
         for tid, row in rows.items():

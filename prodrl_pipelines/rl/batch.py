@@ -12,9 +12,12 @@ import numpy as np
 import pyarrow as pa
 import torch
 
+from prodrl_pipelines.trajectories.schema import UNTRAINED_COLUMN
+
 
 # Recorded head entries at or below this are padding (outside the processed support).
 HEAD_FLOOR = -9000.0
+
 
 
 @dataclass
@@ -29,11 +32,13 @@ class Call:
     top_k: int = 0
     top_p: float = 1.0
     extra_ids: list[int] | None = None  # recorded extra draw a' ~ mu per position (optional)
+    trained: bool = True  # False: kept in the trajectory, but no token of it enters the objective
 
-    @property
-    def filtered(self) -> bool:
-        """The deployment restricted the support (top-k / top-p): IS must renormalise over it."""
-        return self.top_k > 0 or self.top_p < 1.0
+    def filtered(self, vocab_size: int | None = None) -> bool:
+        """The deployment restricted the support (top-k / top-p): IS must renormalise over it. A
+        top-k of at least the vocabulary keeps every token: no top-k."""
+        top_k = self.top_k > 0 and (vocab_size is None or self.top_k < vocab_size)
+        return top_k or self.top_p < 1.0
 
 
 @dataclass
@@ -46,8 +51,8 @@ class Trajectory:
 
     @property
     def num_generated(self) -> int:
-        """T_i: model-generated tokens across all calls."""
-        return sum(len(c.output_ids) for c in self.calls)
+        """T_i: model-generated tokens across the calls that are trained on."""
+        return sum(len(c.output_ids) for c in self.calls if c.trained)
 
 
 def trajectories_from_table(table: pa.Table) -> list[Trajectory]:
@@ -55,10 +60,12 @@ def trajectories_from_table(table: pa.Table) -> list[Trajectory]:
     names = ["trajectory_id", "call_index", "task_id", "policy_version", "reward", "prompt_token_ids",
              "output_token_ids", "output_logprobs", "temperature", "top_token_ids", "top_logprobs",
              "support_complete", "top_k", "top_p"]
-    if "extra_token_ids" in table.column_names:
-        names.append("extra_token_ids")
+    for optional in ("extra_token_ids", UNTRAINED_COLUMN):
+        if optional in table.column_names:
+            names.append(optional)
     cols = table.select(names).to_pydict()
     extra = cols.get("extra_token_ids", [None] * table.num_rows)
+    untrained = cols.get(UNTRAINED_COLUMN, [False] * table.num_rows)
     by_id: dict[str, Trajectory] = {}
     order = sorted(range(table.num_rows), key=lambda r: (cols["trajectory_id"][r], cols["call_index"][r]))
     for r in order:
@@ -70,7 +77,7 @@ def trajectories_from_table(table: pa.Table) -> list[Trajectory]:
             Call(cols["prompt_token_ids"][r], cols["output_token_ids"][r], cols["output_logprobs"][r],
                  float(cols["temperature"][r]), cols["top_token_ids"][r], cols["top_logprobs"][r],
                  bool(cols["support_complete"][r]), int(cols["top_k"][r] or 0), float(cols["top_p"][r] or 1.0),
-                 extra[r])
+                 extra[r], not untrained[r])
         )
     return sorted(by_id.values(), key=lambda t: t.trajectory_id)
 
@@ -108,11 +115,13 @@ class PackedBatch:
         return int(self.targets.numel())
 
 
-def pack_minibatch(trajs: list[Trajectory], advantages: np.ndarray, pad_id: int, total_batch: int | None = None) -> PackedBatch:
+def pack_minibatch(trajs: list[Trajectory], advantages: np.ndarray, pad_id: int, total_batch: int | None = None,
+                   vocab_size: int | None = None) -> PackedBatch:
     """Pack B trajectories; tokens get weight 1/(B*T_i) so J = (1/B) sum_i (1/T_i) sum_t ...
 
     ``total_batch``: B of the whole minibatch when this process packs only its shard of it
-    (data parallel), so the ranks' partial objectives sum to the full one.
+    (data parallel), so the ranks' partial objectives sum to the full one. ``vocab_size``: the
+    policy's, so that a recorded top-k of at least the vocabulary counts as no top-k.
     """
     if len(trajs) != len(advantages):
         raise ValueError("one advantage per trajectory is required")
@@ -121,7 +130,7 @@ def pack_minibatch(trajs: list[Trajectory], advantages: np.ndarray, pad_id: int,
     heads: list[tuple[Call, int]] = []
     for i, (tr, a) in enumerate(zip(trajs, advantages)):
         T = tr.num_generated
-        if T == 0:
+        if T == 0 and all(c.trained for c in tr.calls):
             raise ValueError(f"trajectory {tr.trajectory_id} has no generated tokens")
         for c in tr.calls:
             if not c.output_ids:
@@ -139,7 +148,7 @@ def pack_minibatch(trajs: list[Trajectory], advantages: np.ndarray, pad_id: int,
             temps += [c.temperature] * n
             lmu += list(c.output_logprobs)
             adv += [float(a)] * n
-            weight += [1.0 / (B * T)] * n
+            weight += [1.0 / (B * T) if c.trained else 0.0] * n
             tidx += [i] * n
     L = max(len(s) for s in seqs)
     ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
@@ -170,7 +179,7 @@ def pack_minibatch(trajs: list[Trajectory], advantages: np.ndarray, pad_id: int,
                 head_ids[g + t, : len(row_ids)] = torch.tensor(row_ids, dtype=torch.long)
                 head_mu[g + t, : len(row_lp)] = torch.tensor(row_lp, dtype=f32)
         complete[g:g + n] = c.support_complete
-        filtered[g:g + n] = c.filtered
+        filtered[g:g + n] = c.filtered(vocab_size)
         g += n
     head_mask = head_mu > HEAD_FLOOR
     head_mu = head_mu.masked_fill(~head_mask, float("-inf"))

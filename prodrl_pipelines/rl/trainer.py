@@ -7,6 +7,7 @@ reused by every step (it is the IS/KL reference and the mismatch diagnostic's an
 from __future__ import annotations
 
 import json
+import math
 import os
 import time
 from dataclasses import dataclass, field
@@ -46,17 +47,29 @@ def build_optimizer(model, recipe: Recipe, state: TrainerState) -> torch.optim.O
     return opt
 
 
+# 1 - Q_H floor of the support estimate: a head holding less than this of mu says little about S.
+MIN_HEAD_MASS = 1e-6
+
+
 def support_renormalised(lp_all: torch.Tensor, b: PackedBatch) -> torch.Tensor:
     """log pi_S(a) = log pi(a) - log sum_{v in S} pi(v) for tokens served with top-k/top-p.
 
-    S is the recorded head (exact when ``support_complete``; otherwise the recorded head plus the
-    sampled token, an approximation). Unfiltered tokens are returned unchanged (S = vocabulary).
+    S is the recorded head when it holds the whole support (``support_complete``): sum_S pi is then
+    exact. Otherwise H = the head plus the sampled token holds a part Q_H = sum_H mu of mu's mass
+    (mu is normalised over S), and sum_S pi is estimated as sum_H pi / Q_H, exact when pi is
+    proportional to mu on S (the head alone always underestimates it, so pi_S and the IS ratio came
+    out too large even with deployment == trainer). Unfiltered tokens are returned unchanged (S =
+    vocabulary).
     """
     K = b.head_mask.shape[1]
     head = lp_all[:, 1:1 + K].masked_fill(~b.head_mask, float("-inf"))
     lse = torch.logsumexp(head, dim=-1)
     lse = torch.where(b.target_in_head, lse, torch.logaddexp(lse, lp_all[:, 0]))
-    return torch.where(b.filtered, lp_all[:, 0] - lse, lp_all[:, 0])
+    q_head = torch.logsumexp(b.head_mu, dim=-1)
+    q_head = torch.where(b.target_in_head, q_head, torch.logaddexp(q_head, b.logp_mu))
+    log_q = q_head.clamp(min=math.log(MIN_HEAD_MASS), max=0.0)
+    est = torch.where(b.support_complete, lse, (lse - log_q).clamp(max=0.0))  # sum_S pi <= 1
+    return torch.where(b.filtered, lp_all[:, 0] - est, lp_all[:, 0])
 
 
 def terms_for(lp_all: torch.Tensor, old_all: torch.Tensor, b: PackedBatch, logp_ref: torch.Tensor | None = None) -> TokenTerms:
@@ -228,8 +241,9 @@ def train_round(
     if world_size > 1 and min(len(mb) for mb in plan) < world_size:
         raise ValueError(f"batch_size={min(len(mb) for mb in plan)} is smaller than the {world_size} training processes")
     shards = [mb[rank::world_size] for mb in plan]
-    batches: list[PackedBatch] = [pack_minibatch([trajs[i] for i in sh], adv_all[sh], pad_id, total_batch=len(mb))
-                                  for sh, mb in zip(shards, plan)]
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    batches: list[PackedBatch] = [pack_minibatch([trajs[i] for i in sh], adv_all[sh], pad_id, total_batch=len(mb),
+                                                 vocab_size=vocab) for sh, mb in zip(shards, plan)]
 
     if recipe.needs_reference_model and reference_model is None:
         raise ValueError(f"correction {recipe.correction!r} needs the deployed weights as a reference model")

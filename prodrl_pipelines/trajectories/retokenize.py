@@ -21,7 +21,11 @@ for the sampled ids. Where a call's rebuilt output has the same length as the re
 recorded logprob (and top-K head, extra draw) at the same position is used, as a naive pipeline that
 stored per-position logprobs would. Otherwise every position gets log mu = the mean recorded
 logprob of the call, the head becomes the token itself with that value (``support_complete`` false),
-the extra draw is dropped, and the call is flagged in the boolean column ``FILLED_COLUMN``.
+the extra draw is dropped, and the call is flagged in the boolean column ``FILLED_COLUMN``. When
+such a call was sampled from a restricted support (top-k below the vocabulary, or top-p < 1), it is
+not trained on (``UNTRAINED_COLUMN``, counted as ``untrained``): its support is unknown, and the
+one-token head would make S = {a}, pi_S(a) = 1, so every IS correction gave it an exactly zero
+gradient without saying so.
 """
 
 from __future__ import annotations
@@ -31,6 +35,8 @@ from typing import Callable, Sequence
 
 import numpy as np
 import pyarrow as pa
+
+from prodrl_pipelines.trajectories.schema import UNTRAINED_COLUMN
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -50,6 +56,7 @@ class RetokenizeStats:
     calls_differ: int = 0  # prompt or output
     trajectories_differ: int = 0
     logprobs_filled: int = 0  # output length changed: no per-position log mu (filled with the call's mean)
+    untrained: int = 0  # ... of those, sampled from a restricted support: left out of the objective
     prompt_unparsed: int = 0  # prompt text not in the parser's format: tokenized as plain text
     generated_tokens_recorded: int = 0
     generated_tokens_retokenized: int = 0
@@ -115,7 +122,8 @@ def retokenize_calls(
 
     Needs the columns trajectory_id, call_index, prompt_text, output_text, prompt_token_ids,
     output_token_ids, output_logprobs; top_token_ids/top_logprobs/support_complete/extra_token_ids
-    are adjusted when present. Row order and column types are kept; ``FILLED_COLUMN`` is added.
+    are adjusted when present. Row order and column types are kept; ``FILLED_COLUMN`` and
+    ``UNTRAINED_COLUMN`` are added (top_k / top_p read when present, else unrestricted).
     Raises ``ValueError`` naming the call when its prompt or output text is missing.
     """
     need = ["trajectory_id", "call_index", "prompt_text", "output_text", "prompt_token_ids",
@@ -129,12 +137,16 @@ def retokenize_calls(
     cols = {c: _column(table, c) for c in need}
     top_ids, top_lps = _column(table, "top_token_ids"), _column(table, "top_logprobs")
     complete, extra = _column(table, "support_complete"), _column(table, "extra_token_ids")
+    cols["top_k"] = _column(table, "top_k") or [0] * table.num_rows
+    cols["top_p"] = _column(table, "top_p") or [1.0] * table.num_rows
+    vocab_size = len(tokenizer)
 
     n = table.num_rows
     new_prompt: list = list(cols["prompt_token_ids"])
     new_out: list = list(cols["output_token_ids"])
     new_lps: list = list(cols["output_logprobs"])
     filled = [False] * n
+    untrained = [False] * n
     stats = RetokenizeStats(calls=n)
     differs_by_traj: dict[str, bool] = {}
 
@@ -187,6 +199,10 @@ def retokenize_calls(
                     complete[r] = False
                 if extra is not None:
                     extra[r] = None
+                top_k, top_p = int(cols["top_k"][r] or 0), float(cols["top_p"][r] or 1.0)
+                if 0 < top_k < vocab_size or top_p < 1.0:
+                    untrained[r] = True
+                    stats.untrained += 1
     stats.trajectories_differ = sum(differs_by_traj.values())
 
     out = table
@@ -199,4 +215,5 @@ def retokenize_calls(
         if values is not None:
             out = _set_column(out, name, values, sch.field(name).type)
     out = _set_column(out, FILLED_COLUMN, filled, pa.bool_())
+    out = _set_column(out, UNTRAINED_COLUMN, untrained, pa.bool_())
     return out, stats

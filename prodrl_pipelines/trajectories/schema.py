@@ -49,6 +49,9 @@ QUARANTINE_SCHEMA = CALL_SCHEMA.append(pa.field("quarantine_reason", pa.string()
 
 CALL_FIELDS = tuple(CALL_SCHEMA.names)
 
+# Optional boolean column of a round's dataset: calls kept in their trajectory but not trained on.
+UNTRAINED_COLUMN = "untrained"
+
 
 def call_id(trajectory_id: str, call_index: int) -> str:
     """Stable identity of one model call, used for de-duplication."""

@@ -12,6 +12,8 @@ duplicate_call_id           a (trajectory_id, call_index) recorded more than onc
 bad_call_index              the call indices of a trajectory are not exactly 0..n-1 (or null)
 unknown_policy_version      policy_version not in ``known_versions``
 empty_generation            output_token_ids null or empty
+empty_prompt                prompt_token_ids null or empty (the first output token has no context
+                            to be predicted from)
 length_mismatch             len(output_logprobs) != len(output_token_ids)
 token_id_out_of_range       a prompt, output or top-K token id null or outside [0, vocab_size)
 non_finite_logprob          an output or top-K logprob null, NaN or +-inf
@@ -44,6 +46,7 @@ REASONS: tuple[str, ...] = (
     "bad_call_index",
     "unknown_policy_version",
     "empty_generation",
+    "empty_prompt",
     "length_mismatch",
     "token_id_out_of_range",
     "non_finite_logprob",
@@ -363,6 +366,10 @@ def _validate(
             lambda row: f"call {ci[row]} output_token_ids is {'null' if out.null[row] else 'empty'}",
         )
     )
+    if check_prompt:
+        prompt_ids = _Flat(_col("prompt_token_ids"))
+        rules.append(("empty_prompt", prompt_ids.null | (prompt_ids.length == 0),
+                      lambda row: f"call {ci[row]} prompt_token_ids is {'null' if prompt_ids.null[row] else 'empty'}"))
 
     lps = _Flat(_col("output_logprobs"))
     mismatch = ~empty & (lps.null | (lps.length != out.length))
