@@ -131,7 +131,13 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
     model, tokenizer = load_policy(Path(live.checkpoint_dir), dtype=torch.float32)
     state = load_trainer_state(Path(live.checkpoint_dir))
     state.baseline = BaselineState(**batch["baseline_state"])
-    opt = build_optimizer(model, s.recipe, state)
+    trained, load_opt = model, None
+    if world_size > 1:  # FSDP2: parameters, gradients and Adam state sharded over the ranks
+        from prodrl_pipelines.rl import sharding
+
+        trained = sharding.shard_policy(model, world_size)
+        load_opt = lambda o, sd: sharding.load_full_optimizer_state(trained, o, sd)  # noqa: E731
+    opt = build_optimizer(trained, s.recipe, state, load_opt)
     pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
     # The policies that sampled this round's data: mu_k (sync), or mu_{k-1} and mu_k (one-round async).
     data_versions = sorted({t.policy_version for t in trajs})
@@ -147,20 +153,34 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
                                  f"data of {rkey}) as the reference model, but {export_dir} holds no export")
             reference[v], _ = load_policy(export_dir, dtype=torch.float32)
             reference[v].eval()
-    resume = s.checkpoints_root / ".in-round" / f"{rkey}-rank{rank}.pt"
-    res = train_round(model, opt, trajs, np.asarray(batch["advantages"]), batch["plan"], s.recipe, state,
+    # in-round resume: one file (one process), or one sharded directory every rank writes its part of
+    resume = s.checkpoints_root / ".in-round" / (f"{rkey}-rank{rank}.pt" if trained is model else f"{rkey}-fsdp{world_size}")
+    res = train_round(trained, opt, trajs, np.asarray(batch["advantages"]), batch["plan"], s.recipe, state,
                       pad_id, round_seed(s, rkey), on_step=on_step, progress=progress, reference_model=reference,
                       resume_path=resume, rank=rank, world_size=world_size, grad_sync=grad_sync,
                       behavior_steps=behavior_steps)
     out = Path(out_dir) if out_dir is not None else s.checkpoints_root / rkey
+    whole = {}
+    if trained is not model:  # gathered by every rank (collectives), written whole by rank 0
+        whole = {"model_state": sharding.full_model_state(trained),
+                 "optimizer_state": sharding.full_optimizer_state(trained, opt)}
     if rank == 0:
-        save_checkpoint(out, model, tokenizer, opt, state)
+        save_checkpoint(out, model, tokenizer, opt, state, **whole)
         if out_dir is None:  # the round's own checkpoint (not a worker's scratch copy)
             publish_checkpoint(svc, rkey, out)
         svc.store.put_json(keys.train_steps(rkey), res.steps)
         svc.registry.update_round(rkey, mismatch_abs_logp=res.mismatch_abs_logp, trained_from=live.policy_version,
                                   train_processes=world_size)
-    resume.unlink(missing_ok=True)  # the round's checkpoint is complete
+    if trained is model:
+        resume.unlink(missing_ok=True)  # the round's checkpoint is complete
+    else:
+        import shutil
+
+        import torch.distributed as dist
+
+        dist.barrier()  # every rank is past its last read of it
+        if rank == 0:
+            shutil.rmtree(resume, ignore_errors=True)
     done = [m for m in res.steps if not m.get("skipped")]
     return {
         "checkpoint_dir": str(out), "trained_from": live.policy_version, "global_step": state.global_step,

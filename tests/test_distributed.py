@@ -1,6 +1,10 @@
-"""torch.distributed training (2 gloo ranks on CPU, launched by torchrun through Dagster Pipes)
-gives the same weights as the single-process run on the same data."""
+"""FSDP2 training (2 gloo ranks on CPU, launched by torchrun through Dagster Pipes) gives the same
+weights and Adam state as the single-process run on the same data; a rank killed mid-round resumes
+from the sharded checkpoint with identical results; a round trained at world size 2 continues at 1."""
 
+import json
+import os
+import subprocess
 from datetime import datetime, timezone
 
 import numpy as np
@@ -8,8 +12,12 @@ import torch
 from dagster import materialize
 from safetensors.torch import load_file
 
-from prodrl_pipelines import bootstrap
+from prodrl_pipelines import bootstrap, environment
 from prodrl_pipelines import rounds
+from prodrl_pipelines.ops.train_worker import KILL_AT_STEP_ENV
+from prodrl_pipelines.ops.training import torchrun_command
+from prodrl_pipelines.rl.checkpoint import load_policy, load_trainer_state
+from prodrl_pipelines.rl.trainer import build_optimizer
 from prodrl_pipelines.assets.round import recorded_trajectories, trained_checkpoint, training_batch
 from prodrl_pipelines.lab.traffic import simulate_traffic
 from prodrl_pipelines.resources.settings import make_resources, services
@@ -18,8 +26,8 @@ TINY = {"lab_size": "tiny", "lab_sft_steps": 5, "steps_per_round": 2, "batch_siz
         "max_tokens": 6, "learning_rate": 1e-2, "correction": "tis", "kl_beta": 0.1}
 
 
-def test_two_rank_torchrun_matches_single_process(tmp_path, pg_instance):
-    res = make_resources({**TINY, "home": str(tmp_path / "home"), "train_processes": 2})
+def _round_with_data(tmp_path, pg_instance, **extra):
+    res = make_resources({**TINY, "home": str(tmp_path / "home"), "train_processes": 2, **extra})
     svc = services(res["settings"], res["store"])
     bootstrap.bootstrap_base_policy(svc, progress=False)
     simulate_traffic(svc, 8)
@@ -32,6 +40,18 @@ def test_two_rank_torchrun_matches_single_process(tmp_path, pg_instance):
     pg_instance.add_dynamic_partitions("rounds", [key])
     assert materialize([recorded_trajectories, training_batch], instance=pg_instance, partition_key=key,
                        resources=res).success
+    return res, svc, key
+
+
+def _same_weights(a_dir, b_dir, atol=2e-5, rtol=1e-4):
+    a, b = load_file(a_dir / "model.safetensors"), load_file(b_dir / "model.safetensors")
+    assert a.keys() == b.keys()
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=atol, rtol=rtol, msg=name)
+
+
+def test_two_rank_torchrun_matches_single_process(tmp_path, pg_instance):
+    res, svc, key = _round_with_data(tmp_path, pg_instance)
     single = rounds.train(svc, key, progress=False, out_dir=tmp_path / "single")
     assert single["steps_taken"] == 2
 
@@ -49,3 +69,43 @@ def test_two_rank_torchrun_matches_single_process(tmp_path, pg_instance):
         torch.testing.assert_close(a[name], b[name], atol=2e-5, rtol=1e-4, msg=name)
         moved += not torch.equal(a[name], base[name])
     assert moved > 0  # training changed the weights, so the comparison means something
+
+    # the Adam state, gathered whole from the shards, is the single process's, keyed the same way
+    sa, sb = load_trainer_state(tmp_path / "single"), load_trainer_state(svc.settings.checkpoints_root / key)
+    assert sa.optimizer["param_groups"][0]["params"] == sb.optimizer["param_groups"][0]["params"]
+    assert sa.optimizer["state"].keys() == sb.optimizer["state"].keys()
+    for i, st in sa.optimizer["state"].items():
+        for k in ("exp_avg", "exp_avg_sq"):
+            torch.testing.assert_close(st[k], sb.optimizer["state"][i][k], atol=1e-6, rtol=1e-4)
+    # ... so a round trained at world size 2 continues at world size 1: its state loads and steps
+    model, _ = load_policy(svc.settings.checkpoints_root / key, dtype=torch.float32)
+    opt = build_optimizer(model, svc.settings.recipe, sb)
+    assert all(opt.state[p]["exp_avg"].shape == p.shape for p in model.parameters())
+    opt.step()
+
+
+def test_a_rank_killed_mid_round_resumes_from_the_sharded_checkpoint(tmp_path, pg_instance):
+    res, svc, key = _round_with_data(tmp_path, pg_instance, steps_per_round=4, batch_size=2, checkpoint_every=1)
+    store = res["store"]
+    env = {**os.environ, **environment.write(settings=res["settings"].fields(),
+                                             store={k: getattr(store, k) for k in type(store).model_fields}),
+           "PYTHONUNBUFFERED": "1"}
+
+    def torchrun(out, **extra):
+        return subprocess.run(torchrun_command(key, 2) + ["--out", str(out)], env={**env, **extra},
+                              capture_output=True, text=True, timeout=600)
+
+    whole = torchrun(tmp_path / "uninterrupted")
+    assert whole.returncode == 0, whole.stderr[-3000:]
+    assert json.loads(whole.stdout.strip().splitlines()[-1])["resumed_from_step"] == 0
+    in_round = svc.settings.checkpoints_root / ".in-round" / f"{key}-fsdp2"
+    assert not in_round.exists()  # removed once the round's checkpoint was written
+    killed = torchrun(tmp_path / "resumed", **{KILL_AT_STEP_ENV: "3"})
+    assert killed.returncode != 0 and not (tmp_path / "resumed").exists()
+    assert in_round.is_dir() and {p.name for p in in_round.glob("meta-rank*.pt")} == {"meta-rank0.pt", "meta-rank1.pt"}
+    resumed = torchrun(tmp_path / "resumed")
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    stats = json.loads(resumed.stdout.strip().splitlines()[-1])
+    assert stats["resumed_from_step"] == 2 and stats["steps_taken"] == 4  # the checkpoint before step 3
+    assert load_trainer_state(tmp_path / "resumed").global_step == 4
+    _same_weights(tmp_path / "uninterrupted", tmp_path / "resumed", atol=0, rtol=0)  # identical

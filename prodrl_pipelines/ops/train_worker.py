@@ -2,9 +2,10 @@
 
     torchrun --nproc_per_node N -m prodrl_pipelines.ops.train_worker --round round-000007
 
-Each rank trains its shard of every minibatch; gradients are summed with torch.distributed
-(gloo on CPU, nccl on GPUs), so all ranks take the same Adam step and rank 0 writes the
-checkpoint. Settings come from the environment exactly as for the code location
+The policy is sharded with FSDP2 (``rl.sharding``: each decoder layer and the root; parameters,
+gradients and Adam state split over the ranks; gloo on CPU, nccl on GPUs). Each rank trains its
+shard of every minibatch, the gradients are reduce-scattered as a sum, so every rank takes its
+part of the same Adam step; the round's checkpoint is gathered whole and written by rank 0. Settings come from the environment exactly as for the code location
 (PRODRL_SETTINGS_JSON, PRODRL_STORE_ROOT). Rank 0 reports metrics and the checkpoint path back
 to Dagster through Pipes when launched by a Pipes client, and runs standalone otherwise.
 """
@@ -15,24 +16,14 @@ import argparse
 import contextlib
 import json
 import os
+import signal
 from pathlib import Path
 
 import torch
 import torch.distributed as dist
 
 
-def allreduce_grads(model: torch.nn.Module) -> None:
-    """Sum gradients over ranks into one flat buffer (a parameter without a gradient counts as 0:
-    e.g. an MoE expert that none of this rank's tokens reached)."""
-    params = list(model.parameters())
-    grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in params]
-    flat = torch.cat([g.reshape(-1) for g in grads])
-    dist.all_reduce(flat, op=dist.ReduceOp.SUM)
-    offset = 0
-    for p, g in zip(params, grads):
-        n = g.numel()
-        p.grad = flat[offset:offset + n].view_as(p).clone()
-        offset += n
+KILL_AT_STEP_ENV = "PRODRL_TEST_KILL_RANK_AT_STEP"
 
 
 def _services():
@@ -63,14 +54,20 @@ def main(argv: list[str] | None = None) -> int:
         pipes_ctx = open_dagster_pipes()
     from prodrl_pipelines.rounds import train
 
+    # crash tests: the last rank kills itself (SIGKILL) after this global step
+    kill_at = int(os.environ.get(KILL_AT_STEP_ENV, "0") or 0)
     with pipes_ctx as pipes:
         def on_step(step: int, m: dict) -> None:
             if pipes is not None:
                 pipes.log.info(f"step {step}: " + json.dumps({k: round(v, 5) for k, v in m.items()}))
+            if kill_at and step == kill_at and rank == world - 1:
+                os.kill(os.getpid(), signal.SIGKILL)
 
-        stats = train(_services(), args.round, on_step=on_step if rank == 0 else None, progress=False, rank=rank,
-                      world_size=world, grad_sync=allreduce_grads if world > 1 else None,
+        stats = train(_services(), args.round, on_step=on_step, progress=False, rank=rank,
+                      world_size=world,
                       out_dir=Path(args.out) if args.out else None)
+        if pipes is None and rank == 0:  # standalone: the round's figures on stdout, one JSON line
+            print(json.dumps({k: v for k, v in stats.items() if isinstance(v, (int, float, str))}), flush=True)
         if pipes is not None:
             steps = stats.pop("steps")
             pipes.report_asset_materialization(metadata={

@@ -29,16 +29,21 @@ class TrainerState:
     optimizer: dict | None = None
 
 
-def save_checkpoint(path: Path, model, tokenizer, optimizer: torch.optim.Optimizer | None, state: TrainerState) -> Path:
+def save_checkpoint(path: Path, model, tokenizer, optimizer: torch.optim.Optimizer | None, state: TrainerState,
+                    *, model_state: dict | None = None, optimizer_state: dict | None = None) -> Path:
+    """Write the checkpoint atomically. ``model_state`` / ``optimizer_state``: the whole states of a
+    sharded model and optimizer (``rl.sharding``), gathered by every rank, written by one."""
     path = Path(path)
     with atomic_directory(path) as tmp:
-        model.save_pretrained(tmp, safe_serialization=True)
+        model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
         tokenizer.save_pretrained(tmp)
+        if optimizer_state is None:
+            optimizer_state = optimizer.state_dict() if optimizer is not None else state.optimizer
         payload = {
             "global_step": state.global_step,
             "rounds_trained": state.rounds_trained,
             "baseline": asdict(state.baseline),
-            "optimizer": optimizer.state_dict() if optimizer is not None else state.optimizer,
+            "optimizer": optimizer_state,
         }
         torch.save(payload, tmp / TRAINER_STATE)
     return path

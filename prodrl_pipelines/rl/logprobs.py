@@ -13,6 +13,7 @@ so the gradient of ``sum_m grad[g, m] * logp[g, m]`` w.r.t. the logits is
 from __future__ import annotations
 
 import torch
+from torch import nn
 
 from prodrl_pipelines.rl.batch import PackedBatch
 
@@ -85,6 +86,26 @@ def full_gather_logprobs(hidden, weight, ids, temperature) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, ids)
 
 
+class PolicyLogprobs(nn.Module):
+    """The trainer's log-prob computation as one module's forward: the decoder's final hidden states
+    at the generated positions, projected on the vocabulary in chunks and gathered at ``ids``. FSDP2
+    shards this module as its root, so the root's parameters (embeddings, final norm, lm_head) are
+    gathered around exactly this computation."""
+
+    def __init__(self, policy: nn.Module) -> None:
+        super().__init__()
+        self.policy = policy
+
+    @property
+    def config(self):
+        return self.policy.config
+
+    def forward(self, input_ids, attention_mask, gen_row, gen_pos, ids, temperature, chunk: int = DEFAULT_CHUNK):
+        out = self.policy.model(input_ids=input_ids, attention_mask=attention_mask, use_cache=False)
+        h = out.last_hidden_state[gen_row, gen_pos]
+        return gather_logprobs(h, self.policy.lm_head.weight, ids, temperature, chunk)
+
+
 def generated_hidden_states(model, batch: PackedBatch) -> torch.Tensor:
     """Final hidden states at the positions that predict generated tokens: [G, H].
 
@@ -98,9 +119,9 @@ def policy_logprobs(model, batch: PackedBatch, chunk: int = DEFAULT_CHUNK) -> to
     """[G, 1+K+1]: column 0 = log pi(a|h) of the sampled token, columns 1..K = log pi over the
     recorded head ids (padding entries point at the sampled token; mask with ``batch.head_mask``),
     column K+1 = log pi(a') of the recorded extra draw (the sampled token where none was recorded)."""
-    h = generated_hidden_states(model, batch)
+    runner = model if isinstance(model, PolicyLogprobs) else PolicyLogprobs(model)
     ids = torch.cat([batch.targets[:, None], batch.head_ids, batch.extra_ids[:, None]], dim=1)
-    return gather_logprobs(h, model.lm_head.weight, ids, batch.temperature, chunk)
+    return runner(batch.input_ids, batch.attention_mask, batch.gen_row, batch.gen_pos, ids, batch.temperature, chunk)
 
 
 def token_logprobs(model, batch: PackedBatch, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:

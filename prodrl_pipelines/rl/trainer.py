@@ -36,12 +36,14 @@ class RoundResult:
     resumed_from_step: int = 0
 
 
-def build_optimizer(model, recipe: Recipe, state: TrainerState) -> torch.optim.Optimizer:
-    """AdamW over all parameters; restores the Adam moments carried from the previous round."""
+def build_optimizer(model, recipe: Recipe, state: TrainerState,
+                    load_state: Callable[[torch.optim.Optimizer, dict], None] | None = None) -> torch.optim.Optimizer:
+    """AdamW over all parameters; restores the Adam moments carried from the previous round
+    (``load_state``: how, for a sharded model; default ``Optimizer.load_state_dict``)."""
     opt = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, betas=recipe.adam_betas,
                             weight_decay=recipe.weight_decay)
     if state.optimizer is not None:
-        opt.load_state_dict(state.optimizer)
+        (load_state or torch.optim.Optimizer.load_state_dict)(opt, state.optimizer)
         for g in opt.param_groups:  # the recipe's current settings win over the saved ones
             g["lr"], g["betas"], g["weight_decay"] = recipe.learning_rate, recipe.adam_betas, recipe.weight_decay
     return opt
@@ -100,27 +102,46 @@ def _plan_fingerprint(plan: list[list[int]], adv: np.ndarray) -> str:
 
 def _save_in_round(path: Path, fingerprint: str, next_step: int, model, optimizer, state: TrainerState,
                    result: RoundResult) -> None:
-    """Atomically persist everything needed to continue at ``next_step`` (weights, Adam, RNG)."""
-    payload = {
-        "fingerprint": fingerprint, "next_step": next_step, "model": model.state_dict(),
-        "optimizer": optimizer.state_dict(), "global_step": state.global_step,
+    """Atomically persist everything needed to continue at ``next_step`` (weights, Adam, RNG); a
+    sharded model as a ``torch.distributed.checkpoint`` directory, each rank writing its part."""
+    meta = {
+        "fingerprint": fingerprint, "next_step": next_step, "global_step": state.global_step,
         "baseline": dict(vars(state.baseline)), "rng": torch.get_rng_state(), "steps": result.steps,
         "skipped": result.skipped_steps,
     }
     path.parent.mkdir(parents=True, exist_ok=True)
+    if _sharded(model):
+        from prodrl_pipelines.rl.sharding import save_sharded_state
+
+        save_sharded_state(path, model, optimizer, meta)
+        return
+    payload = {**meta, "model": model.state_dict(), "optimizer": optimizer.state_dict()}
     tmp = path.with_name(f".{path.name}.tmp")
     torch.save(payload, tmp)
     os.replace(tmp, path)
 
 
+def _sharded(model) -> bool:
+    from torch.distributed.fsdp import FSDPModule
+
+    return isinstance(model, FSDPModule)
+
+
 def _resume(path: Path, fingerprint: str, model, optimizer, state: TrainerState, result: RoundResult) -> int:
     if not path.exists():
         return 0
-    raw = torch.load(path, map_location="cpu", weights_only=False)
-    if raw["fingerprint"] != fingerprint:  # a different dataset/plan: start the round afresh
-        return 0
-    model.load_state_dict(raw["model"])
-    optimizer.load_state_dict(raw["optimizer"])
+    if _sharded(model):
+        from prodrl_pipelines.rl.sharding import load_sharded_state
+
+        raw = load_sharded_state(path, model, optimizer, fingerprint)
+        if raw is None:  # a different dataset/plan: start the round afresh
+            return 0
+    else:
+        raw = torch.load(path, map_location="cpu", weights_only=False)
+        if raw["fingerprint"] != fingerprint:  # a different dataset/plan: start the round afresh
+            return 0
+        model.load_state_dict(raw["model"])
+        optimizer.load_state_dict(raw["optimizer"])
     state.global_step = raw["global_step"]
     for k, v in raw["baseline"].items():
         setattr(state.baseline, k, v)
@@ -144,7 +165,8 @@ def train_step(model, optimizer, b: PackedBatch, old_all: torch.Tensor, ref_all:
     loss.backward()
     if grad_sync is not None:
         grad_sync(model)
-    grad_norm = float(torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip))
+    grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
+    grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)  # sharded: a DTensor
     optimizer.step()
     dt = time.perf_counter() - t0
     with torch.no_grad():
