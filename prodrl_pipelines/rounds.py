@@ -131,6 +131,10 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
     model, tokenizer = load_policy(Path(live.checkpoint_dir), dtype=torch.float32)
     state = load_trainer_state(Path(live.checkpoint_dir))
     state.baseline = BaselineState(**batch["baseline_state"])
+    if s.recipe.activation_checkpointing:
+        from prodrl_pipelines.rl.sharding import checkpoint_activations
+
+        checkpoint_activations(model)
     trained, load_opt = model, None
     if world_size > 1:  # FSDP2: parameters, gradients and Adam state sharded over the ranks
         from prodrl_pipelines.rl import sharding

@@ -336,3 +336,32 @@ def test_round_killed_mid_training_resumes_to_identical_weights(tmp_path):
     res = train_round(m_d, o_d, trajs, adv, [[1, 0], [2, 3], [4, 5], [6, 7]], recipe, s_d, 0, 0, progress=False,
                       resume_path=ckpt)
     assert res.resumed_from_step == 0
+
+
+def test_activation_checkpointing_gives_the_same_gradients():
+    """The recipe's ``activation_checkpointing``: layers recomputed in backward, gradients unchanged."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from prodrl_pipelines.lab.model import lab_model_config
+    from prodrl_pipelines.rl.logprobs import policy_logprobs
+    from prodrl_pipelines.rl.sharding import checkpoint_activations
+
+    torch.manual_seed(0)
+    grads = []
+    for ac in (False, True):
+        torch.manual_seed(0)
+        model = Qwen3MoeForCausalLM(lab_model_config("tiny", vocab_size=64))
+        if ac:
+            checkpoint_activations(model)
+        model.train()
+        runs = []
+        model.model.layers[0].self_attn.register_forward_pre_hook(lambda *a: runs.append(1))
+        calls = [Call(list(range(1, 9)), [3, 4, 5], [-1.0, -1.0, -1.0], 1.0, [[3, 4], [4, 5], [5, 6]],
+                      [[-1.0, -2.0]] * 3)]
+        b = pack_minibatch([Trajectory("t", "", "v0", 1.0, calls)], np.ones(1), pad_id=0)
+        policy_logprobs(model, b).sum().backward()
+        assert len(runs) == (2 if ac else 1)  # recomputed in backward
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters() if p.grad is not None})
+    assert grads[0].keys() == grads[1].keys() and grads[0]
+    for n in grads[0]:
+        torch.testing.assert_close(grads[0][n], grads[1][n], atol=1e-6, rtol=1e-5, msg=n)

@@ -43,6 +43,8 @@ class Recipe(BaseModel):
     icepop_high: float = Field(2.0, gt=0)
     logprob_chunk: int = Field(1024, ge=1, description="tokens per chunk of the vocab projection")
     checkpoint_every: int = Field(4, ge=0, description="in-round checkpoint every N steps (0 = off)")
+    activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in "
+                                           "backward instead of keeping them (less memory, ~1/3 more compute)")
     max_policy_lag: Literal[0, 1] = 0
     replay: Literal["recorded", "retokenized"] = "recorded"
     seed: int = 0

@@ -26,7 +26,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-__all__ = ["shard_policy", "full_model_state", "full_optimizer_state", "load_full_optimizer_state", "decoder_layers",
+__all__ = ["shard_policy", "checkpoint_activations", "full_model_state", "full_optimizer_state", "load_full_optimizer_state", "decoder_layers",
            "save_sharded_state", "load_sharded_state"]
 
 
@@ -38,7 +38,16 @@ def decoder_layers(policy: nn.Module) -> list[nn.Module]:
     return list(layers)
 
 
-def shard_policy(policy: nn.Module, world_size: int, *, activation_checkpointing: bool = False):
+def checkpoint_activations(policy: nn.Module) -> None:
+    """Recompute each decoder layer's activations in backward instead of keeping them (torch's
+    composable ``checkpoint``: hooks, parameter names unchanged; apply before ``shard_policy``)."""
+    from torch.distributed._composable import checkpoint
+
+    for layer in decoder_layers(policy):
+        checkpoint(layer)
+
+
+def shard_policy(policy: nn.Module, world_size: int):
     """The policy as a ``PolicyLogprobs`` module sharded over ``world_size`` ranks (call after
     ``init_process_group``). Build the optimizer from the returned module's parameters."""
     from torch.distributed.device_mesh import init_device_mesh
@@ -49,8 +58,6 @@ def shard_policy(policy: nn.Module, world_size: int, *, activation_checkpointing
     cuda = torch.cuda.is_available()
     mesh = init_device_mesh("cuda" if cuda else "cpu", (world_size,))
     mp = MixedPrecisionPolicy(param_dtype=torch.bfloat16, reduce_dtype=torch.float32) if cuda else MixedPrecisionPolicy()
-    if activation_checkpointing:
-        policy.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
     root = PolicyLogprobs(policy)
     units = decoder_layers(policy)
     for layer in units:
