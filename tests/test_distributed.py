@@ -110,3 +110,16 @@ def test_a_rank_killed_mid_round_resumes_from_the_sharded_checkpoint(tmp_path, p
     assert stats["resumed_from_step"] == 2 and stats["steps_taken"] == 4  # the checkpoint before step 3
     assert load_trainer_state(tmp_path / "resumed").global_step == 4
     _same_weights(tmp_path / "uninterrupted", tmp_path / "resumed", atol=0, rtol=0)  # identical
+
+
+def test_the_gpu_check_script_runs_and_says_so_without_a_gpu(tmp_path):
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).resolve().parents[1] / "scripts" / "gpu_train_check.py"
+    out = subprocess.run([sys.executable, str(script), "--steps", "1", "--json", str(tmp_path / "r.json")],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "no GPU here" in out.stdout and "FSDP2, 1 rank" in out.stdout
+    r = json.loads((tmp_path / "r.json").read_text())
+    assert r["cuda"] is False and r["train"]["tokens_per_s"] > 0 and r["logprobs"]["time_ratio"] > 0
