@@ -1,11 +1,13 @@
 """FSDP2 training (2 gloo ranks on CPU, launched by torchrun through Dagster Pipes) gives the same
 weights and Adam state as the single-process run on the same data; a rank killed mid-round resumes
-from the sharded checkpoint with identical results; a round trained at world size 2 continues at 1."""
+from the sharded checkpoint with identical results; a round trained at world size 2 continues at 1,
+and one process's Adam state continues sharded."""
 
 import json
 import os
 import subprocess
 from datetime import datetime, timezone
+from pathlib import Path
 
 import numpy as np
 import torch
@@ -123,3 +125,66 @@ def test_the_gpu_check_script_runs_and_says_so_without_a_gpu(tmp_path):
     assert "no GPU here" in out.stdout and "FSDP2, 1 rank" in out.stdout
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["cuda"] is False and r["train"]["tokens_per_s"] > 0 and r["logprobs"]["time_ratio"] > 0
+
+
+ROUND_TRIP = r'''
+import sys, torch, torch.distributed as dist
+from transformers import Qwen3MoeForCausalLM
+from prodrl_pipelines.lab.model import lab_model_config
+from prodrl_pipelines.rl import sharding
+dist.init_process_group("gloo")
+saved = torch.load(sys.argv[1], weights_only=False)
+torch.manual_seed(0)
+model = Qwen3MoeForCausalLM(lab_model_config("tiny", vocab_size=64))
+model.load_state_dict(saved["model"])
+root = sharding.shard_policy(model, dist.get_world_size())
+opt = torch.optim.AdamW(root.parameters(), lr=1e-3)
+sharding.load_full_optimizer_state(root, opt, saved["optimizer"])
+for p in root.parameters():  # the same gradient as the single process's second step
+    p.grad = torch.distributed.tensor.distribute_tensor(torch.ones(p.shape), p.device_mesh, p.placements)
+opt.step()
+full, osd = sharding.full_model_state(root), sharding.full_optimizer_state(root, opt)
+if dist.get_rank() == 0:
+    torch.save({"model": full, "optimizer": osd}, sys.argv[2])
+dist.destroy_process_group()
+'''
+
+
+def test_a_single_process_adam_state_continues_sharded(tmp_path):
+    """The whole, index-keyed Adam state one process saves loads into the sharded optimizer (world
+    size 2) and its next step is the single process's next step, weights and moments."""
+    import sys
+
+    from transformers import Qwen3MoeForCausalLM
+
+    from prodrl_pipelines.lab.model import lab_model_config
+
+    torch.manual_seed(0)
+    model = Qwen3MoeForCausalLM(lab_model_config("tiny", vocab_size=64))
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    for p in model.parameters():
+        p.grad = torch.randn(p.shape)
+    opt.step()
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict()}, tmp_path / "one.pt")
+    for p in model.parameters():
+        p.grad = torch.ones(p.shape)
+    opt.step()  # the reference second step
+    script = tmp_path / "round_trip.py"
+    script.write_text(ROUND_TRIP)
+    port = subprocess.run([sys.executable, "-c", "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); "
+                           "print(s.getsockname()[1])"], capture_output=True, text=True).stdout.strip()
+    out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+                          "--master_addr", "127.0.0.1", "--master_port", port, str(script), str(tmp_path / "one.pt"),
+                          str(tmp_path / "two.pt")], capture_output=True, text=True, timeout=300,
+                         env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])})
+    assert out.returncode == 0, out.stderr[-3000:]
+    two = torch.load(tmp_path / "two.pt", weights_only=False)
+    ref = model.state_dict()
+    assert two["model"].keys() == ref.keys()
+    for k in ref:
+        torch.testing.assert_close(two["model"][k], ref[k], atol=1e-6, rtol=1e-5, msg=k)
+    want = opt.state_dict()
+    assert two["optimizer"]["param_groups"][0]["params"] == want["param_groups"][0]["params"]
+    for i, st in want["state"].items():
+        for k in ("exp_avg", "exp_avg_sq", "step"):
+            torch.testing.assert_close(two["optimizer"]["state"][i][k], st[k], atol=1e-6, rtol=1e-5)
