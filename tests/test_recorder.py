@@ -631,6 +631,22 @@ def _spawn_recorder(upstream_url: str, store: Path, port: int, *flush: str) -> s
     return wait_healthy(proc, f"http://127.0.0.1:{port}/health", AUTH, 60, "the recorder")
 
 
+def kill_under_load(proc: subprocess.Popen, client, acked, n: int = 150, workers: int = 8) -> None:
+    """Run ``client(w, stop)`` in ``workers`` threads until ``acked`` holds ``n`` entries (or 60 s),
+    then kill -9 ``proc`` and let the clients see it go."""
+    stop = threading.Event()
+    with ThreadPoolExecutor(workers) as pool:
+        futs = [pool.submit(client, w, stop) for w in range(workers)]
+        deadline = time.monotonic() + 60
+        while len(acked) < n and time.monotonic() < deadline:
+            time.sleep(0.01)
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait(10)
+        stop.set()
+        for f in futs:
+            f.result(30)
+
+
 def test_sigkill_under_load_loses_no_acknowledged_record(fake, tmp_path):
     """kill -9 while 8 clients record calls and rewards; after a restart every acknowledged call and
     reward is in the store exactly once."""
@@ -640,9 +656,8 @@ def test_sigkill_under_load_loses_no_acknowledged_record(fake, tmp_path):
     acked_calls: set[tuple[str, int]] = set()
     acked_rewards: set[tuple[str, int]] = set()
     lock = threading.Lock()
-    stop = threading.Event()
 
-    def client(w: int) -> None:
+    def client(w: int, stop: threading.Event) -> None:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=10) as c:
             i = 0
             while not stop.is_set():
@@ -664,16 +679,7 @@ def test_sigkill_under_load_loses_no_acknowledged_record(fake, tmp_path):
                     return  # the recorder is gone
                 i += 1
 
-    with ThreadPoolExecutor(8) as pool:
-        workers = [pool.submit(client, w) for w in range(8)]
-        deadline = time.monotonic() + 60
-        while len(acked_calls) < 150 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-        stop.set()
-        for f in workers:
-            f.result(30)
+    kill_under_load(proc, client, acked_calls)
     assert len(acked_calls) >= 150 and acked_rewards
 
     proc = _spawn_recorder(fake.url, store_dir, port)  # replays the WAL before it listens

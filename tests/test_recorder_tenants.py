@@ -11,7 +11,6 @@ import sys
 import threading
 import time
 from collections import Counter
-from concurrent.futures import ThreadPoolExecutor
 
 import httpx
 import openai
@@ -222,15 +221,15 @@ def test_sigkill_with_retries_in_flight_and_during_replay_loses_nothing(fake, tm
     """kill -9 under load where every call is retried once (the openai client's retry count), then
     kill -9 again while the restarted recorder replays its log: afterwards every acknowledged call
     is in the store exactly once (one row per call id, the retry's), every reward once."""
-    from tests.test_recorder import _free_port, _spawn_recorder
+    from tests.test_recorder import _free_port, _spawn_recorder, kill_under_load
 
     store_dir, port = tmp_path / "store", _free_port()
     proc = _spawn_recorder(fake.url, store_dir, port, "--flush-rows", "100000", "--flush-interval", "3600")
     acked: dict[tuple[str, int], list[int]] = {}  # call id -> the answer the client got last
     rewards: set[tuple[str, int]] = set()
-    lock, stop = threading.Lock(), threading.Event()
+    lock = threading.Lock()
 
-    def client(w: int) -> None:
+    def client(w: int, stop: threading.Event) -> None:
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=10) as c:
             i = 0
             while not stop.is_set():
@@ -254,16 +253,7 @@ def test_sigkill_with_retries_in_flight_and_during_replay_loses_nothing(fake, tm
                     return
                 i += 1
 
-    with ThreadPoolExecutor(8) as pool:
-        workers = [pool.submit(client, w) for w in range(8)]
-        deadline = time.monotonic() + 60
-        while len(acked) < 150 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
-        stop.set()
-        for f in workers:
-            f.result(30)
+    kill_under_load(proc, client, acked)
     assert len(acked) >= 150
     for delay in (1.0, 2.0, 3.0):  # before, during and after the replay of a log of every call
         env = {**os.environ, "PRODRL_RECORDER_TOKEN": "rec-token"}

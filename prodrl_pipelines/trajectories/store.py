@@ -424,37 +424,36 @@ class TrajectoryStore:
     def retract_calls(self, rows: Sequence[dict[str, Any]]) -> str | None:
         """Record that the calls identified by (trajectory_id, call_index, created_at) are superseded:
         an append-only ``retracted/part-<uuid7>.parquet`` part (``None`` for no rows)."""
-        table = to_table(rows, RETRACTION_SCHEMA, "retract_calls")
+        return self._append_part(RETRACTED_PREFIX, rows, RETRACTION_SCHEMA, "retract_calls")
+
+    def read_retractions(self) -> pa.Table:
+        return self._read_parts(RETRACTED_PREFIX, RETRACTION_SCHEMA)
+
+    def _append_part(self, prefix: str, rows, schema: pa.Schema, what: str) -> str | None:
+        """Append ``rows`` as one ``<prefix>part-<uuid7>.parquet``; its key, or None for no rows."""
+        table = to_table(rows, schema, what)
         if table.num_rows == 0:
             return None
-        key = f"{RETRACTED_PREFIX}{_part_name()}"
+        key = f"{prefix}{_part_name()}"
         self._put_table(key, table)
         return key
 
-    def read_retractions(self) -> pa.Table:
-        keys = sorted(self.blobs.list(RETRACTED_PREFIX), key=_part_order)
-        tables = [conform(self._get_table(k), RETRACTION_SCHEMA) for k in keys]
-        return pa.concat_tables(tables).combine_chunks() if tables else RETRACTION_SCHEMA.empty_table()
+    def _read_parts(self, prefix: str, schema: pa.Schema) -> pa.Table:
+        """Every part under ``prefix``, in write order, as one ``schema`` table."""
+        keys = sorted(self.blobs.list(prefix), key=_part_order)
+        tables = [conform(self._get_table(k), schema) for k in keys]
+        return pa.concat_tables(tables).combine_chunks() if tables else schema.empty_table()
 
     # --- rewards -----------------------------------------------------------------------------
 
     def write_rewards(self, rows: Sequence[dict[str, Any]] | pa.Table) -> str | None:
         """Append a ``rewards/part-<uuid7>.parquet`` part; returns its key (``None`` for no rows)."""
-        table = to_table(rows, REWARD_SCHEMA, "write_rewards")
-        if table.num_rows == 0:
-            return None
-        key = f"{REWARDS_PREFIX}{_part_name()}"
-        self._put_table(key, table)
-        return key
+        return self._append_part(REWARDS_PREFIX, rows, REWARD_SCHEMA, "write_rewards")
 
     def read_rewards(self, *, latest: bool = True) -> pa.Table:
         """All rewards (REWARD_SCHEMA); with ``latest`` one row per trajectory (see ``latest_rewards``)."""
-        keys = sorted(self.blobs.list(REWARDS_PREFIX), key=_part_order)
-        tables = [conform(self._get_table(k), REWARD_SCHEMA) for k in keys]
-        if not tables:
-            return REWARD_SCHEMA.empty_table()
-        table = pa.concat_tables(tables).combine_chunks()
-        return latest_rewards(table) if latest else table
+        table = self._read_parts(REWARDS_PREFIX, REWARD_SCHEMA)
+        return latest_rewards(table) if latest and table.num_rows else table
 
     # --- quarantine --------------------------------------------------------------------------
 
