@@ -1,0 +1,113 @@
+"""Text that behaves like production text: a byte-level BPE tokenizer with real merges and a chat
+template in the style of Qwen3's. The pieces the lab needs to reproduce why retokenized traces
+differ from recorded ones (DESIGN.md s.9); not wired into the lab tasks yet.
+
+* ``build_byte_bpe_tokenizer``: byte-level BPE (GPT-2/Qwen style pre-tokenization: every byte has a
+  token, merges learn multi-digit numbers, words with and without their leading space, JSON
+  punctuation) trained locally with ``tokenizers`` on ``production_corpus()``. A model can sample a
+  non-canonical segmentation of a string (``1`` ``2`` ``3`` where the merges make ``123`` one
+  token); decoding it and encoding again gives the canonical ids, not the sampled ones.
+* ``QWEN3_STYLE_TEMPLATE``: like Qwen3's template, assistant reasoning in ``<think>...</think>`` is
+  kept in the current turn (after the last user message) and dropped from earlier turns; tool calls
+  are rendered from structured ``tool_calls`` as ``<tool_call>{json}</tool_call>`` with the
+  template's own JSON formatting (``tojson``: ``", "`` and ``": "`` separators), so a call the model
+  wrote compactly is re-serialised differently next turn; tool results are wrapped in
+  ``<tool_response>`` inside a user turn, consecutive results in one turn.
+"""
+
+from __future__ import annotations
+
+import random
+
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+from transformers import PreTrainedTokenizerFast
+
+__all__ = ["QWEN3_STYLE_TEMPLATE", "SPECIAL_TOKENS", "build_byte_bpe_tokenizer", "production_corpus",
+           "non_canonical_split"]
+
+PAD_TOKEN, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
+# Qwen3 has these as single added tokens, so the template's markup never splits.
+SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END, "<think>", "</think>", "<tool_call>", "</tool_call>",
+                  "<tool_response>", "</tool_response>"]
+
+QWEN3_STYLE_TEMPLATE = (
+    "{%- set ns = namespace(last_query=-1) -%}"
+    "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- for m in messages -%}"
+    "{%- if m['role'] in ('system', 'user') -%}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}"
+    "{%- elif m['role'] == 'assistant' -%}"
+    "{%- set content = m['content'] or '' -%}"
+    "{%- set reasoning = m.get('reasoning_content') or '' -%}"
+    "{%- if '</think>' in content -%}"
+    "{%- set reasoning = content.split('</think>')[0].split('<think>')[-1].strip('\\n') -%}"
+    "{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}"
+    "{%- endif -%}"
+    "{{- '<|im_start|>assistant\\n' -}}"
+    "{%- if loop.index0 > ns.last_query and reasoning -%}"
+    "{{- '<think>\\n' + reasoning + '\\n</think>\\n\\n' -}}"
+    "{%- endif -%}"
+    "{{- content -}}"
+    "{%- for tc in m.get('tool_calls') or [] -%}"
+    "{%- set fn = tc['function'] if 'function' in tc else tc -%}"
+    "{%- if content or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' -}}"
+    "{{- fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson -}}"
+    "{{- '}\\n</tool_call>' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- elif m['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
+
+
+def production_corpus(n: int = 4000, seed: int = 0) -> list[str]:
+    """Lab-like text with what real merges learn from: multi-digit numbers, words with and without
+    a leading space, JSON tool calls and results, reasoning."""
+    rng = random.Random(seed)
+    words = ["the", "sum", "of", "is", "then", "add", "subtract", "result", "answer", "move", "check", "mate",
+             "first", "so", "we", "get", "think", "next", "value", "total"]
+    out = []
+    for _ in range(n):
+        a, b = rng.randint(0, 999), rng.randint(0, 999)
+        w = rng.sample(words, 4)
+        out += [
+            f"{a}+{b}={a + b}",
+            f"{w[0]} {w[1]} {w[2]} {a} and {b} {w[3]} {a + b}.",
+            f'{{"name": "add", "arguments": {{"a": {a}, "b": {b}}}}}',
+            f'{{"name":"add","arguments":{{"a":{a},"b":{b}}}}}',
+            f'{{"result": {a + b}}}',
+            f"{w[0].capitalize()} {a} plus {b}: {w[3]} {a + b}",
+        ]
+    return out
+
+
+def build_byte_bpe_tokenizer(vocab_size: int = 1024, corpus: list[str] | None = None) -> PreTrainedTokenizerFast:
+    """A byte-level BPE tokenizer trained here (deterministic), with the template and Qwen's special tokens."""
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    tok.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(vocab_size=vocab_size, min_frequency=2, special_tokens=SPECIAL_TOKENS,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+    tok.train_from_iterator(corpus or production_corpus(), trainer=trainer)
+    hf = PreTrainedTokenizerFast(tokenizer_object=tok, pad_token=PAD_TOKEN, eos_token=IM_END,
+                                 additional_special_tokens=SPECIAL_TOKENS[1:], clean_up_tokenization_spaces=False,
+                                 model_max_length=4096)
+    hf.chat_template = QWEN3_STYLE_TEMPLATE
+    return hf
+
+
+def non_canonical_split(tokenizer, text: str) -> list[int]:
+    """A segmentation of ``text`` a model can sample but the tokenizer would not produce: every
+    multi-byte token of the canonical encoding split into single-byte tokens."""
+    ids = []
+    for t in tokenizer.encode(text, add_special_tokens=False):
+        piece = tokenizer.convert_ids_to_tokens(t)
+        ids += [tokenizer.convert_tokens_to_ids(ch) for ch in piece] if len(piece) > 1 else [t]
+    return ids

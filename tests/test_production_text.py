@@ -1,0 +1,96 @@
+"""Lab text like production text: a byte-level BPE with real merges (a sampled non-canonical
+segmentation does not round-trip) and a Qwen3-style template (earlier <think> blocks dropped, tool
+calls re-serialised by the template)."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from prodrl_pipelines.lab.production_text import SPECIAL_TOKENS, build_byte_bpe_tokenizer, non_canonical_split
+
+
+@pytest.fixture(scope="module")
+def tok():
+    return build_byte_bpe_tokenizer()
+
+
+CONVERSATION = [
+    {"role": "system", "content": "You add numbers."},
+    {"role": "user", "content": "12+30?"},
+    {"role": "assistant", "content": "<think>\nI should call the tool.\n</think>\n\n",
+     "tool_calls": [{"type": "function", "function": {"name": "add", "arguments": {"a": 12, "b": 30}}}]},
+    {"role": "tool", "content": '{"result": 42}'},
+    {"role": "assistant", "content": "<think>\nThe tool said 42.\n</think>\n\n42"},
+    {"role": "user", "content": "and +1?"},
+    {"role": "assistant", "content": "<think>\n42+1\n</think>\n\n43"},
+]
+
+
+def test_the_template_drops_earlier_reasoning_and_keeps_the_current_turns(tok):
+    text = tok.apply_chat_template(CONVERSATION, tokenize=False)
+    assert text == (
+        "<|im_start|>system\nYou add numbers.<|im_end|>\n"
+        "<|im_start|>user\n12+30?<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 30}}\n</tool_call><|im_end|>\n'
+        '<|im_start|>user\n<tool_response>\n{"result": 42}\n</tool_response><|im_end|>\n'
+        "<|im_start|>assistant\n42<|im_end|>\n"
+        "<|im_start|>user\nand +1?<|im_end|>\n"
+        "<|im_start|>assistant\n<think>\n42+1\n</think>\n\n43<|im_end|>\n"
+    )
+    # the history rewrite: what the engine saw and sampled at call k is no prefix of call k+1's prompt
+    prompt_k = tok.apply_chat_template(CONVERSATION[:6], tokenize=False, add_generation_prompt=True)
+    sampled = CONVERSATION[6]["content"] + "<|im_end|>"
+    prompt_next = tok.apply_chat_template(CONVERSATION + [{"role": "user", "content": "thanks"}], tokenize=False,
+                                          add_generation_prompt=True)
+    assert not prompt_next.startswith(prompt_k + sampled)
+    assert "<think>\n42+1" not in prompt_next  # dropped once a later user turn exists
+
+
+def test_consecutive_tool_results_share_one_user_turn(tok):
+    msgs = [{"role": "user", "content": "go"},
+            {"role": "assistant", "content": "", "tool_calls": [
+                {"function": {"name": "a", "arguments": "{}"}}, {"function": {"name": "b", "arguments": "{}"}}]},
+            {"role": "tool", "content": "1"}, {"role": "tool", "content": "2"}]
+    assert tok.apply_chat_template(msgs, tokenize=False, add_generation_prompt=True) == (
+        "<|im_start|>user\ngo<|im_end|>\n"
+        '<|im_start|>assistant\n<tool_call>\n{"name": "a", "arguments": {}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "b", "arguments": {}}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\n<tool_response>\n1\n</tool_response>\n<tool_response>\n2\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_a_compact_tool_call_is_re_serialised_by_the_template(tok):
+    """The model wrote its call compactly; the harness parses it into ``tool_calls`` and the template
+    renders it with its own JSON formatting: the next prompt holds other ids than were sampled."""
+    sampled_text = '<tool_call>\n{"name":"add","arguments":{"a":7,"b":5}}\n</tool_call>'
+    sampled_ids = tok.encode(sampled_text, add_special_tokens=False)
+    call = json.loads(sampled_text.split("\n")[1])
+    rendered = tok.apply_chat_template(
+        [{"role": "user", "content": "7+5"}, {"role": "assistant", "content": "", "tool_calls": [{"function": call}]}],
+        tokenize=False)
+    assert '{"name": "add", "arguments": {"a": 7, "b": 5}}' in rendered
+    assert sampled_text not in rendered
+    body = rendered.split("<|im_start|>assistant\n")[1].removesuffix("<|im_end|>\n")
+    assert tok.encode(body, add_special_tokens=False) != sampled_ids
+
+
+def test_merges_are_real_and_a_non_canonical_segmentation_does_not_round_trip(tok):
+    for text in ("123", " answer", '{"result":', "answer"):
+        assert len(tok.encode(text, add_special_tokens=False)) < len(text.encode()), text  # merged
+    for special in SPECIAL_TOKENS:
+        assert len(tok.encode(special, add_special_tokens=False)) == 1, special
+    for text in ("123+456=579", " the answer is 42", '{"a": 12}'):
+        canonical = tok.encode(text, add_special_tokens=False)
+        sampled = non_canonical_split(tok, text)  # what a model may sample: the same bytes, other tokens
+        assert sampled != canonical and len(sampled) > len(canonical)
+        decoded = tok.decode(sampled)
+        assert decoded == text  # the text the recorder and a naive pipeline store ...
+        assert tok.encode(decoded, add_special_tokens=False) == canonical != sampled  # ... retokenizes differently
+
+
+def test_the_tokenizer_is_deterministic():
+    a, b = build_byte_bpe_tokenizer(), build_byte_bpe_tokenizer()
+    assert a.get_vocab() == b.get_vocab()
