@@ -121,6 +121,7 @@ def test_a_tenant_over_its_rate_limit_gets_a_429_with_retry_after(fake, start_re
     ("not json", "not JSON"),
     ('{"tenants": {}}', 'expected {"tenants"'),
     ('{"tenants": {"a b": {"tokens": ["0123456789abcdef"]}}}', "tenant 'a b': a tenant name is"),
+    ('{"tenants": {"a.b": {"tokens": ["0123456789abcdef"]}}}', "tenant 'a.b': a tenant name is"),
     ('{"tenants": {"a": {"tokens": ["short"]}}}', "tenant 'a': `tokens` must be"),
     ('{"tenants": {"a": {"tokens": ["0123456789abcdef"], "rps": 3}}}', "unknown field(s) ['rps']"),
     ('{"tenants": {"a": {"tokens": ["0123456789abcdef"], "requests_per_s": -1}}}', "`requests_per_s` must be a positive"),

@@ -36,7 +36,7 @@ from pathlib import Path
 __all__ = ["Tenant", "Tenants", "TokensFileError", "DEFAULT_TENANT"]
 
 DEFAULT_TENANT = "default"
-_NAME = re.compile(r"^[A-Za-z0-9._-]{1,64}$")
+_NAME = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # no ".": counters are named tenant.<name>.<counter>
 
 
 class TokensFileError(ValueError):
@@ -85,7 +85,7 @@ def parse_tokens_file(text: str, where: str) -> dict[bytes, Tenant]:
     for name, spec in tenants.items():
         at = f"{where}: tenant {name!r}"
         if not _NAME.match(name):
-            raise TokensFileError(f"{at}: a tenant name is 1-64 characters of [A-Za-z0-9._-]")
+            raise TokensFileError(f"{at}: a tenant name is 1-64 characters of [A-Za-z0-9_-]")
         if not isinstance(spec, dict):
             raise TokensFileError(f"{at}: expected an object with `tokens`")
         unknown = sorted(set(spec) - {"tokens", "requests_per_s", "burst", "admin"})
