@@ -16,7 +16,7 @@ import pytest
 
 from prodrl_pipelines.lab.tokenizer import CHAT_TEMPLATE, IM_END, build_tokenizer
 from prodrl_pipelines.rl.batch import pack_minibatch, trajectories_from_table
-from prodrl_pipelines.trajectories.retokenize import FILLED_COLUMN, parse_chatml, retokenize_calls
+from prodrl_pipelines.trajectories.retokenize import FILLED_COLUMN, differing_tokens, parse_chatml, retokenize_calls
 from prodrl_pipelines.trajectories.schema import CALL_SCHEMA, UNTRAINED_COLUMN
 
 # Like the lab template, but assistant content is trimmed when (re-)rendered (Qwen3's template
@@ -179,7 +179,8 @@ def handmade_table(tok) -> tuple[pa.Table, dict]:
     shuffled = rows[:]
     random.Random(0).shuffle(shuffled)
     expected = {"calls": 7, "prompt_ids_differ": 1, "output_ids_differ": 3, "calls_differ": 4,
-                "trajectories_differ": 3, "logprobs_filled": 2, "prompt_unparsed": 1}
+                "trajectories_differ": 3, "logprobs_filled": 2, "prompt_unparsed": 1,
+                "multi_turn_calls": 2, "multi_turn_calls_differ": 1}
     return to_table(shuffled), expected
 
 
@@ -193,6 +194,10 @@ def test_retokenize_counts_on_handmade_calls(tok):
     assert retok.num_rows == table.num_rows and retok.column_names == table.column_names + [FILLED_COLUMN, UNTRAINED_COLUMN]
     assert retok.schema.remove(retok.num_columns - 1).remove(retok.num_columns - 2).equals(table.schema)
     assert stats.untrained == 0 and not any(retok.column(UNTRAINED_COLUMN).to_pylist())  # sampled unrestricted
+    want_tokens = sum(differing_tokens(after[c], before[c]) for before, after in zip(table.to_pylist(), retok.to_pylist())
+                      for c in ("prompt_token_ids", "output_token_ids"))  # row order is kept
+    assert stats.tokens_differ == want_tokens > 0
+    assert stats.tokens_per_differing_call == pytest.approx(want_tokens / 4)
     old = {(r["trajectory_id"], r["call_index"]): r for r in table.to_pylist()}
     new = {(r["trajectory_id"], r["call_index"]): r for r in retok.to_pylist()}
     assert [(r["trajectory_id"], r["call_index"]) for r in retok.to_pylist()] == list(old)  # row order kept
@@ -382,3 +387,9 @@ def test_a_retokenized_call_with_an_unknown_restricted_support_is_not_trained_on
     assert float(b.weight[t2_tokens:].sum()) == 0.0  # t3: its only call untrained
     # unrestricted sampling keeps them (the support is the vocabulary: nothing to renormalise)
     assert retokenize_calls(table, tok)[1].untrained == 0
+
+
+@pytest.mark.parametrize("a, b, n", [([1, 2, 3], [1, 2, 3], 0), ([1, 2, 3], [1, 9, 3], 1), ([1, 2, 3, 4], [1, 5, 6, 7, 4], 3),
+                                     ([], [1, 2], 2), ([1, 1], [1], 1), ([5, 6], [7, 8], 2)])
+def test_differing_tokens(a, b, n):
+    assert differing_tokens(a, b) == differing_tokens(b, a) == n

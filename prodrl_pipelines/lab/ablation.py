@@ -577,9 +577,8 @@ def aggregate(cfg: AblationConfig, results: list[dict], failures: list[dict] | N
             "collapsed": sum(1 for c in curves if cfg.collapse.collapsed(c)),
             "gate_failures": gates, "mismatch_mean": _mean(mism),
             "wall_s_mean": _mean([r.get("wall_s") for r in rs]), "cpu_s_mean": _mean([r.get("cpu_s") for r in rs]),
-            "retokenized_calls_differ": sum(int(r.get("retokenize", {}).get("retokenized_calls_differ", 0) or 0)
-                                            for r in rs),
-            "retokenized_calls": sum(int(r.get("retokenize", {}).get("retokenized_calls", 0) or 0) for r in rs),
+            **{f"retokenized_{k}": sum(int(r.get("retokenize", {}).get(f"retokenized_{k}", 0) or 0) for r in rs)
+               for k in ("calls_differ", "calls", "multi_turn_calls", "multi_turn_calls_differ", "tokens_differ")},
         }
     return table
 
@@ -746,7 +745,10 @@ def write_report(cfg: AblationConfig, root: Path, results: list[dict], failures:
     if retok:
         L += ["", "Retokenized replay: " + "; ".join(
             f"`{k}` rebuilt {v['retokenized_calls_differ']} of {v['retokenized_calls']} calls with ids different "
-            "from the recorded ones" for k, v in retok.items())
+            f"from the recorded ones ({v['retokenized_multi_turn_calls_differ']} of "
+            f"{v['retokenized_multi_turn_calls']} multi-turn calls; "
+            f"{v['retokenized_tokens_differ'] / max(v['retokenized_calls_differ'], 1):.1f} differing tokens per "
+            "differing call)" for k, v in retok.items())
             + (" — the lab's tokenizer round-trips its own outputs exactly, so retokenization changes nothing "
                "here and the curves coincide." if all(v["retokenized_calls_differ"] == 0 for v in retok.values())
                else ".")]

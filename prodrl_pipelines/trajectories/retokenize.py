@@ -54,6 +54,9 @@ class RetokenizeStats:
     prompt_ids_differ: int = 0
     output_ids_differ: int = 0
     calls_differ: int = 0  # prompt or output
+    multi_turn_calls: int = 0  # calls after the first of their trajectory (their prompt holds history)
+    multi_turn_calls_differ: int = 0
+    tokens_differ: int = 0  # summed over calls: ``differing_tokens`` of prompt and of output
     trajectories_differ: int = 0
     logprobs_filled: int = 0  # output length changed: no per-position log mu (filled with the call's mean)
     untrained: int = 0  # ... of those, sampled from a restricted support: left out of the objective
@@ -63,6 +66,24 @@ class RetokenizeStats:
 
     def as_dict(self, prefix: str = "retokenized_") -> dict[str, int]:
         return {f"{prefix}{k}": int(v) for k, v in asdict(self).items()}
+
+    @property
+    def tokens_per_differing_call(self) -> float:
+        """Mean number of differing tokens (prompt and output) per call whose ids differ."""
+        return self.tokens_differ / self.calls_differ if self.calls_differ else 0.0
+
+
+def differing_tokens(a: Sequence[int], b: Sequence[int]) -> int:
+    """How many tokens differ between two id sequences: what is left of the longer one once their
+    common prefix and common suffix are taken away (0 when equal)."""
+    n = min(len(a), len(b))
+    head = 0
+    while head < n and a[head] == b[head]:
+        head += 1
+    tail = 0
+    while tail < n - head and a[len(a) - 1 - tail] == b[len(b) - 1 - tail]:
+        tail += 1
+    return max(len(a), len(b)) - head - tail
 
 
 def parse_chatml(prompt_text: str, assistant_texts: Sequence[str] = ()) -> tuple[list[dict], bool] | None:
@@ -182,6 +203,10 @@ def retokenize_calls(
             stats.prompt_ids_differ += p_diff
             stats.output_ids_differ += o_diff
             stats.calls_differ += p_diff or o_diff
+            stats.tokens_differ += differing_tokens(prompt_ids, rec_prompt) + differing_tokens(out_ids, rec_out)
+            if len(earlier) > 1:  # the call's own output was appended above: an earlier call exists
+                stats.multi_turn_calls += 1
+                stats.multi_turn_calls_differ += p_diff or o_diff
             differs_by_traj[tid] = differs_by_traj.get(tid, False) or p_diff or o_diff
             stats.generated_tokens_recorded += len(rec_out)
             stats.generated_tokens_retokenized += len(out_ids)
