@@ -285,6 +285,8 @@ def test_report_from_synthetic_results(tmp_path, monkeypatch):
     results = [_res("a", 0, [0.3, 0.4, 0.5]), _res("a", 1, [0.3, 0.5, 0.45]),
                _res("b", 0, [0.3, 0.4, 0.5]), _res("b", 1, [0.3, 0.5, 0.45]),
                _res("c", 0, [0.3, 0.6, 0.6])]
+    results[4]["retokenize"] = {"retokenized_calls": 200, "retokenized_calls_differ": 10, "retokenized_multi_turn_calls": 80,
+                                "retokenized_multi_turn_calls_differ": 9, "retokenized_tokens_differ": 35}
     failures = [{"recipe": "c", "seed": 1, "error": "RuntimeError: boom\ntraceback...", "log": "/x/run.log"}]
     rep = write_report(cfg, tmp_path, results, failures, wall_s=125.0)
     md = rep["report"].read_text()
@@ -294,6 +296,8 @@ def test_report_from_synthetic_results(tmp_path, monkeypatch):
     assert "- c beats a: **holds** — final_mean `c` 0.600 > `a` 0.475; per-seed final differences c - a: +0.100" in md
     assert "`a` = `b` (2 seeds)" in md and "`b` = `c`" not in md
     assert "- `c` seed 1: RuntimeError: boom (log: `/x/run.log`)" in md
+    assert ("`c` rebuilt 10 of 200 calls with ids different from the recorded ones (9 of 80 multi-turn calls; "
+            "3.5 differing tokens per differing call).") in md
     assert {p.name for p in rep["plots"]} == {"ab.png", "bc.png", "final_reward_by_recipe.png", "engine_mismatch.png"}
     uri, rid = log_to_mlflow(cfg, tmp_path, rep)
     run = MlflowClient(uri).get_run(rid)
