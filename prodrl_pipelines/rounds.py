@@ -112,9 +112,10 @@ def build_batch(svc: Services, rkey: str) -> dict:
 
 # --- 3. trained_checkpoint ------------------------------------------------------------------
 def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None = None, progress: bool = True,
-          rank: int = 0, world_size: int = 1, grad_sync=None, out_dir: Path | None = None) -> dict:
-    """S Adam steps from the live checkpoint. With ``world_size > 1`` every rank trains its shard of
-    each minibatch (``grad_sync`` sums the gradients) and only rank 0 writes the outputs."""
+          rank: int = 0, world_size: int = 1, out_dir: Path | None = None) -> dict:
+    """S Adam steps from the live checkpoint. With ``world_size > 1`` (``torchrun``) the policy is
+    sharded with FSDP2, every rank trains its shard of each minibatch and only rank 0 writes the
+    outputs."""
     import torch
 
     from prodrl_pipelines.rl.advantages import BaselineState
@@ -135,8 +136,8 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
         from prodrl_pipelines.rl.sharding import checkpoint_activations
 
         checkpoint_activations(model)
-    trained, load_opt = model, None
-    if world_size > 1:  # FSDP2: parameters, gradients and Adam state sharded over the ranks
+    trained, load_opt, sharded = model, None, world_size > 1
+    if sharded:  # FSDP2: parameters, gradients and Adam state sharded over the ranks
         from prodrl_pipelines.rl import sharding
 
         trained = sharding.shard_policy(model, world_size)
@@ -158,14 +159,14 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
             reference[v], _ = load_policy(export_dir, dtype=torch.float32)
             reference[v].eval()
     # in-round resume: one file (one process), or one sharded directory every rank writes its part of
-    resume = s.checkpoints_root / ".in-round" / (f"{rkey}-rank{rank}.pt" if trained is model else f"{rkey}-fsdp{world_size}")
+    resume = s.checkpoints_root / ".in-round" / (f"{rkey}-fsdp{world_size}" if sharded else f"{rkey}-rank{rank}.pt")
     res = train_round(trained, opt, trajs, np.asarray(batch["advantages"]), batch["plan"], s.recipe, state,
                       pad_id, round_seed(s, rkey), on_step=on_step, progress=progress, reference_model=reference,
-                      resume_path=resume, rank=rank, world_size=world_size, grad_sync=grad_sync,
+                      resume_path=resume, rank=rank, world_size=world_size,
                       behavior_steps=behavior_steps)
     out = Path(out_dir) if out_dir is not None else s.checkpoints_root / rkey
     whole = {}
-    if trained is not model:  # gathered by every rank (collectives), written whole by rank 0
+    if sharded:  # gathered by every rank (collectives), written whole by rank 0
         whole = {"model_state": sharding.full_model_state(trained),
                  "optimizer_state": sharding.full_optimizer_state(trained, opt)}
     if rank == 0:
@@ -175,16 +176,10 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
         svc.store.put_json(keys.train_steps(rkey), res.steps)
         svc.registry.update_round(rkey, mismatch_abs_logp=res.mismatch_abs_logp, trained_from=live.policy_version,
                                   train_processes=world_size)
-    if trained is model:
-        resume.unlink(missing_ok=True)  # the round's checkpoint is complete
+    if sharded:  # the round's checkpoint is complete
+        sharding.remove_sharded_state(resume)
     else:
-        import shutil
-
-        import torch.distributed as dist
-
-        dist.barrier()  # every rank is past its last read of it
-        if rank == 0:
-            shutil.rmtree(resume, ignore_errors=True)
+        resume.unlink(missing_ok=True)
     done = [m for m in res.steps if not m.get("skipped")]
     return {
         "checkpoint_dir": str(out), "trained_from": live.policy_version, "global_step": state.global_step,

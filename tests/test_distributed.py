@@ -5,6 +5,7 @@ and one process's Adam state continues sharded."""
 
 import json
 import os
+import socket
 import subprocess
 from datetime import datetime, timezone
 from pathlib import Path
@@ -171,8 +172,9 @@ def test_a_single_process_adam_state_continues_sharded(tmp_path):
     opt.step()  # the reference second step
     script = tmp_path / "round_trip.py"
     script.write_text(ROUND_TRIP)
-    port = subprocess.run([sys.executable, "-c", "import socket; s=socket.socket(); s.bind(('127.0.0.1', 0)); "
-                           "print(s.getsockname()[1])"], capture_output=True, text=True).stdout.strip()
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
     out = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
                           "--master_addr", "127.0.0.1", "--master_port", port, str(script), str(tmp_path / "one.pt"),
                           str(tmp_path / "two.pt")], capture_output=True, text=True, timeout=300,

@@ -3,6 +3,7 @@ JSON error answers; what an upstream answer must look like before it is read."""
 
 from __future__ import annotations
 
+import asyncio
 import hashlib
 import json
 import re
@@ -13,6 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from prodrl_pipelines.engines.openai_protocol import ProtocolError, error_body, read_body
+from prodrl_pipelines.preflight import redact
 from prodrl_pipelines.recorder.ingest import Attempt, Stats
 from prodrl_pipelines.recorder.requests import _is_int
 from prodrl_pipelines.recorder.service import _TRAJ_ID
@@ -104,6 +106,13 @@ def parse_client_json(raw: bytes):
                 raise ProtocolError(f"an integer of {len(str(abs(v)))} digits in the request body: "
                                     f"at most {MAX_INT_DIGITS}")
     return body
+
+
+def upstream_unavailable(exc: Exception, stats: Stats, headers: dict | None = None) -> JSONResponse:
+    """No answer from the upstream: a timeout is a 504, anything else a 502 (credentials redacted)."""
+    if isinstance(exc, asyncio.TimeoutError):
+        return err("the upstream server timed out", 504, stats, "upstream_timeouts", headers)
+    return err(f"the upstream server is unreachable: {redact(str(exc))}", 502, stats, "upstream_unreachable", headers)
 
 
 def upstream_error(status: int, content: bytes, ctype: str | None, headers: dict, stats: Stats) -> Response:

@@ -31,6 +31,7 @@ from prodrl_pipelines.recorder.calls import (
     tenant_of,
     trajectory_id_of,
     upstream_error,
+    upstream_unavailable,
 )
 from prodrl_pipelines.recorder.ingest import Stats
 from prodrl_pipelines.recorder.requests import Unrecordable, _is_num, client_ask, unrecordable_reason
@@ -46,7 +47,7 @@ async def _proxy(request: Request, kind: str) -> Response:
     rec: Recorder = request.app.state.recorder
     stats = rec.stats
     tenant = tenant_of(request)
-    stats.add_many((("requests", 1), (f"tenant.{tenant.name}.requests", 1)))
+    stats.count("requests", tenant=tenant.name)
     t0 = time.perf_counter()
     try:
         body, raw = await read_call_body(request)
@@ -83,10 +84,8 @@ async def _proxy(request: Request, kind: str) -> Response:
         async with await rec.post_upstream(path.lstrip("/"), dumps(up)) as resp:
             content = await resp.read()
             status, ctype = resp.status, resp.headers.get("content-type")
-    except asyncio.TimeoutError:
-        return err("the upstream server timed out", 504, stats, "upstream_timeouts", headers)
-    except aiohttp.ClientError as exc:
-        return err(f"the upstream server is unreachable: {redact(str(exc))}", 502, stats, "upstream_unreachable", headers)
+    except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+        return upstream_unavailable(exc, stats, headers)
     t2 = time.perf_counter()
     if status != 200:
         return upstream_error(status, content, ctype, headers, stats)
@@ -114,8 +113,8 @@ async def _proxy(request: Request, kind: str) -> Response:
     payload = dumps(answer)
     t3 = time.perf_counter()
     if await request.is_disconnected():  # the client gave up (a timeout): its retry is the call, not this
-        stats.inc(f"tenant.{tenant.name}.client_disconnected")
-        return err("the client disconnected before the answer", 499, stats, "client_disconnected", headers)
+        stats.count("client_disconnected", tenant=tenant.name)
+        return err("the client disconnected before the answer", 499, headers=headers)
     try:
         index = await rec.commit(caller.tid, row, reason, caller.attempt, tenant.name)
     except Exception as exc:  # the WAL failed: the client must not believe the call was recorded
@@ -143,10 +142,8 @@ async def models(request: Request) -> Response:
     try:
         async with rec.http.get(rec.upstream_url("v1/models")) as resp:
             return Response(await resp.read(), status_code=resp.status, media_type=resp.headers.get("content-type"))
-    except asyncio.TimeoutError:
-        return err("the upstream server timed out", 504, rec.stats, "upstream_timeouts")
-    except aiohttp.ClientError as exc:
-        return err(f"the upstream server is unreachable: {redact(str(exc))}", 502, rec.stats, "upstream_unreachable")
+    except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+        return upstream_unavailable(exc, rec.stats)
 
 
 async def feedback(request: Request) -> Response:
@@ -166,21 +163,20 @@ async def feedback(request: Request) -> Response:
         return err("`source` must be a non-empty string", 422, stats, "feedback_invalid")
     stored = tenant.stored_id(tid)  # a tenant names only its own trajectories
     if not rec.ingestor.known(stored):
-        stats.inc(f"tenant.{tenant.name}.feedback_unknown_trajectory")
-        return err(f"unknown trajectory {clip(tid)}: no call was recorded under it", 404, stats,
-                    "feedback_unknown_trajectory")
+        stats.count("feedback_unknown_trajectory", tenant=tenant.name)
+        return err(f"unknown trajectory {clip(tid)}: no call was recorded under it", 404)
     created, fut = rec.ingestor.commit_reward(stored, float(reward), source)
     try:
         await fut
     except Exception as exc:
         return err(f"the reward could not be recorded durably: {exc}", 503, stats, "commit_failures")
-    stats.add_many((("rewards_recorded", 1), (f"tenant.{tenant.name}.rewards_recorded", 1)))
+    stats.count("rewards_recorded", tenant=tenant.name)
     return JSONResponse({"trajectory_id": tid, "reward": float(reward), "source": source, "created_at_us": created})
 
 
 def _visible_counters(rec: Recorder, tenant: Tenant) -> tuple[dict, dict]:
     """(global counters, per-tenant counters) a tenant may see: an admin every tenant's, others their own."""
-    counters, tenants = {}, {}
+    counters, tenants = {"tokens_file_errors": rec.tenants.errors}, {}
     for name, v in rec.stats.as_dict().items():
         if name.startswith("tenant."):
             t, _, c = name[len("tenant."):].partition(".")
@@ -194,7 +190,6 @@ def _visible_counters(rec: Recorder, tenant: Tenant) -> tuple[dict, dict]:
 async def stats_route(request: Request) -> Response:
     rec: Recorder = request.app.state.recorder
     counters, tenants = _visible_counters(rec, tenant_of(request))
-    counters["tokens_file_errors"] = rec.tenants.errors
     return JSONResponse({"counters": counters, "tenants": tenants, "policy_version": rec.cfg.policy_version,
                          "upstream": redact(rec.cfg.upstream) if rec.cfg.upstream else f"follows {rec.cfg.follow}", "top_logprobs": rec.cfg.top_logprobs,
                          "tokenizer": rec.tokenizer_source or "none (token strings stay token_id:<id>; pass --tokenizer)",
@@ -204,7 +199,6 @@ async def stats_route(request: Request) -> Response:
 async def metrics(request: Request) -> Response:
     rec: Recorder = request.app.state.recorder
     counters, tenants = _visible_counters(rec, tenant_of(request))
-    counters["tokens_file_errors"] = rec.tenants.errors
     lines = []
     for name, value in counters.items():
         metric = "prodrl_recorder_" + re.sub(r"[^a-zA-Z0-9_]", "_", name)
@@ -245,7 +239,7 @@ class _BearerAuth:
                 return
             wait = self.tenants.admit(tenant)
             if wait > 0.0:
-                self.stats.add_many((("rate_limited", 1), (f"tenant.{tenant.name}.rate_limited", 1)))
+                self.stats.count("rate_limited", tenant=tenant.name)
                 resp = JSONResponse(error_body(f"tenant {tenant.name!r} is over its rate limit of "
                                                f"{tenant.requests_per_s:g} requests/s", 429), status_code=429,
                                     headers={"Retry-After": str(max(1, int(wait + 0.999)))})

@@ -73,6 +73,10 @@ class Stats:
             for name, n in items:
                 c[name] += n
 
+    def count(self, *names: str, tenant: str | None = None) -> None:
+        """``inc`` each name, and with a ``tenant`` its per-tenant twin ``tenant.<tenant>.<name>``."""
+        self.add_many([(n, 1) for n in names] + [(f"tenant.{tenant}.{n}", 1) for n in names if tenant])
+
     def get(self, name: str) -> int:
         with self._lock:
             return self._c[name]
@@ -119,8 +123,13 @@ class Attempt:
     retry: bool
 
 
-def _retraction(tid: str, index: int, created_us: int) -> dict:
-    return {"trajectory_id": tid, "call_index": int(index), "created_at": int(created_us)}
+def _retraction_of(entry: dict) -> dict | None:
+    """The store retraction a WAL entry carries (a retry superseding its earlier row), or None."""
+    if entry.get("supersedes") is None:
+        return None
+    at = entry["row"] if entry["kind"] == "call" else entry
+    return {"trajectory_id": at["trajectory_id"], "call_index": int(at["call_index"]),
+            "created_at": int(entry["supersedes"])}
 
 
 def _reward_key(tid: str, source: Any, created_us: int, reward: float) -> tuple:
@@ -220,13 +229,13 @@ class Ingestor:
                         continue
                     stored_calls.add(cid)
                     new_calls.append(row)
-                    if e.get("supersedes") is not None:
-                        new_retractions.append(_retraction(row["trajectory_id"], row["call_index"], e["supersedes"]))
+                    if (r := _retraction_of(e)) is not None:
+                        new_retractions.append(r)
                     self._see(row["trajectory_id"], int(row["call_index"]))
                 elif kind == "skip":
                     cid = call_id(e["trajectory_id"], e["call_index"])
-                    if e.get("supersedes") is not None:  # idempotent: written again whether or not it was
-                        new_retractions.append(_retraction(e["trajectory_id"], e["call_index"], e["supersedes"]))
+                    if (r := _retraction_of(e)) is not None:  # idempotent: written again whether or not it was
+                        new_retractions.append(r)
                     if cid in stored_skips:
                         counts["replay_duplicates"] += 1
                         continue
@@ -325,35 +334,35 @@ class Ingestor:
         if len(self._attempts) > MAX_ATTEMPTS:
             self._attempts.popitem(last=False)
 
+    def _commit(self, tid: str, attempt: Attempt | None, entry_at) -> tuple[int, Future, bool]:
+        """Take the call's index (a retry: its earlier attempt's), queue ``entry_at(index)`` with what
+        it supersedes, remember the attempt. Returns (call_index, durable future, retried)."""
+        with self._lock:
+            index, supersedes, retried = self._index_for(tid, attempt)
+            entry = entry_at(index)
+            if supersedes is not None:
+                entry["supersedes"] = supersedes
+            fut = self._submit(entry)
+            self._remember(tid, attempt, index, entry["row"]["created_at"] if entry["kind"] == "call" else None)
+        return index, fut, retried
+
     def commit_call(self, trajectory_id: str, row: dict, attempt: Attempt | None = None) -> tuple[int, Future, bool]:
         """Assign the call's index, queue its row; ``row`` gets trajectory_id, call_index and
         created_at (microseconds). A retry of an earlier attempt (``attempt.retry`` with the key of an
         attempt committed before) takes that attempt's index and supersedes its row. Returns
         (call_index, durable future, retried)."""
-        with self._lock:
-            index, supersedes, retried = self._index_for(trajectory_id, attempt)
-            row["trajectory_id"] = trajectory_id
-            row["call_index"] = index
-            row["created_at"] = now_us()
-            entry = {"kind": "call", "row": row}
-            if supersedes is not None:
-                entry["supersedes"] = supersedes
-            fut = self._submit(entry)
-            self._remember(trajectory_id, attempt, index, row["created_at"])
-        return index, fut, retried
+        def entry_at(index: int) -> dict:
+            row.update(trajectory_id=trajectory_id, call_index=index, created_at=now_us())
+            return {"kind": "call", "row": row}
+
+        return self._commit(trajectory_id, attempt, entry_at)
 
     def commit_skip(self, trajectory_id: str, reason: str, attempt: Attempt | None = None) -> tuple[int, Future, bool]:
         """An answered but unrecordable call: it takes an index (or, as a retry, its earlier
         attempt's, whose row it retracts), no row is stored."""
-        with self._lock:
-            index, supersedes, retried = self._index_for(trajectory_id, attempt)
-            entry = {"kind": "skip", "trajectory_id": trajectory_id, "call_index": index, "reason": reason,
-                     "created_at": now_us()}
-            if supersedes is not None:
-                entry["supersedes"] = supersedes
-            fut = self._submit(entry)
-            self._remember(trajectory_id, attempt, index, None)
-        return index, fut, retried
+        return self._commit(trajectory_id, attempt, lambda index: {
+            "kind": "skip", "trajectory_id": trajectory_id, "call_index": index, "reason": reason,
+            "created_at": now_us()})
 
     def commit_reward(self, trajectory_id: str, reward: float, source: str) -> tuple[int, Future]:
         created = now_us()
@@ -448,9 +457,7 @@ class Ingestor:
         calls = [e["row"] for e in item.entries if e["kind"] == "call"]
         rewards = [e["row"] for e in item.entries if e["kind"] == "reward"]
         skips = [e for e in item.entries if e["kind"] == "skip"]
-        retractions = [_retraction(e["row"]["trajectory_id"] if e["kind"] == "call" else e["trajectory_id"],
-                                   e["row"]["call_index"] if e["kind"] == "call" else e["call_index"], e["supersedes"])
-                       for e in item.entries if e.get("supersedes") is not None]
+        retractions = [r for e in item.entries if (r := _retraction_of(e)) is not None]
         if not item.entries:
             return
         self._write(calls, rewards, skips, retractions)

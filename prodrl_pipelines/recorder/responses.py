@@ -178,22 +178,29 @@ class ResponsesShape:
 
     # ------------------------------------------------------------------ the Response object
 
-    def _output(self, text: str, lps: list | None, tool_calls: list[dict], done: bool) -> list[dict]:
+    def _text_part(self, text: str, lps: list | None) -> dict:
+        part = {"type": "output_text", "text": text, "annotations": []}
+        if self.logprobs:
+            part["logprobs"] = lps or []
+        return part
+
+    def _message(self, text: str, lps: list | None) -> dict:
+        return {"type": "message", "id": self.msg_id, "status": "completed", "role": "assistant",
+                "content": [self._text_part(text, lps)]}
+
+    @staticmethod
+    def _function_calls(tool_calls: list[dict]) -> list[dict]:
         out = []
-        if text or not tool_calls:
-            part = {"type": "output_text", "text": text, "annotations": []}
-            if self.logprobs:
-                part["logprobs"] = lps or []
-            out.append({"type": "message", "id": self.msg_id, "status": "completed" if done else "in_progress",
-                        "role": "assistant", "content": [part]})
         for tc in tool_calls:
             fn = tc.get("function") or {}
             out.append({"type": "function_call", "id": "fc_" + str(tc.get("id", "")), "call_id": tc.get("id"),
                         "name": fn.get("name"), "arguments": fn.get("arguments") or "", "status": "completed"})
         return out
 
-    def response(self, output: list[dict], status: str, finish: str | None, usage: dict | None) -> dict:
+    def response(self, output: list[dict], finish: str | None, usage: dict | None, status: str | None = None) -> dict:
+        """The Response object; ``status`` defaults to what ``finish`` (the chat finish reason) means."""
         b = self.body
+        status = status or ("incomplete" if finish == "length" else "completed")
         return {
             "id": self.id, "object": "response", "created_at": self.created, "status": status, "model": self.model,
             "output": output, "error": None,
@@ -223,9 +230,9 @@ class ResponsesShape:
         choice = chat["choices"][0]
         msg = choice.get("message") or {}
         lp = choice.get("logprobs") or {}
-        finish = choice.get("finish_reason")
-        out = self._output(msg.get("content") or "", lp.get("content"), msg.get("tool_calls") or [], True)
-        return self.response(out, "incomplete" if finish == "length" else "completed", finish, usage)
+        text, calls = msg.get("content") or "", msg.get("tool_calls") or []
+        out = ([self._message(text, lp.get("content"))] if text or not calls else []) + self._function_calls(calls)
+        return self.response(out, choice.get("finish_reason"), usage)
 
     # ------------------------------------------------------------------ streamed
 
@@ -235,8 +242,8 @@ class ResponsesShape:
         return f"event: {kind}\ndata: ".encode() + json.dumps(ev, separators=(",", ":")).encode() + b"\n\n"
 
     def start_events(self) -> Iterator[bytes]:
-        yield self._event("response.created", response=self.response([], "in_progress", None, None))
-        yield self._event("response.in_progress", response=self.response([], "in_progress", None, None))
+        yield self._event("response.created", response=self.response([], None, None, "in_progress"))
+        yield self._event("response.in_progress", response=self.response([], None, None, "in_progress"))
         item = {"type": "message", "id": self.msg_id, "status": "in_progress", "role": "assistant", "content": []}
         yield self._event("response.output_item.added", output_index=0, item=item)
         yield self._event("response.content_part.added", item_id=self.msg_id, output_index=0, content_index=0,
@@ -266,24 +273,18 @@ class ResponsesShape:
 
     def end_events(self, finish: str | None, usage: dict | None) -> Iterator[bytes]:
         text = "".join(self.text)
-        part = {"type": "output_text", "text": text, "annotations": []}
-        if self.logprobs:
-            part["logprobs"] = self.lps
         yield self._event("response.output_text.done", item_id=self.msg_id, output_index=0, content_index=0, text=text,
                           **({"logprobs": self.lps} if self.logprobs else {}))
-        yield self._event("response.content_part.done", item_id=self.msg_id, output_index=0, content_index=0, part=part)
-        calls = [self.tool_calls[i] for i in sorted(self.tool_calls)]
-        output = self._output(text, self.lps, calls, True)
-        if not (text or not calls):  # only tool calls: the message item opened at the start stays, empty
-            output.insert(0, {"type": "message", "id": self.msg_id, "status": "completed", "role": "assistant",
-                              "content": [part]})
+        yield self._event("response.content_part.done", item_id=self.msg_id, output_index=0, content_index=0,
+                          part=self._text_part(text, self.lps))
+        # the message item opened at the start stays, even when the answer is tool calls only
+        output = [self._message(text, self.lps)] + self._function_calls([self.tool_calls[i] for i in sorted(self.tool_calls)])
         yield self._event("response.output_item.done", output_index=0, item=output[0])
         for i, item in enumerate(output[1:], start=1):
             yield self._event("response.output_item.added", output_index=i, item={**item, "status": "in_progress"})
             yield self._event("response.output_item.done", output_index=i, item=item)
-        status = "incomplete" if finish == "length" else "completed"
-        yield self._event("response.incomplete" if status == "incomplete" else "response.completed",
-                          response=self.response(output, status, finish, usage))
+        done = self.response(output, finish, usage)
+        yield self._event(f"response.{done['status']}", response=done)
 
     def error_event(self, message: str, code: int) -> bytes:
         return self._event("error", code=str(code), message=message, param=None)

@@ -487,5 +487,5 @@ class Recorder:
         await fut
         if retried:
             counters.append("retried_calls")
-        self.stats.add_many([(c, 1) for c in counters] + [(f"tenant.{tenant}.{c}", 1) for c in counters if tenant])
+        self.stats.count(*counters, tenant=tenant)
         return index

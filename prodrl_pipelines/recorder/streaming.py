@@ -13,7 +13,7 @@ from starlette.responses import Response, StreamingResponse
 from prodrl_pipelines.engines.openai_protocol import SSE_DONE, error_body, sse
 from prodrl_pipelines.preflight import redact
 from prodrl_pipelines.recorder.answers import Rewriter, StreamAccumulator
-from prodrl_pipelines.recorder.calls import UPSTREAM_SHAPE_ERRORS, Caller, dumps, err, n_up, upstream_error
+from prodrl_pipelines.recorder.calls import UPSTREAM_SHAPE_ERRORS, Caller, dumps, n_up, upstream_error, upstream_unavailable
 from prodrl_pipelines.recorder.requests import Unrecordable
 from prodrl_pipelines.recorder.responses import ResponsesShape
 from prodrl_pipelines.recorder.service import Recorder
@@ -27,10 +27,8 @@ async def proxy_stream(rec: Recorder, kind, path, up, ask, reason, caller: Calle
     assert rec.http is not None
     try:
         resp = await rec.post_upstream(path.lstrip("/"), dumps(up), rec.stream_timeout)
-    except asyncio.TimeoutError:
-        return err("the upstream server timed out", 504, stats, "upstream_timeouts", headers)
-    except aiohttp.ClientError as exc:
-        return err(f"the upstream server is unreachable: {redact(str(exc))}", 502, stats, "upstream_unreachable", headers)
+    except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
+        return upstream_unavailable(exc, stats, headers)
     if resp.status != 200:
         try:
             content = await resp.read()

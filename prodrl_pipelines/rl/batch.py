@@ -19,7 +19,6 @@ from prodrl_pipelines.trajectories.schema import UNTRAINED_COLUMN
 HEAD_FLOOR = -9000.0
 
 
-
 @dataclass
 class Call:
     prompt_ids: list[int]

@@ -88,7 +88,8 @@ def full_gather_logprobs(hidden, weight, ids, temperature) -> torch.Tensor:
 
 class PolicyLogprobs(nn.Module):
     """The trainer's log-prob computation as one module's forward: the decoder's final hidden states
-    at the generated positions, projected on the vocabulary in chunks and gathered at ``ids``. FSDP2
+    at the generated positions only (prompt positions cost no vocabulary matmul), projected on the
+    vocabulary in chunks and gathered at ``ids``. FSDP2
     shards this module as its root, so the root's parameters (embeddings, final norm, lm_head) are
     gathered around exactly this computation."""
 
@@ -106,25 +107,21 @@ class PolicyLogprobs(nn.Module):
         return gather_logprobs(h, self.policy.lm_head.weight, ids, temperature, chunk)
 
 
-def generated_hidden_states(model, batch: PackedBatch) -> torch.Tensor:
-    """Final hidden states at the positions that predict generated tokens: [G, H].
-
-    Only these rows are projected onto the vocabulary, so prompt positions cost no vocab matmul.
-    """
-    out = model.model(input_ids=batch.input_ids, attention_mask=batch.attention_mask, use_cache=False)
-    return out.last_hidden_state[batch.gen_row, batch.gen_pos]
+def _gathered(model, batch: PackedBatch, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+    """log pi at ``ids`` [G, M] for every generated position: through the model itself when it is a
+    (sharded) ``PolicyLogprobs``, else through one wrapped around it."""
+    runner = model if isinstance(model, PolicyLogprobs) else PolicyLogprobs(model)
+    return runner(batch.input_ids, batch.attention_mask, batch.gen_row, batch.gen_pos, ids, batch.temperature, chunk)
 
 
 def policy_logprobs(model, batch: PackedBatch, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
     """[G, 1+K+1]: column 0 = log pi(a|h) of the sampled token, columns 1..K = log pi over the
     recorded head ids (padding entries point at the sampled token; mask with ``batch.head_mask``),
     column K+1 = log pi(a') of the recorded extra draw (the sampled token where none was recorded)."""
-    runner = model if isinstance(model, PolicyLogprobs) else PolicyLogprobs(model)
     ids = torch.cat([batch.targets[:, None], batch.head_ids, batch.extra_ids[:, None]], dim=1)
-    return runner(batch.input_ids, batch.attention_mask, batch.gen_row, batch.gen_pos, ids, batch.temperature, chunk)
+    return _gathered(model, batch, ids, chunk)
 
 
 def token_logprobs(model, batch: PackedBatch, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
     """log pi(a|h) = log_softmax(z / tau)[a] for every generated token: [G]."""
-    h = generated_hidden_states(model, batch)
-    return gather_logprobs(h, model.lm_head.weight, batch.targets[:, None], batch.temperature, chunk)[:, 0]
+    return _gathered(model, batch, batch.targets[:, None], chunk)[:, 0]

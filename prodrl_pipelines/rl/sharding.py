@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 __all__ = ["shard_policy", "checkpoint_activations", "full_model_state", "full_optimizer_state", "load_full_optimizer_state", "decoder_layers",
-           "save_sharded_state", "load_sharded_state"]
+           "save_sharded_state", "load_sharded_state", "remove_sharded_state"]
 
 
 def decoder_layers(policy: nn.Module) -> list[nn.Module]:
@@ -132,6 +132,15 @@ def save_sharded_state(path: Path, root, optimizer: torch.optim.Optimizer, meta:
         os.replace(tmp, path)
         shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
+
+
+def remove_sharded_state(path: Path) -> None:
+    """Remove ``save_sharded_state``'s directory once every rank is past its last read of it."""
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 0:
+        shutil.rmtree(path, ignore_errors=True)
 
 
 def load_sharded_state(path: Path, root, optimizer: torch.optim.Optimizer, fingerprint: str) -> dict | None:

@@ -153,7 +153,7 @@ def _resume(path: Path, fingerprint: str, model, optimizer, state: TrainerState,
 
 
 def train_step(model, optimizer, b: PackedBatch, old_all: torch.Tensor, ref_all: torch.Tensor | None,
-               recipe: Recipe, cparams, grad_sync: Callable[[torch.nn.Module], None] | None = None) -> dict[str, float]:
+               recipe: Recipe, cparams) -> dict[str, float]:
     """One Adam step on one minibatch: loss = -J + beta * KL; returns the step's diagnostics."""
     t0 = time.perf_counter()
     lp_all = policy_logprobs(model, b, recipe.logprob_chunk)
@@ -162,9 +162,7 @@ def train_step(model, optimizer, b: PackedBatch, old_all: torch.Tensor, ref_all:
     kl = kl_penalty(terms, b.weight)
     loss = -objective + recipe.kl_beta * kl if recipe.kl_beta > 0 else -objective
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()
-    if grad_sync is not None:
-        grad_sync(model)
+    loss.backward()  # sharded (FSDP2): the gradients are reduce-scattered as a sum here
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)  # sharded: a DTensor
     optimizer.step()
@@ -240,7 +238,6 @@ def train_round(
     resume_path: Path | None = None,
     rank: int = 0,
     world_size: int = 1,
-    grad_sync: Callable[[torch.nn.Module], None] | None = None,
     behavior_steps: Mapping[str, int] | None = None,
 ) -> RoundResult:
     """S Adam steps, minibatch s = trajs[plan[s]], with precomputed advantages ``adv_all``.
@@ -254,9 +251,9 @@ def train_round(
     ``resume_path``: in-round checkpoint file, written atomically every ``recipe.checkpoint_every``
     steps; when it exists (same plan), training resumes after its last step and ends with the same
     weights as an uninterrupted run. pi_k is always recomputed from the round-start weights.
-    ``rank``/``world_size``/``grad_sync``: data parallel; this process packs trajectories
-    ``mb[rank::world_size]`` of every minibatch with the global B in the token weights, and
-    ``grad_sync`` must all-reduce (sum) the gradients, so every rank takes the same Adam step.
+    ``rank``/``world_size``: data parallel; this process packs trajectories ``mb[rank::world_size]``
+    of every minibatch with the global B in the token weights, and ``model`` (sharded with
+    ``rl.sharding.shard_policy``) sums the gradients over the ranks, so the step is one process's.
     """
     torch.manual_seed(round_seed)
     adv_all = np.asarray(adv_all, dtype=np.float64)
@@ -307,7 +304,7 @@ def train_round(
                 on_step(state.global_step, result.steps[-1])
             continue
         metrics = {**base, **train_step(model, optimizer, b, old_all[s], None if ref_all is None else ref_all[s],
-                                        recipe, cparams, grad_sync)}
+                                        recipe, cparams)}
         state.global_step += 1
         result.steps.append(metrics)
         if on_step is not None:
