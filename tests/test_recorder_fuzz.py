@@ -443,7 +443,11 @@ HEADER_VALUES = st.one_of(
     HEADER_TEXT, HEADER_BYTES, st.sampled_from(["", ".", "..", "a/b", "/", "%2F..%2F", "v" * 200, "v" * 201,
                                                 "t" * 256, "t" * 257, "k" * 1024, "k" * 1025]),
     st.text(max_size=20).map(lambda s: _header_bytes(s.encode("utf-8"))))
-LONG_HEADER_VALUES = st.integers(1, 100_000).map(lambda n: "v" * n)
+# Below the test server's own header limit (uvicorn's h11 buffers at most 16 KiB of an incomplete
+# request head; past it, whether the head arrives in one read or two decides between the app's JSON
+# error and h11's plain 400, so larger values made this test flaky under load). The recorder's own
+# limits (256, 200, 1024 characters) are far inside it.
+LONG_HEADER_VALUES = st.integers(1, 12_000).map(lambda n: "v" * n)
 X_HEADERS = st.one_of(st.just({}), st.sampled_from([{"X-Trajectory-Id": "t-1"}, {"X-Trajectory-Id": KNOWN_TID}]),
                       st.fixed_dictionaries({}, optional={
     "X-Trajectory-Id": st.one_of(st.sampled_from(["t-1", "t-2", KNOWN_TID]), HEADER_VALUES),

@@ -162,8 +162,9 @@ def test_a_retry_of_the_same_call_replaces_it_instead_of_appending(fake, start_r
     # keys are per trajectory
     other = r.http.post("/v1/completions", json=BODY, headers={"X-Trajectory-Id": "other", "Idempotency-Key": "k-1"})
     assert other.headers["x-call-index"] == "0"
-    bad = r.http.post("/v1/completions", json=BODY, headers={**h, "x-stainless-retry-count": "many"})
-    assert bad.status_code == 400 and "x-stainless-retry-count" in bad.json()["error"]["message"]
+    for count in ("many", b"\xb9"):  # b"\xb9" is "¹" in latin-1: a digit to str.isdigit, not to int()
+        bad = r.http.post("/v1/completions", json=BODY, headers={**h, "x-stainless-retry-count": count})
+        assert bad.status_code == 400 and "x-stainless-retry-count" in bad.json()["error"]["message"]
 
     calls = r.store().read_calls().to_pylist()
     agent = sorted((c["call_index"], c["output_token_ids"]) for c in calls if c["trajectory_id"] == "agent")

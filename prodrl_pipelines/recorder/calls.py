@@ -158,7 +158,7 @@ def attempt_of(request: Request, raw: bytes) -> Attempt | None:
     count = request.headers.get("x-stainless-retry-count")
     if count is None:
         return None
-    if not count.isdigit() or len(count) > 6:
+    if not (count.isascii() and count.isdigit()) or len(count) > 6:  # isdigit alone takes "¹", which int() refuses
         raise ProtocolError(f"x-stainless-retry-count must be a small non-negative integer, got {clip(count)}")
     return Attempt("body:" + hashlib.blake2b(raw, digest_size=16).hexdigest(), retry=int(count) > 0)
 
