@@ -61,9 +61,13 @@ def select_data(svc: Services, rkey: str) -> dict:
     if s.recipe.replay == "retokenized":
         from transformers import AutoTokenizer
 
+        from prodrl_pipelines.engines.reply_parsers import get_reply_parser
         from prodrl_pipelines.trajectories.retokenize import retokenize_calls
 
-        ds, rstats = retokenize_calls(ds, AutoTokenizer.from_pretrained(live.checkpoint_dir))
+        # the naive pipeline keeps the API's messages: the deployment's reply parser (the suite's)
+        parser = getattr(svc.suite, "reply_parser", None) or "none"
+        ds, rstats = retokenize_calls(ds, AutoTokenizer.from_pretrained(live.checkpoint_dir),
+                                      parse_reply=None if parser == "none" else get_reply_parser(parser))
         replay_stats.update(rstats.as_dict())
     _put_table(svc.blobs, keys.dataset(rkey), ds)
     rewards = np.asarray(ds.group_by("trajectory_id").aggregate([("reward", "max")])["reward_max"])

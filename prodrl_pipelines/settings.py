@@ -107,7 +107,8 @@ class LabSettings(BaseModel):
     size: str = "demo"
     seed: int = 0
     sft_steps: int | None = None
-    task: Literal["arithmetic", "chess"] = "arithmetic"  # the lab task environment (lab/tasks.py)
+    # the lab task environment (lab/tasks.py); arithmetic_tools: the arithmetic in production text
+    task: Literal["arithmetic", "chess", "arithmetic_tools"] = "arithmetic"
 
 
 class Settings(BaseModel):

@@ -215,7 +215,7 @@ def test_prompts_and_tool_calls_fit_the_lab_context(tok, heldout):
 def test_task_registry_and_settings():
     from prodrl_pipelines.resources.settings import ProdRLSettings
 
-    assert set(TASKS) == {"arithmetic", "chess"} and get_task("chess") is CHESS and get_task(CHESS) is CHESS
+    assert set(TASKS) == {"arithmetic", "chess", "arithmetic_tools"} and get_task("chess") is CHESS and get_task(CHESS) is CHESS
     with pytest.raises(ValueError, match="unknown lab task 'go'; valid tasks: arithmetic, chess"):
         get_task("go")
     # arithmetic is the original module, unchanged

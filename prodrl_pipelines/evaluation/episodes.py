@@ -2,8 +2,9 @@
 
 Every model call is rendered as a chat server would render it: the model's chat template applied to
 the conversation so far (with the suite's tool schemas) and ``add_generation_prompt=True``, then
-tokenized. The assistant message fed back into the next turn is the decoded output without its stop
-token. Stop tokens come from the model (its tokenizer's eos token and ``generation_config.json``),
+tokenized. The assistant message fed back into the next turn is what the chat server returns for
+the decoded output without its stop token: the suite's ``reply_parser`` (``engines.reply_parsers``;
+``none``: the text as content, ``qwen3``: reasoning and tool calls split out, as vLLM's parsers do). Stop tokens come from the model (its tokenizer's eos token and ``generation_config.json``),
 never from a literal.
 
 A reward function that raises scores that episode as failed (reward 0) and records the error, so
@@ -20,6 +21,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 from typing import Protocol
 
+from prodrl_pipelines.engines.reply_parsers import get_reply_parser
 from prodrl_pipelines.engines.types import CallRecord, SamplingParams
 
 
@@ -103,6 +105,7 @@ def play_episodes(engine: Engine, tokenizer, suite, tasks: list, params: Samplin
     params = with_stop_tokens(params, stops if stops is not None else stop_token_ids(tokenizer))
     traj_ids = trajectory_ids(policy_version, seed, len(tasks))
     tools = getattr(suite, "tools", None)
+    parse_reply = get_reply_parser(getattr(suite, "reply_parser", None) or "none")
     messages = [suite.initial_messages(t) for t in tasks]
     calls: list[list[PlayedCall]] = [[] for _ in tasks]
     active = list(range(len(tasks)))
@@ -117,10 +120,10 @@ def play_episodes(engine: Engine, tokenizer, suite, tasks: list, params: Samplin
         for i, (ptext, pids), rec in zip(active, rendered, records):
             content = assistant_content(tokenizer, rec.output_token_ids, params.stop_token_ids)
             calls[i].append(PlayedCall(ptext, list(pids), rec, content, now))
-            messages[i].append({"role": "assistant", "content": content})
+            messages[i].append(parse_reply(content))
             reply = suite.env_reply(tasks[i], turn, content)
-            if reply is not None:
-                messages[i].append(reply)
+            if reply is not None:  # one message (a user turn, a tool result) or a list of them
+                messages[i].extend(reply if isinstance(reply, list) else [reply])
                 still.append(i)
         active = still
         turn += 1

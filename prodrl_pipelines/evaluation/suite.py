@@ -6,10 +6,13 @@ A suite hands out held-out tasks and plays the environment between model calls:
   candidate's and the live policy's rewards task by task); each has a ``task_id``;
 - ``initial_messages(task)``: the chat messages of the first model call;
 - ``env_reply(task, turn, content)``: after assistant turn ``turn`` (0-based) answered ``content``,
-  the next message (a user turn, or a ``{"role": "tool", ...}`` result), or None when the episode ends;
+  the next message (a user turn, or a ``{"role": "tool", ...}`` result) or a list of them, or None
+  when the episode ends;
 - ``reward(task, assistant_texts)``: the episode's reward (a float; [0, 1] is usual, not required);
 - ``tools``: tool schemas for the chat template (or None); ``name``; ``min_max_tokens``: the
   smallest ``max_tokens`` an answer fits in (checked against the settings at load time).
+- ``reply_parser`` (optional, default ``none``): how the deployment's chat server turns the model's
+  text into the assistant message the harness keeps (``engines.reply_parsers``).
 
 Optional: ``calibration_messages(n, seed)``: prompts for W4A4 activation calibration (default:
 the held-out tasks' first messages).
@@ -30,7 +33,7 @@ class EvalSuite(Protocol):
 
     def initial_messages(self, task) -> list[dict]: ...
 
-    def env_reply(self, task, turn: int, content: str) -> dict | None: ...
+    def env_reply(self, task, turn: int, content: str) -> dict | list[dict] | None: ...
 
     def reward(self, task, assistant_texts: list[str]) -> float: ...
 

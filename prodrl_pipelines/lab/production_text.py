@@ -1,6 +1,6 @@
 """Text that behaves like production text: a byte-level BPE tokenizer with real merges and a chat
 template in the style of Qwen3's. The pieces the lab needs to reproduce why retokenized traces
-differ from recorded ones (DESIGN.md s.9); not wired into the lab tasks yet.
+differ from recorded ones (DESIGN.md s.9); the lab task ``arithmetic_tools`` speaks this text.
 
 * ``build_byte_bpe_tokenizer``: byte-level BPE (GPT-2/Qwen style pre-tokenization: every byte has a
   token, merges learn multi-digit numbers, words with and without their leading space, JSON

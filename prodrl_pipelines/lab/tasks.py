@@ -23,6 +23,9 @@ class TaskEnv:
     ``sft``: per lab size, overrides of ``warmstart.SFT_DEFAULTS`` for this task.
     ``tools``: tool schemas handed to the chat template (a real model's template renders them; the
     lab template ignores them, so they cost the lab model no context).
+    ``reply_parser``: what the chat server makes of a reply (``engines.reply_parsers``).
+    ``build_tokenizer``: the task's own tokenizer and template (None: ``tokenizer.build_tokenizer``'s
+    plain BPE and ChatML template).
     """
 
     name: str
@@ -39,6 +42,8 @@ class TaskEnv:
     tokenizer_vocab_size: int | None = None  # None: tokenizer.DEFAULT_VOCAB_SIZE
     sft: dict[str, dict] = field(default_factory=dict)
     tools: tuple[dict, ...] | None = None
+    reply_parser: str = "none"
+    build_tokenizer: Callable[[], object] | None = None
 
     def calibration_messages(self, n: int, seed: int) -> list[list[dict]]:
         """W4A4 calibration prompts: training tasks, not held-out ones (``evaluation.suite``)."""
@@ -83,7 +88,30 @@ def _chess() -> TaskEnv:
     )
 
 
-_FACTORIES: dict[str, Callable[[], TaskEnv]] = {"arithmetic": lambda: ARITHMETIC, "chess": _chess}
+def _arithmetic_tools() -> TaskEnv:
+    from prodrl_pipelines.lab import arithmetic_tools as at
+
+    return TaskEnv(
+        name="arithmetic_tools",
+        generate_tasks=arithmetic.generate_tasks,
+        heldout_tasks=lambda n: arithmetic.heldout_tasks(n),
+        initial_messages=at.initial_messages,
+        env_reply=at.env_reply,
+        reward=at.reward,
+        reference_messages=at.reference_messages,
+        noisy_messages=at.noisy_messages,
+        corpus_text=at.corpus_text,
+        reward_source="lab/arithmetic_tools",
+        min_max_tokens=at.MIN_MAX_TOKENS,
+        sft={"tiny": dict(steps=30), "demo": dict(compact_noise=at.COMPACT_NOISE)},
+        tools=(at.ANSWER_TOOL,),
+        reply_parser="qwen3",
+        build_tokenizer=at.build_tokenizer,
+    )
+
+
+_FACTORIES: dict[str, Callable[[], TaskEnv]] = {"arithmetic": lambda: ARITHMETIC, "chess": _chess,
+                                                 "arithmetic_tools": _arithmetic_tools}
 _BUILT: dict[str, TaskEnv] = {}
 
 

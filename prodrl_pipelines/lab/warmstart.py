@@ -24,6 +24,7 @@ from pathlib import Path
 import torch
 from tqdm.auto import tqdm
 
+from prodrl_pipelines.evaluation.episodes import render_prompt
 from prodrl_pipelines.lab.model import build_model, lab_model_config
 from prodrl_pipelines.lab.tasks import ARITHMETIC, TaskEnv, get_task
 from prodrl_pipelines.lab.tokenizer import IM_END, IM_START, build_tokenizer
@@ -74,8 +75,35 @@ class _Encoder:
         return ids, labels
 
 
+class _CallEncoder:
+    """One example per model call, rendered as the server renders it: the chat template applied to
+    the history the harness keeps (earlier replies as the server parsed them), then the reply's own
+    text and ``<|im_end|>`` as the labels. For templates that rewrite history (production text)."""
+
+    def __init__(self, tokenizer, env: TaskEnv) -> None:
+        from prodrl_pipelines.engines.reply_parsers import get_reply_parser
+
+        self.tok, self.env, self.parse = tokenizer, env, get_reply_parser(env.reply_parser)
+        self.im_end = int(tokenizer.convert_tokens_to_ids(IM_END))
+
+    def encode_calls(self, messages: list[dict]) -> list[tuple[list[int], list[int]]]:
+        out, history = [], []
+        for m in messages:
+            if m["role"] == "assistant":
+                _, prompt = render_prompt(self.tok, history, self.env.tools)
+                body = list(self.tok.encode(m["content"], add_special_tokens=False)) + [self.im_end]
+                out.append((prompt + body, [IGNORE_INDEX] * len(prompt) + body))
+                history.append(self.parse(m["content"]))
+            else:
+                history.append(m)
+        return out
+
+
 def sft_example(tokenizer, task, env: TaskEnv = ARITHMETIC) -> tuple[list[int], list[int]]:
-    """The supervised example of one task: its correct transcript and the assistant-token labels."""
+    """The supervised example of one task: its correct transcript and the assistant-token labels
+    (for a task in production text, the example of its last call)."""
+    if env.reply_parser != "none":
+        return _CallEncoder(tokenizer, env).encode_calls(env.reference_messages(task))[-1]
     return _Encoder(tokenizer).encode(env.reference_messages(task))
 
 
@@ -113,17 +141,24 @@ def warm_start(
     format_noise: float = 0.0,
     progress: bool = True,
     env: TaskEnv = ARITHMETIC,
+    **noise: float,
 ) -> dict:
     """Supervised fine-tuning on correct transcripts of ``tasks``, loss on assistant tokens only.
 
     AdamW (weight decay 0.01), linear warmup + cosine decay to 10% of ``lr``, grad-norm clip 1.0;
     each step draws ``batch_size`` tasks from ``tasks`` with an RNG seeded by ``seed``. Transcripts
-    come from ``env.noisy_messages`` (exact when both noise rates are 0). Returns metrics
+    come from ``env.noisy_messages`` (exact when the noise rates are 0; ``noise``: the task's own
+    further rates). A task in production text trains one example per call (``_CallEncoder``). Returns metrics
     (``loss_first``, ``loss_last`` averaged over the last 10 steps, ``seconds``, ``tokens``).
     """
-    enc = _Encoder(tokenizer)
     rng = random.Random(f"warm_start:{seed}")
-    examples = [enc.encode(env.noisy_messages(t, rng, answer_noise, format_noise)) for t in tasks]
+    transcripts = [env.noisy_messages(t, rng, answer_noise, format_noise, **noise) for t in tasks]
+    if env.reply_parser != "none":
+        calls = _CallEncoder(tokenizer, env)
+        examples = [ex for tr in transcripts for ex in calls.encode_calls(tr)]
+    else:
+        enc = _Encoder(tokenizer)
+        examples = [enc.encode(tr) for tr in transcripts]
     pad_id = int(tokenizer.pad_token_id)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     warmup = max(1, min(20, steps // 10))
@@ -217,6 +252,7 @@ def _build(out: Path, size: str, seed: int, steps: int, cfg: dict, progress: boo
             model, tok, tasks, steps=steps, batch_size=cfg["batch_size"], lr=cfg["lr"], seed=seed,
             answer_noise=cfg.get("answer_noise", 0.0), format_noise=cfg.get("format_noise", 0.0),
             progress=progress, env=env,
+            **{k: v for k, v in cfg.items() if k.endswith("_noise") and k not in ("answer_noise", "format_noise")},
         )
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)

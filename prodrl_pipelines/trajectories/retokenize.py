@@ -12,6 +12,12 @@ round's dataset, so a round can be trained both ways and the difference measured
 * output: ``tokenizer.encode(output_text) + [eos]`` -- the naive pipeline appends eos even where the
   engine stopped on another token or was cut off by ``max_tokens``.
 
+With a ``parse_reply`` (``engines.reply_parsers``: the deployment's reasoning and tool-call parsers)
+the naive pipeline keeps what the API returned, not the text: every assistant message, earlier ones
+in the prompt and the call's own output, is the parsed message (reasoning, content, tool calls with
+server-serialised arguments), and the output is that message rendered by the chat template as the
+conversation's last turn -- the structured-JSON trace run through the chat processor.
+
 Wherever the recorded ids were not the canonical tokenization of their text (the model sampled
 ``t`` ``hen`` instead of ``then``, the server fed the sampled ids back rather than re-rendered text,
 the template rewrites history, a different stop token...) the rebuilt ids differ.
@@ -37,6 +43,8 @@ import numpy as np
 import pyarrow as pa
 
 from prodrl_pipelines.trajectories.schema import UNTRAINED_COLUMN
+
+ReplyParser = Callable[[str], dict]
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
@@ -136,8 +144,22 @@ def _set_column(table: pa.Table, name: str, values: list, dtype: pa.DataType) ->
     return table.append_column(pa.field(name, dtype), arr)
 
 
+def render_reply(tokenizer, messages: list[dict], reply: dict) -> str | None:
+    """The text the chat template gives ``reply`` as the turn after ``messages``: what follows the
+    generation prompt, without the closing ``<|im_end|>``. None when rendering the reply changes the
+    text before it (a template that is not prefix-stable there)."""
+    head = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    full = tokenizer.apply_chat_template(messages + [reply], tokenize=False)
+    if not full.startswith(head):
+        return None
+    body = full[len(head):]
+    end = body.rfind(IM_END)
+    return body[:end] if end >= 0 else body
+
+
 def retokenize_calls(
-    table: pa.Table, tokenizer, *, parse_messages: MessageParser = parse_chatml
+    table: pa.Table, tokenizer, *, parse_messages: MessageParser = parse_chatml,
+    parse_reply: ReplyParser | None = None,
 ) -> tuple[pa.Table, RetokenizeStats]:
     """The table with every call's ids rebuilt from its texts (module docstring), and the counts.
 
@@ -186,14 +208,21 @@ def retokenize_calls(
                 raise ValueError(f"retokenize_calls: call {tid}#{cols['call_index'][r]} has no prompt_text/output_text; "
                                  "the retokenized baseline rebuilds ids from the texts")
             parsed = parse_messages(ptext, earlier)
+            messages = None
             if parsed is None:
                 stats.prompt_unparsed += 1
                 prompt_ids = encode(ptext)
             else:
                 messages, gen = parsed
+                if parse_reply is not None:
+                    messages = [parse_reply(m["content"]) if m["role"] == "assistant" else m for m in messages]
                 rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=gen, tokenize=False)
                 prompt_ids = encode(rendered)
-            out_ids = encode(otext) + [int(eos)]
+            body = otext
+            if parse_reply is not None and messages is not None:
+                body = render_reply(tokenizer, messages, parse_reply(otext))
+                body = otext if body is None else body
+            out_ids = encode(body) + [int(eos)]
             earlier.append(otext)
 
             rec_prompt = [int(t) for t in (cols["prompt_token_ids"][r] or [])]

@@ -1,0 +1,128 @@
+"""The arithmetic task in production text: short reasoning, answers through a tool (DESIGN.md s.9).
+
+The same tasks, held-out split and per-turn judging as ``arithmetic``; what changes is the text. The
+model thinks briefly and submits each running value with the ``answer`` tool; the harness keeps the
+server's parsed message (``engines.reply_parsers.parse_qwen3``) and the Qwen3-style template of
+``production_text`` renders it on the next call::
+
+    user:      12+7
+    assistant: <think>\\n12+7\\n</think>\\n\\n<tool_call>\\n{"name": "answer", "arguments": {"value": 19}}\\n</tool_call>
+    tool:      ok
+    user:      then -3
+    assistant: <think>\\n19-3\\n</think>\\n\\n<tool_call>\\n...{"value": 16}}\\n</tool_call>
+
+So a multi-turn episode exercises what makes production text hard to rebuild: earlier reasoning is
+dropped from the history, a call written compactly (``{"name":"answer",...}``) comes back
+re-serialised by the server and the template, and the byte-level BPE merges a number with or
+without its leading space into different tokens.
+
+The verifier takes the value of an ``answer`` call (compact or spaced JSON alike); an answer written
+as plain text is wrong for that turn. The sloppy demonstrator of the warm start does that with
+probability ``format_noise`` (the habit RL removes, as ``=12`` in the plain task) and writes the
+call compactly with probability ``compact_noise`` (harmless to the reward, not to a retokenizer).
+"""
+
+from __future__ import annotations
+
+import json
+import random
+
+from prodrl_pipelines.engines.reply_parsers import parse_qwen3
+from prodrl_pipelines.lab import arithmetic
+from prodrl_pipelines.lab.arithmetic import ArithmeticTask, apply_op, generate_tasks, heldout_tasks  # noqa: F401
+
+TOOL_NAME = "answer"
+ANSWER_TOOL = {"type": "function", "function": {
+    "name": TOOL_NAME, "description": "Submit the running value.",
+    "parameters": {"type": "object", "properties": {"value": {"type": "integer"}}, "required": ["value"]}}}
+TOOL_RESULT = "ok"
+COMPACT_NOISE = 0.3  # the demo demonstrator's share of compactly written calls
+MIN_MAX_TOKENS = 40  # the longest reference reply is ~26 tokens with <|im_end|> (measured); margin for split numbers
+
+
+def initial_messages(task: ArithmeticTask) -> list[dict]:
+    return arithmetic.initial_messages(task)
+
+
+def env_reply(task: ArithmeticTask, turn: int, assistant_text: str) -> list[dict] | None:
+    """After turn ``turn``: the tool's result (when the model called it) and the next operation."""
+    if turn + 1 >= task.n_turns:
+        return None
+    out = [{"role": "tool", "content": TOOL_RESULT}] if parse_qwen3(assistant_text).get("tool_calls") else []
+    return out + [{"role": "user", "content": task.prompt(turn + 1)}]
+
+
+def parse_answer(text: str) -> int | None:
+    """The integer ``value`` of the reply's single ``answer`` call, else None."""
+    calls = parse_qwen3(text).get("tool_calls") or []
+    if len(calls) != 1 or calls[0]["function"]["name"] != TOOL_NAME:
+        return None
+    value = json.loads(calls[0]["function"]["arguments"]).get("value")
+    return value if isinstance(value, int) and not isinstance(value, bool) else None
+
+
+def reward(task: ArithmeticTask, assistant_texts: list[str]) -> float:
+    """Fraction of turns answered correctly, each judged as in ``arithmetic`` (against the model's
+    own previous answer), the answer read from the tool call."""
+    truth = task.true_values()
+    prev, ok = task.numbers[0], 0
+    for turn in range(task.n_turns):
+        expected = apply_op(prev, task.ops[turn], task.numbers[turn + 1])
+        got = parse_answer(assistant_texts[turn]) if turn < len(assistant_texts) else None
+        ok += got is not None and got == expected
+        prev = got if got is not None else truth[turn]
+    return ok / task.n_turns
+
+
+def reply_text(prev: int, op: str, x: int, value: int, *, compact: bool = False, plain: bool = False) -> str:
+    """A demonstrated reply: the reasoning, then the call (spaced as the template writes it, or compact)."""
+    think = f"<think>\n{prev}{op}{x}\n</think>\n\n"
+    if plain:
+        return think + str(value)
+    sep = (",", ":") if compact else (", ", ": ")
+    call = json.dumps({"name": TOOL_NAME, "arguments": {"value": value}}, separators=sep)
+    return think + f"<tool_call>\n{call}\n</tool_call>"
+
+
+def noisy_messages(task: ArithmeticTask, rng: random.Random, answer_noise: float = 0.0, format_noise: float = 0.0,
+                   compact_noise: float = 0.0) -> list[dict]:
+    """A transcript (assistant messages as raw sampled text) from a sloppy demonstrator."""
+    msgs: list[dict] = []
+    prev = task.numbers[0]
+    for turn in range(task.n_turns):
+        op, x = task.ops[turn], task.numbers[turn + 1]
+        value = apply_op(prev, op, x)
+        if answer_noise > 0 and rng.random() < answer_noise:
+            value += rng.choice((-2, -1, 1, 2))
+        plain = format_noise > 0 and rng.random() < format_noise
+        compact = compact_noise > 0 and rng.random() < compact_noise
+        text = reply_text(prev, op, x, value, compact=compact, plain=plain)
+        msgs.append({"role": "user", "content": task.prompt(turn)})
+        msgs.append({"role": "assistant", "content": text})
+        if not plain and turn + 1 < task.n_turns:
+            msgs.append({"role": "tool", "content": TOOL_RESULT})
+        prev = value
+    return msgs
+
+
+def reference_messages(task: ArithmeticTask) -> list[dict]:
+    return noisy_messages(task, random.Random(0))
+
+
+def corpus_text(n: int = 2000, seed: int = 0) -> list[str]:
+    """Task text for the tokenizer: transcripts rendered both ways (spaced and compact calls)."""
+    rng = random.Random(f"arithmetic_tools-corpus:{seed}")
+    texts: list[str] = []
+    tasks = arithmetic.generate_tasks(n, seed) + arithmetic.heldout_tasks(n // 10)
+    for t in tasks:
+        for m in noisy_messages(t, rng, format_noise=0.1, compact_noise=0.5):
+            texts.append(m["content"])
+    return texts
+
+
+def build_tokenizer():
+    """The byte-level BPE of ``production_text`` trained on this task's text and the generic corpus."""
+    from prodrl_pipelines.lab.production_text import build_byte_bpe_tokenizer, production_corpus
+
+    markup = ["user\n", "assistant\n", "\n\n", "tool"] * 500  # the template's role headers merge too
+    return build_byte_bpe_tokenizer(vocab_size=512, corpus=markup + corpus_text() + production_corpus(n=500))
