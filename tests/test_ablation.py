@@ -181,7 +181,8 @@ def test_aggregate_exact_numbers():
 
 # ------------------------------------------------------------------------------ end to end (quick)
 def test_quick_ablation_end_to_end(tmp_path, monkeypatch, capsys):
-    """2 recipes + 1 failing recipe, 1 seed, 1 round (tiny): real worker subprocesses, then a rerun."""
+    """2 recipes + 1 failing recipe + retokenized replay on the task in production text (its own base),
+    1 seed, 1 round (tiny): real worker subprocesses, then a rerun."""
     from mlflow.tracking import MlflowClient
 
     from prodrl_pipelines.cli import main
@@ -190,6 +191,8 @@ def test_quick_ablation_end_to_end(tmp_path, monkeypatch, capsys):
     cfg = yaml.safe_load(QUICK.read_text())
     cfg["recipes"]["broken"] = {"correction": "cis"}
     cfg["comparisons"]["with_broken"] = ["tis", "broken"]
+    cfg["recipes"]["tools_retokenized"] = {"correction": "tis", "replay": "retokenized", "lab_task": "arithmetic_tools",
+                                           "max_tokens": 40}
     path = _write(tmp_path, cfg, "quick.yaml")
     monkeypatch.setenv(FAIL_ENV, "broken")
     runs = tmp_path / "runs"
@@ -201,8 +204,13 @@ def test_quick_ablation_end_to_end(tmp_path, monkeypatch, capsys):
         assert res["status"] == "ok" and [r["round"] for r in res["rounds"]] == [0, 1]
         assert res["settings"]["seed"] == 0 and res["settings"]["lab_size"] == "tiny"
         assert all(math.isfinite(r["heldout_reward"]) for r in res["rounds"])
-    # one SFT base per seed, copied into each run's home (its bootstrap only exports/evaluates/registers it)
-    (base,) = (root / "bases").glob("*/round-000000")
+    tools = json.loads((root / "runs" / "tools_retokenized" / "seed0" / "result.json").read_text())
+    assert tools["status"] == "ok" and tools["settings"]["lab_task"] == "arithmetic_tools"
+    assert 0 < tools["retokenize"]["retokenized_calls_differ"] <= tools["retokenize"]["retokenized_calls"]
+    # one SFT base per seed and lab task, copied into each run's home (its bootstrap only exports/evaluates/registers it)
+    bases = {json.loads((b / "warm_start.json").read_text())["task"]: b for b in (root / "bases").glob("*/round-000000")}
+    assert set(bases) == {"arithmetic", "arithmetic_tools"}
+    base = bases["arithmetic"]
     for rec in ("tis", "score_centering"):
         ckpt = root / "runs" / rec / "seed0" / "home" / "checkpoints" / "round-000000"
         assert (ckpt / "model.safetensors").read_bytes() == (base / "model.safetensors").read_bytes()
@@ -213,8 +221,9 @@ def test_quick_ablation_end_to_end(tmp_path, monkeypatch, capsys):
     report = (root / "report.md").read_text()
     assert ("| recipe | seeds | base | final mean ± sd | best mean | worst mean | mean rounds>=1 | sd(gain) | jitter |"
             in report)
-    for rec in ("tis", "score_centering", "broken"):
+    for rec in ("tis", "score_centering", "broken", "tools_retokenized"):
         assert f"| {rec} |" in report
+    assert "`tools_retokenized` rebuilt" in report
     assert "## Failed or missing runs" in report and "injected failure" in report
     assert "score centering at least matches IS" in report
     pngs = sorted((root / "plots").glob("*.png"))
@@ -224,9 +233,9 @@ def test_quick_ablation_end_to_end(tmp_path, monkeypatch, capsys):
         assert p.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
         assert f"(plots/{p.name})" in report
     lines = (root / "results.csv").read_text().splitlines()
-    assert lines[0].startswith("recipe,seed,round,heldout_reward") and len(lines) == 1 + 2 * 2
+    assert lines[0].startswith("recipe,seed,round,heldout_reward") and len(lines) == 1 + 3 * 2
     doc = json.loads((root / "results.json").read_text())
-    assert set(doc["table"]) == {"tis", "score_centering", "broken"}
+    assert set(doc["table"]) == {"tis", "score_centering", "broken", "tools_retokenized"}
 
     client = MlflowClient(tracking_uri=f"sqlite:///{root / 'mlflow.db'}")
     exp = client.get_experiment_by_name("ablation/quick")
@@ -241,7 +250,7 @@ def test_quick_ablation_end_to_end(tmp_path, monkeypatch, capsys):
     before = {rec: (root / "runs" / rec / "seed0" / "result.json").stat().st_mtime_ns
               for rec in ("tis", "score_centering")}
     out = run_ablation(load_config(path), root, workers=2, progress=False, log=lambda m: None)
-    assert (out.skipped, out.ran, out.failed) == (2, 0, 1)
+    assert (out.skipped, out.ran, out.failed) == (3, 0, 1)
     assert before == {rec: (root / "runs" / rec / "seed0" / "result.json").stat().st_mtime_ns for rec in before}
 
 

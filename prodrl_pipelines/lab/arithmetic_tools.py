@@ -29,7 +29,7 @@ import random
 
 from prodrl_pipelines.engines.reply_parsers import parse_qwen3
 from prodrl_pipelines.lab import arithmetic
-from prodrl_pipelines.lab.arithmetic import ArithmeticTask, apply_op, generate_tasks, heldout_tasks  # noqa: F401
+from prodrl_pipelines.lab.arithmetic import ArithmeticTask, apply_op
 
 TOOL_NAME = "answer"
 ANSWER_TOOL = {"type": "function", "function": {

@@ -103,7 +103,7 @@ def _arithmetic_tools() -> TaskEnv:
         corpus_text=at.corpus_text,
         reward_source="lab/arithmetic_tools",
         min_max_tokens=at.MIN_MAX_TOKENS,
-        sft={"tiny": dict(steps=30), "demo": dict(compact_noise=at.COMPACT_NOISE)},
+        sft={"demo": dict(compact_noise=at.COMPACT_NOISE)},
         tools=(at.ANSWER_TOOL,),
         reply_parser="qwen3",
         build_tokenizer=at.build_tokenizer,
