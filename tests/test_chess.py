@@ -216,7 +216,7 @@ def test_task_registry_and_settings():
     from prodrl_pipelines.resources.settings import ProdRLSettings
 
     assert set(TASKS) == {"arithmetic", "chess", "arithmetic_tools"} and get_task("chess") is CHESS and get_task(CHESS) is CHESS
-    with pytest.raises(ValueError, match="unknown lab task 'go'; valid tasks: arithmetic, chess"):
+    with pytest.raises(ValueError, match="unknown lab task 'go'; valid tasks: arithmetic, arithmetic_tools, chess"):
         get_task("go")
     # arithmetic is the original module, unchanged
     assert ARITHMETIC.generate_tasks(5, 3) == arithmetic.generate_tasks(5, seed=3)

@@ -254,7 +254,7 @@ def test_make_up_runs_the_demo_recipe():
 def test_python_chess_is_only_needed_for_the_chess_task():
     code = ("import sys; sys.modules['chess'] = None\n"
             "from prodrl_pipelines.lab.tasks import TASKS, get_task\n"
-            "assert get_task('arithmetic').name == 'arithmetic' and set(TASKS) == {'arithmetic', 'chess'}\n"
+            "assert get_task('arithmetic').name == 'arithmetic' and set(TASKS) == {'arithmetic', 'chess', 'arithmetic_tools'}\n"
             "try:\n    get_task('chess')\nexcept ValueError as e:\n    print(e)\n")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
     assert out.returncode == 0, out.stderr
