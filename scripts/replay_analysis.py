@@ -81,11 +81,8 @@ def analyse_run(run_dir: Path, cap: float) -> dict:
         model = AutoModelForCausalLM.from_pretrained(home / "checkpoints" / f"round-{k - 1:06d}").eval()
         pad = int(model.config.pad_token_id or 0)
         lps = _token_logprobs(model, [r["prompt_token_ids"] for r in ds], [r["output_token_ids"] for r in ds], pad)
-        rewards = np.array([r["reward"] for r in ds])
-        by_traj = {}
-        for r in ds:
-            by_traj[r["trajectory_id"]] = r["reward"]
-        mean_r = float(np.mean(list(by_traj.values())))
+        # advantage as reward minus the round's mean trajectory reward (the leave-one-out baseline's limit)
+        mean_r = float(np.mean(list({r["trajectory_id"]: r["reward"] for r in ds}.values())))
         groups = {True: [], False: []}
         for r, lp in zip(ds, lps):
             orig = rec[(r["trajectory_id"], r["call_index"])]
@@ -102,7 +99,6 @@ def analyse_run(run_dir: Path, cap: float) -> dict:
                 "truncated_share": float((d > np.log(cap)).mean()) if d.size else None,
                 "mean_advantage": float(np.mean([a for _, a, _ in g])) if g else None,
             }
-        del rewards
         out["rounds"].append(row)
     return out
 
