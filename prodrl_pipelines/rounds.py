@@ -62,10 +62,11 @@ def select_data(svc: Services, rkey: str) -> dict:
         from transformers import AutoTokenizer
 
         from prodrl_pipelines.engines.reply_parsers import get_reply_parser
+        from prodrl_pipelines.evaluation.suite import reply_parser
         from prodrl_pipelines.trajectories.retokenize import retokenize_calls
 
         # the naive pipeline keeps the API's messages: the deployment's reply parser (the suite's)
-        parser = getattr(svc.suite, "reply_parser", None) or "none"
+        parser = reply_parser(svc.suite)
         ds, rstats = retokenize_calls(ds, AutoTokenizer.from_pretrained(live.checkpoint_dir),
                                       parse_reply=None if parser == "none" else get_reply_parser(parser))
         replay_stats.update(rstats.as_dict())

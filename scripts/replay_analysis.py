@@ -41,20 +41,27 @@ def _recorded(home: Path) -> dict:
 
 
 @torch.no_grad()
-def _token_logprobs(model, prompts: list[list[int]], outputs: list[list[int]], pad: int, bs: int = 64) -> list[np.ndarray]:
-    out = []
-    for s in range(0, len(prompts), bs):
-        seqs = [p + o for p, o in zip(prompts[s:s + bs], outputs[s:s + bs])]
-        width = max(len(x) for x in seqs)
-        ids = torch.full((len(seqs), width), pad, dtype=torch.long)
-        att = torch.zeros_like(ids)
-        for i, x in enumerate(seqs):
-            ids[i, :len(x)] = torch.tensor(x)
-            att[i, :len(x)] = 1
-        logp = torch.log_softmax(model(input_ids=ids, attention_mask=att).logits.float(), -1)
-        for i, (p, o) in enumerate(zip(prompts[s:s + bs], outputs[s:s + bs])):
-            pos = torch.arange(len(p) - 1, len(p) + len(o) - 1)
-            out.append(logp[i, pos, torch.tensor(o)].numpy())
+def _logratios(model, table, vocab_size: int, bs: int = 64) -> dict[tuple[str, int], np.ndarray]:
+    """log pi_k - log mu per trained token of every call, packed and scored as the trainer does
+    (``rl.batch.pack_minibatch``, ``rl.logprobs.token_logprobs``)."""
+    from prodrl_pipelines.rl.batch import pack_minibatch, trajectories_from_table
+    from prodrl_pipelines.rl.logprobs import token_logprobs
+
+    indices: dict[str, list[int]] = {}
+    for tid, k in zip(table["trajectory_id"].to_pylist(), table["call_index"].to_pylist()):
+        indices.setdefault(tid, []).append(k)
+    trajs = trajectories_from_table(table)
+    out = {}
+    for s in range(0, len(trajs), bs):
+        chunk = trajs[s:s + bs]
+        batch = pack_minibatch(chunk, np.zeros(len(chunk)), pad_id=int(model.config.pad_token_id or 0),
+                               vocab_size=vocab_size)
+        delta = (token_logprobs(model, batch) - batch.logp_mu).numpy()
+        rows = [(tr.trajectory_id, k) for tr in chunk for k, c in zip(sorted(indices[tr.trajectory_id]), tr.calls)
+                if c.output_ids]
+        gen_row = batch.gen_row.numpy()
+        for row, key in enumerate(rows):
+            out[key] = delta[gen_row == row]
     return out
 
 
@@ -77,18 +84,19 @@ def analyse_run(run_dir: Path, cap: float) -> dict:
     torch.set_num_threads(1)
     for ds_path in sorted((home / "store" / "rounds").glob("round-*/dataset.parquet")):
         k = int(ds_path.parent.name.split("-")[1])
-        ds = pq.read_table(ds_path).to_pylist()
+        table = pq.read_table(ds_path)
+        ds = table.to_pylist()
         model = AutoModelForCausalLM.from_pretrained(home / "checkpoints" / f"round-{k - 1:06d}").eval()
-        pad = int(model.config.pad_token_id or 0)
-        lps = _token_logprobs(model, [r["prompt_token_ids"] for r in ds], [r["output_token_ids"] for r in ds], pad)
+        ratios = _logratios(model, table, int(model.config.vocab_size))
         # advantage as reward minus the round's mean trajectory reward (the leave-one-out baseline's limit)
         mean_r = float(np.mean(list({r["trajectory_id"]: r["reward"] for r in ds}.values())))
         groups = {True: [], False: []}
-        for r, lp in zip(ds, lps):
-            orig = rec[(r["trajectory_id"], r["call_index"])]
+        for r in ds:
+            key = (r["trajectory_id"], r["call_index"])
+            orig = rec[key]
             differ = orig["prompt_token_ids"] != r["prompt_token_ids"] or orig["output_token_ids"] != r["output_token_ids"]
-            mu = np.array(r["output_logprobs"])
-            groups[differ].append((lp - mu, r["reward"] - mean_r, len(mu)))
+            d = ratios.get(key, np.zeros(0))
+            groups[differ].append((d, r["reward"] - mean_r, d.size))
         row = {"round": k, "calls": len(ds)}
         n_tokens = sum(n for g in groups.values() for *_, n in g)
         for name, g in (("differ", groups[True]), ("same", groups[False])):

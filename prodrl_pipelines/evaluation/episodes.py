@@ -4,7 +4,8 @@ Every model call is rendered as a chat server would render it: the model's chat 
 the conversation so far (with the suite's tool schemas) and ``add_generation_prompt=True``, then
 tokenized. The assistant message fed back into the next turn is what the chat server returns for
 the decoded output without its stop token: the suite's ``reply_parser`` (``engines.reply_parsers``;
-``none``: the text as content, ``qwen3``: reasoning and tool calls split out, as vLLM's parsers do). Stop tokens come from the model (its tokenizer's eos token and ``generation_config.json``),
+``none``: the text as content, ``qwen3``: reasoning and tool calls split out, as vLLM's parsers
+do). Stop tokens come from the model (its tokenizer's eos token and ``generation_config.json``),
 never from a literal.
 
 A reward function that raises scores that episode as failed (reward 0) and records the error, so
@@ -23,6 +24,7 @@ from typing import Protocol
 
 from prodrl_pipelines.engines.reply_parsers import get_reply_parser
 from prodrl_pipelines.engines.types import CallRecord, SamplingParams
+from prodrl_pipelines.evaluation.suite import reply_parser
 
 
 class Engine(Protocol):
@@ -105,7 +107,7 @@ def play_episodes(engine: Engine, tokenizer, suite, tasks: list, params: Samplin
     params = with_stop_tokens(params, stops if stops is not None else stop_token_ids(tokenizer))
     traj_ids = trajectory_ids(policy_version, seed, len(tasks))
     tools = getattr(suite, "tools", None)
-    parse_reply = get_reply_parser(getattr(suite, "reply_parser", None) or "none")
+    parse_reply = get_reply_parser(reply_parser(suite))
     messages = [suite.initial_messages(t) for t in tasks]
     calls: list[list[PlayedCall]] = [[] for _ in tasks]
     active = list(range(len(tasks)))

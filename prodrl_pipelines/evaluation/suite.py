@@ -48,6 +48,11 @@ def missing_members(obj) -> list[str]:
     return out
 
 
+def reply_parser(suite) -> str:
+    """The name of the suite's reply parser (``engines.reply_parsers``; ``none`` when it names none)."""
+    return getattr(suite, "reply_parser", None) or "none"
+
+
 def calibration_messages(suite, n: int, seed: int) -> list[list[dict]]:
     """Prompts for activation calibration: the suite's own, else its held-out first messages."""
     own = getattr(suite, "calibration_messages", None)

@@ -145,22 +145,24 @@ def parse_answer(text: str) -> int | None:
     return int(s) if _INT_RE.fullmatch(s) else None
 
 
-def turn_correct(task: ArithmeticTask, assistant_texts: list[str]) -> list[bool]:
-    """Per-turn correctness, each turn judged against the conversation the model saw."""
+def turn_correct(task: ArithmeticTask, assistant_texts: list[str], parse=None) -> list[bool]:
+    """Per-turn correctness, each turn judged against the conversation the model saw (``parse``:
+    reply text -> its integer answer or None; default ``parse_answer``, a bare integer)."""
+    parse = parse or parse_answer
     out: list[bool] = []
     truth = task.true_values()
     prev = task.numbers[0]
     for turn in range(task.n_turns):
         expected = apply_op(prev, task.ops[turn], task.numbers[turn + 1])
-        got = parse_answer(assistant_texts[turn]) if turn < len(assistant_texts) else None
+        got = parse(assistant_texts[turn]) if turn < len(assistant_texts) else None
         out.append(got is not None and got == expected)
         prev = got if got is not None else truth[turn]
     return out
 
 
-def reward(task: ArithmeticTask, assistant_texts: list[str]) -> float:
+def reward(task: ArithmeticTask, assistant_texts: list[str], parse=None) -> float:
     """Fraction of the task's turns answered correctly (missing turns count as wrong), in [0, 1]."""
-    ok = turn_correct(task, assistant_texts)
+    ok = turn_correct(task, assistant_texts, parse)
     return sum(ok) / task.n_turns
 
 

@@ -40,10 +40,6 @@ COMPACT_NOISE = 0.3  # the demo demonstrator's share of compactly written calls
 MIN_MAX_TOKENS = 40  # the longest reference reply is ~26 tokens with <|im_end|> (measured); margin for split numbers
 
 
-def initial_messages(task: ArithmeticTask) -> list[dict]:
-    return arithmetic.initial_messages(task)
-
-
 def env_reply(task: ArithmeticTask, turn: int, assistant_text: str) -> list[dict] | None:
     """After turn ``turn``: the tool's result (when the model called it) and the next operation."""
     if turn + 1 >= task.n_turns:
@@ -64,14 +60,7 @@ def parse_answer(text: str) -> int | None:
 def reward(task: ArithmeticTask, assistant_texts: list[str]) -> float:
     """Fraction of turns answered correctly, each judged as in ``arithmetic`` (against the model's
     own previous answer), the answer read from the tool call."""
-    truth = task.true_values()
-    prev, ok = task.numbers[0], 0
-    for turn in range(task.n_turns):
-        expected = apply_op(prev, task.ops[turn], task.numbers[turn + 1])
-        got = parse_answer(assistant_texts[turn]) if turn < len(assistant_texts) else None
-        ok += got is not None and got == expected
-        prev = got if got is not None else truth[turn]
-    return ok / task.n_turns
+    return arithmetic.reward(task, assistant_texts, parse=parse_answer)
 
 
 def reply_text(prev: int, op: str, x: int, value: int, *, compact: bool = False, plain: bool = False) -> str:

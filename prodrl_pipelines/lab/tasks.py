@@ -7,7 +7,7 @@ The arithmetic entry is the original module's functions unchanged (the demo's nu
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from collections.abc import Mapping
 from typing import Callable
 
@@ -91,11 +91,10 @@ def _chess() -> TaskEnv:
 def _arithmetic_tools() -> TaskEnv:
     from prodrl_pipelines.lab import arithmetic_tools as at
 
-    return TaskEnv(
+    # the arithmetic tasks and split; the text (replies, environment, verifier, tokenizer) is its own
+    return replace(
+        ARITHMETIC,
         name="arithmetic_tools",
-        generate_tasks=arithmetic.generate_tasks,
-        heldout_tasks=lambda n: arithmetic.heldout_tasks(n),
-        initial_messages=at.initial_messages,
         env_reply=at.env_reply,
         reward=at.reward,
         reference_messages=at.reference_messages,

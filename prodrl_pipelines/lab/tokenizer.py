@@ -50,10 +50,11 @@ def build_tokenizer(vocab_size: int | None = None, task="arithmetic") -> PreTrai
     """
     from prodrl_pipelines.lab.tasks import get_task
 
-    if get_task(task).build_tokenizer is not None:  # a task in production text brings its own
-        return get_task(task).build_tokenizer()
+    env = get_task(task)
+    if env.build_tokenizer is not None:  # a task in production text brings its own
+        return env.build_tokenizer()
     if vocab_size is None:
-        vocab_size = get_task(task).tokenizer_vocab_size or DEFAULT_VOCAB_SIZE
+        vocab_size = env.tokenizer_vocab_size or DEFAULT_VOCAB_SIZE
     tok = Tokenizer(models.BPE(unk_token=UNK_TOKEN))
     tok.pre_tokenizer = pre_tokenizers.Sequence(
         [

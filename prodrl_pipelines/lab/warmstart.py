@@ -99,12 +99,19 @@ class _CallEncoder:
         return out
 
 
+def _transcript_encoder(tokenizer, env: TaskEnv):
+    """transcript -> its supervised examples: one per call for a task whose server parses replies
+    (its template rewrites history), else the whole transcript as one."""
+    if env.reply_parser != "none":
+        return _CallEncoder(tokenizer, env).encode_calls
+    enc = _Encoder(tokenizer)
+    return lambda messages: [enc.encode(messages)]
+
+
 def sft_example(tokenizer, task, env: TaskEnv = ARITHMETIC) -> tuple[list[int], list[int]]:
     """The supervised example of one task: its correct transcript and the assistant-token labels
     (for a task in production text, the example of its last call)."""
-    if env.reply_parser != "none":
-        return _CallEncoder(tokenizer, env).encode_calls(env.reference_messages(task))[-1]
-    return _Encoder(tokenizer).encode(env.reference_messages(task))
+    return _transcript_encoder(tokenizer, env)(env.reference_messages(task))[-1]
 
 
 def _collate(examples: list[tuple[list[int], list[int]]], pad_id: int) -> dict[str, torch.Tensor]:
@@ -152,13 +159,8 @@ def warm_start(
     (``loss_first``, ``loss_last`` averaged over the last 10 steps, ``seconds``, ``tokens``).
     """
     rng = random.Random(f"warm_start:{seed}")
-    transcripts = [env.noisy_messages(t, rng, answer_noise, format_noise, **noise) for t in tasks]
-    if env.reply_parser != "none":
-        calls = _CallEncoder(tokenizer, env)
-        examples = [ex for tr in transcripts for ex in calls.encode_calls(tr)]
-    else:
-        enc = _Encoder(tokenizer)
-        examples = [enc.encode(tr) for tr in transcripts]
+    encode = _transcript_encoder(tokenizer, env)
+    examples = [ex for t in tasks for ex in encode(env.noisy_messages(t, rng, answer_noise, format_noise, **noise))]
     pad_id = int(tokenizer.pad_token_id)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, betas=(0.9, 0.98), weight_decay=0.01)
     warmup = max(1, min(20, steps // 10))
@@ -250,9 +252,7 @@ def _build(out: Path, size: str, seed: int, steps: int, cfg: dict, progress: boo
         torch.manual_seed(seed)
         metrics = warm_start(
             model, tok, tasks, steps=steps, batch_size=cfg["batch_size"], lr=cfg["lr"], seed=seed,
-            answer_noise=cfg.get("answer_noise", 0.0), format_noise=cfg.get("format_noise", 0.0),
-            progress=progress, env=env,
-            **{k: v for k, v in cfg.items() if k.endswith("_noise") and k not in ("answer_noise", "format_noise")},
+            progress=progress, env=env, **{k: v for k, v in cfg.items() if k.endswith("_noise")},
         )
     model.save_pretrained(out, safe_serialization=True)
     tok.save_pretrained(out)

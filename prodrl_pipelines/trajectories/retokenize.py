@@ -42,9 +42,8 @@ from typing import Callable, Sequence
 import numpy as np
 import pyarrow as pa
 
+from prodrl_pipelines.engines.reply_parsers import ReplyParser
 from prodrl_pipelines.trajectories.schema import UNTRAINED_COLUMN
-
-ReplyParser = Callable[[str], dict]
 
 IM_START = "<|im_start|>"
 IM_END = "<|im_end|>"
