@@ -1,4 +1,4 @@
-"""Turn recorded trajectories into padded training tensors (one row per model call).
+"""Turn recorded trajectories into training tensors: padded rows, or packed rows without padding.
 
 Training uses the recorded ids of every call exactly as the engine consumed and sampled them; the
 conversation is never re-rendered. Only model-generated tokens are trained on.
@@ -7,12 +7,16 @@ conversation is never re-rendered. Only model-generated tokens are trained on.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import pyarrow as pa
 import torch
 
 from prodrl_pipelines.trajectories.schema import UNTRAINED_COLUMN
+
+if TYPE_CHECKING:
+    from prodrl_pipelines.rl.sequences import Sequence
 
 
 # Recorded head entries at or below this are padding (outside the processed support).
@@ -83,15 +87,18 @@ def trajectories_from_table(table: pa.Table) -> list[Trajectory]:
 
 @dataclass
 class PackedBatch:
-    """Right-padded calls of one minibatch; ``gen_*`` index the generated positions.
+    """The input rows of some training sequences and, flattened, their generated positions.
 
-    Position p of ``input_ids`` predicts token p+1; the generated targets of row n sit at
-    ``gen_pos`` (flattened pairs ``(gen_row, gen_pos)``) so the trainer only projects those
+    Two layouts of the same per-token data: ``padded`` (one right-padded row per sequence, a 2D
+    ``attention_mask``) and ``packed`` (every sequence back to back in one row, no padding:
+    ``position_ids`` restart at each sequence and ``seq_lens`` bound the block-diagonal causal
+    attention, so no token attends across a sequence boundary). Position p of a row predicts token
+    p+1; the generated targets sit at ``(gen_row, gen_pos)`` so the trainer only projects those
     hidden states onto the vocabulary.
     """
 
     input_ids: torch.Tensor  # [N, L] long
-    attention_mask: torch.Tensor  # [N, L] long
+    attention_mask: torch.Tensor | None  # [N, L] long (padded); None (packed: built from seq_lens)
     gen_row: torch.Tensor  # [G] long
     gen_pos: torch.Tensor  # [G] long, position whose logits predict the target
     targets: torch.Tensor  # [G] long
@@ -108,84 +115,116 @@ class PackedBatch:
     target_in_head: torch.Tensor  # [G] bool
     extra_ids: torch.Tensor  # [G] long, recorded extra draw a' (the sampled id where none was recorded)
     has_extra: torch.Tensor  # [G] bool
+    position_ids: torch.Tensor | None = None  # [1, L] long (packed)
+    seq_lens: tuple[int, ...] | None = None  # lengths of the packed sequences, in row order (packed)
+    filler: bool = False  # a zero-weight stand-in that keeps the ranks' collectives in step
 
     @property
     def num_tokens(self) -> int:
         return int(self.targets.numel())
 
+    @property
+    def num_inputs(self) -> int:
+        """Positions the model computes (padding included)."""
+        return int(self.input_ids.numel())
+
+
+def _head_rows(rows: list[list], n: int, K: int, fill, dtype) -> np.ndarray:
+    """A call's recorded head as an [n, K] array (short rows padded with ``fill``)."""
+    if rows and all(len(r) == K for r in rows):
+        return np.asarray(rows, dtype=dtype).reshape(n, K)
+    out = np.full((n, K), fill, dtype=dtype)
+    for t, r in enumerate(rows):
+        out[t, :len(r)] = r
+    return out
+
+
+def pack_sequences(seqs: list[Sequence], pad_id: int, vocab_size: int | None = None,
+                   layout: str = "packed") -> PackedBatch:
+    """The tensors of ``seqs`` in ``layout`` (``packed``: one unpadded row; ``padded``: a row each)."""
+    if layout not in ("packed", "padded"):
+        raise ValueError(f"unknown layout {layout!r}; known: ['packed', 'padded']")
+    if not seqs:
+        raise ValueError("no sequences to pack")
+    spans = [(r, sp) for r, s in enumerate(seqs) for sp in s.spans if sp.call.output_ids]
+    K = max([len(row) for _, sp in spans for row in (sp.call.top_ids or [])] or [1])
+    offsets = np.cumsum([0] + [s.num_inputs for s in seqs])
+    gen_row, gen_pos, targets, temps, lmu, adv, weight, tidx = [], [], [], [], [], [], [], []
+    head_ids, head_mu, complete, filtered, extra, has_extra = [], [], [], [], [], []
+    for r, sp in spans:
+        c, n = sp.call, len(sp.call.output_ids)
+        tgt = np.asarray(c.output_ids, dtype=np.int64)
+        pos = np.arange(sp.start - 1, sp.start - 1 + n, dtype=np.int64)
+        if layout == "packed":
+            gen_row.append(np.zeros(n, dtype=np.int64))
+            gen_pos.append(pos + offsets[r])
+        else:
+            gen_row.append(np.full(n, r, dtype=np.int64))
+            gen_pos.append(pos)
+        targets.append(tgt)
+        temps.append(np.full(n, c.temperature, dtype=np.float32))
+        lmu.append(np.asarray(c.output_logprobs, dtype=np.float32))
+        adv.append(np.full(n, sp.adv, dtype=np.float32))
+        weight.append(np.full(n, sp.weight, dtype=np.float32))
+        tidx.append(np.full(n, sp.traj, dtype=np.int64))
+        if c.top_ids:
+            ids = _head_rows(c.top_ids, n, K, -1, np.int64)
+            head_ids.append(np.where(ids < 0, tgt[:, None], ids))
+            head_mu.append(_head_rows(c.top_logprobs, n, K, -np.inf, np.float32))
+        else:
+            head_ids.append(np.repeat(tgt[:, None], K, axis=1))
+            head_mu.append(np.full((n, K), -np.inf, dtype=np.float32))
+        complete.append(np.full(n, c.support_complete))
+        filtered.append(np.full(n, c.filtered(vocab_size)))
+        if c.extra_ids is not None:
+            if len(c.extra_ids) != n:
+                raise ValueError(f"extra_token_ids has {len(c.extra_ids)} ids for {n} generated tokens")
+            extra.append(np.asarray(c.extra_ids, dtype=np.int64))
+        else:
+            extra.append(tgt)
+        has_extra.append(np.full(n, c.extra_ids is not None))
+
+    rows = [s.ids[:-1] for s in seqs]  # the last token is only a target
+    position_ids = seq_lens = None
+    if layout == "packed":
+        ids = torch.from_numpy(np.concatenate([np.asarray(r, dtype=np.int64) for r in rows]))[None]
+        seq_lens = tuple(len(r) for r in rows)
+        position_ids = torch.from_numpy(np.concatenate([np.arange(n, dtype=np.int64) for n in seq_lens]))[None]
+        mask = None
+    else:
+        L = max(len(r) for r in rows)
+        ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
+        mask = torch.zeros((len(rows), L), dtype=torch.long)
+        for r, s in enumerate(rows):
+            ids[r, : len(s)] = torch.tensor(s, dtype=torch.long)
+            mask[r, : len(s)] = 1
+
+    def cat(parts):
+        return torch.from_numpy(np.concatenate(parts))
+
+    tgt = cat(targets)
+    hmu = cat(head_mu)
+    hids = cat(head_ids)
+    head_mask = hmu > HEAD_FLOOR
+    hmu = hmu.masked_fill(~head_mask, float("-inf"))
+    in_head = ((hids == tgt[:, None]) & head_mask).any(-1)
+    return PackedBatch(
+        ids, mask, cat(gen_row), cat(gen_pos), tgt, cat(temps), cat(lmu), cat(adv), cat(weight), cat(tidx),
+        hids, hmu, head_mask, cat(complete), cat(filtered), in_head, cat(extra), cat(has_extra),
+        position_ids=position_ids, seq_lens=seq_lens,
+    )
+
 
 def pack_minibatch(trajs: list[Trajectory], advantages: np.ndarray, pad_id: int, total_batch: int | None = None,
-                   vocab_size: int | None = None) -> PackedBatch:
+                   vocab_size: int | None = None, merge: bool = False, layout: str = "padded") -> PackedBatch:
     """Pack B trajectories; tokens get weight 1/(B*T_i) so J = (1/B) sum_i (1/T_i) sum_t ...
 
+    The defaults give one right-padded row per model call (the simple layout: tests, scripts and
+    the reference the trainer's packed, merged micro-batches are checked against).
     ``total_batch``: B of the whole minibatch when this process packs only its shard of it
     (data parallel), so the ranks' partial objectives sum to the full one. ``vocab_size``: the
     policy's, so that a recorded top-k of at least the vocabulary counts as no top-k.
     """
-    if len(trajs) != len(advantages):
-        raise ValueError("one advantage per trajectory is required")
-    B = total_batch or len(trajs)
-    seqs, gen_row, gen_pos, targets, temps, lmu, adv, weight, tidx = [], [], [], [], [], [], [], [], []
-    heads: list[tuple[Call, int]] = []
-    for i, (tr, a) in enumerate(zip(trajs, advantages)):
-        T = tr.num_generated
-        if T == 0 and all(c.trained for c in tr.calls):
-            raise ValueError(f"trajectory {tr.trajectory_id} has no generated tokens")
-        for c in tr.calls:
-            if not c.output_ids:
-                continue
-            row = len(seqs)
-            seq = list(c.prompt_ids) + list(c.output_ids)
-            seqs.append(seq[:-1])  # the last token is only a target
-            P = len(c.prompt_ids)
-            for t, tok in enumerate(c.output_ids):
-                gen_row.append(row)
-                gen_pos.append(P - 1 + t)
-                targets.append(tok)
-            n = len(c.output_ids)
-            heads.append((c, n))
-            temps += [c.temperature] * n
-            lmu += list(c.output_logprobs)
-            adv += [float(a)] * n
-            weight += [1.0 / (B * T) if c.trained else 0.0] * n
-            tidx += [i] * n
-    L = max(len(s) for s in seqs)
-    ids = torch.full((len(seqs), L), pad_id, dtype=torch.long)
-    mask = torch.zeros((len(seqs), L), dtype=torch.long)
-    for r, s in enumerate(seqs):
-        ids[r, : len(s)] = torch.tensor(s, dtype=torch.long)
-        mask[r, : len(s)] = 1
-    f32 = torch.float32
-    tgt = torch.tensor(targets)
-    K = max([len(r) for c, _ in heads for r in (c.top_ids or [])] or [1])
-    G = len(targets)
-    head_ids = tgt[:, None].repeat(1, K)
-    head_mu = torch.full((G, K), float("-inf"))
-    complete = torch.zeros(G, dtype=torch.bool)
-    filtered = torch.zeros(G, dtype=torch.bool)
-    extra_ids = tgt.clone()
-    has_extra = torch.zeros(G, dtype=torch.bool)
-    g = 0
-    for c, n in heads:
-        if c.extra_ids is not None:
-            if len(c.extra_ids) != n:
-                raise ValueError(f"extra_token_ids has {len(c.extra_ids)} ids for {n} generated tokens")
-            extra_ids[g:g + n] = torch.tensor(c.extra_ids, dtype=torch.long)
-            has_extra[g:g + n] = True
-        if c.top_ids:
-            for t in range(n):
-                row_ids, row_lp = c.top_ids[t], c.top_logprobs[t]
-                head_ids[g + t, : len(row_ids)] = torch.tensor(row_ids, dtype=torch.long)
-                head_mu[g + t, : len(row_lp)] = torch.tensor(row_lp, dtype=f32)
-        complete[g:g + n] = c.support_complete
-        filtered[g:g + n] = c.filtered(vocab_size)
-        g += n
-    head_mask = head_mu > HEAD_FLOOR
-    head_mu = head_mu.masked_fill(~head_mask, float("-inf"))
-    in_head = ((head_ids == tgt[:, None]) & head_mask).any(-1)
-    return PackedBatch(
-        ids, mask, torch.tensor(gen_row), torch.tensor(gen_pos), tgt,
-        torch.tensor(temps, dtype=f32), torch.tensor(lmu, dtype=f32), torch.tensor(adv, dtype=f32),
-        torch.tensor(weight, dtype=f32), torch.tensor(tidx), head_ids, head_mu, head_mask, complete, filtered, in_head,
-        extra_ids, has_extra,
-    )
+    from prodrl_pipelines.rl.sequences import minibatch_sequences
+
+    return pack_sequences(minibatch_sequences(trajs, advantages, total_batch, merge), pad_id, vocab_size, layout)

@@ -42,6 +42,10 @@ class Recipe(BaseModel):
     icepop_low: float = Field(0.5, ge=0)
     icepop_high: float = Field(2.0, gt=0)
     logprob_chunk: int = Field(1024, ge=1, description="tokens per chunk of the vocab projection")
+    max_tokens_per_microbatch: int = Field(8192, ge=16, description="per process: the input positions of one "
+                                           "packed micro-batch; a minibatch's gradient is accumulated over them")
+    merge_turns: bool = Field(True, description="train a trajectory's calls as one sequence where each prompt "
+                              "extends the previous prompt + output ids (a new sequence where it does not)")
     checkpoint_every: int = Field(4, ge=0, description="in-round checkpoint every N steps (0 = off)")
     activation_checkpointing: bool = Field(False, description="recompute each decoder layer's activations in "
                                            "backward instead of keeping them (less memory, ~1/3 more compute)")

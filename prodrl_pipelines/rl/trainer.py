@@ -12,7 +12,7 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from typing import Callable
 
 import numpy as np
@@ -20,7 +20,9 @@ import torch
 from tqdm.auto import tqdm
 
 from prodrl_pipelines.rl.advantages import compute_advantages
-from prodrl_pipelines.rl.batch import PackedBatch, Trajectory, pack_minibatch
+from prodrl_pipelines.rl.batch import PackedBatch, Trajectory
+from prodrl_pipelines.rl.microbatches import pack_micro, plan_microbatches
+from prodrl_pipelines.rl.sequences import LayoutStats, Sequence, minibatch_sequences
 from prodrl_pipelines.rl.checkpoint import TrainerState
 from prodrl_pipelines.rl.config import Recipe
 from prodrl_pipelines.rl.logprobs import policy_logprobs
@@ -34,6 +36,7 @@ class RoundResult:
     mismatch_abs_logp: float = float("nan")  # mean |log pi_k - log mu| over the round's tokens
     advantages: np.ndarray | None = None
     resumed_from_step: int = 0
+    layout: LayoutStats | None = None  # merged / split calls, sequences and micro-batches of the round
 
 
 def build_optimizer(model, recipe: Recipe, state: TrainerState,
@@ -94,10 +97,11 @@ def head_entropy(lp_all: torch.Tensor, b: PackedBatch) -> float:
     return float(-(logq.exp() * logq.masked_fill(~b.head_mask, 0)).sum(-1).mean())
 
 
-def _plan_fingerprint(plan: list[list[int]], adv: np.ndarray) -> str:
+def _plan_fingerprint(plan: list[list[int]], adv: np.ndarray, recipe: Recipe) -> str:
     import hashlib
 
-    return hashlib.sha256(json.dumps([plan, np.round(adv, 12).tolist()]).encode()).hexdigest()[:16]
+    layout = [recipe.max_tokens_per_microbatch, recipe.merge_turns]
+    return hashlib.sha256(json.dumps([plan, np.round(adv, 12).tolist(), layout]).encode()).hexdigest()[:16]
 
 
 def _save_in_round(path: Path, fingerprint: str, next_step: int, model, optimizer, state: TrainerState,
@@ -152,37 +156,68 @@ def _resume(path: Path, fingerprint: str, model, optimizer, state: TrainerState,
     return int(raw["next_step"])
 
 
-def train_step(model, optimizer, b: PackedBatch, old_all: torch.Tensor, ref_all: torch.Tensor | None,
-               recipe: Recipe, cparams) -> dict[str, float]:
-    """One Adam step on one minibatch: loss = -J + beta * KL; returns the step's diagnostics."""
+# per-step diagnostics that are maxima over tokens (the others are token-weighted means)
+_MAX_DIAGNOSTICS = ("is_weight_max",)
+
+
+def _merge_diagnostics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, float]:
+    """One step's diagnostics from its micro-batches' (tokens, diagnostics)."""
+    total = sum(n for n, _ in parts) or 1
+    out: dict[str, float] = {}
+    for key in parts[0][1] if parts else ():
+        vals = [(n, d[key]) for n, d in parts if key in d]
+        out[key] = max(v for _, v in vals) if key in _MAX_DIAGNOSTICS else sum(n * v for n, v in vals) / total
+    return out
+
+
+def train_step(model, optimizer, micro: Iterable[PackedBatch], old_all: list[torch.Tensor],
+               ref_all: list[torch.Tensor] | None, recipe: Recipe, cparams) -> dict[str, float]:
+    """One Adam step on one minibatch, its gradient accumulated over ``micro`` (this process's
+    micro-batches; ``old_all``/``ref_all``: their pi_k / pi_ref log-probs): loss = -J + beta * KL,
+    a sum over tokens, so the micro-batches' losses add up to the minibatch's. Returns the step's
+    diagnostics."""
     t0 = time.perf_counter()
-    lp_all = policy_logprobs(model, b, recipe.logprob_chunk)
-    terms = terms_for(lp_all, old_all, b, ref_all)
-    objective, diag = policy_objective(terms, b.weight, recipe.correction, cparams)
-    kl = kl_penalty(terms, b.weight)
-    loss = -objective + recipe.kl_beta * kl if recipe.kl_beta > 0 else -objective
     optimizer.zero_grad(set_to_none=True)
-    loss.backward()  # sharded (FSDP2): the gradients are reduce-scattered as a sum here
+    loss_sum, kl_sum, tokens, inputs, parts, n_micro = 0.0, 0.0, 0, 0, [], 0
+    for m, b in enumerate(micro):
+        n_micro += 1
+        lp_all = policy_logprobs(model, b, recipe.logprob_chunk)
+        terms = terms_for(lp_all, old_all[m], b, None if ref_all is None else ref_all[m])
+        objective, diag = policy_objective(terms, b.weight, recipe.correction, cparams)
+        kl = kl_penalty(terms, b.weight)
+        loss = -objective + recipe.kl_beta * kl if recipe.kl_beta > 0 else -objective
+        loss.backward()  # accumulates; sharded (FSDP2): the gradients are reduce-scattered as a sum here
+        if b.filler:
+            continue
+        with torch.no_grad():
+            # mismatch against mu uses pi renormalised over the served support (mu is processed)
+            lp, old = terms.logp_is.detach(), terms.logp_old_is
+            diag = {**diag,
+                    "engine_mismatch": float((old - b.logp_mu).abs().mean()),  # |log pi_k - log mu|
+                    "staleness": float((lp - old).abs().mean()),  # |log pi - log pi_k|
+                    "net_mismatch": float((lp - b.logp_mu).abs().mean()),  # |log pi - log mu|
+                    "head_entropy": head_entropy(lp_all, b)}
+        parts.append((b.num_tokens, diag))
+        loss_sum += float(loss.detach())
+        kl_sum += float(kl.detach())
+        tokens += b.num_tokens
+        inputs += b.num_inputs
+        del lp_all, terms, loss
     grad_norm = torch.nn.utils.clip_grad_norm_(model.parameters(), recipe.grad_clip)
     grad_norm = float(grad_norm.full_tensor() if hasattr(grad_norm, "full_tensor") else grad_norm)  # sharded: a DTensor
     optimizer.step()
     dt = time.perf_counter() - t0
-    with torch.no_grad():
-        # mismatch against mu uses pi renormalised over the served support (mu is processed)
-        lp, old = terms.logp_is.detach(), terms.logp_old_is
-        return {
-            "loss": float(loss.detach()),
-            "grad_norm": grad_norm,
-            "engine_mismatch": float((old - b.logp_mu).abs().mean()),  # |log pi_k - log mu|
-            "staleness": float((lp - old).abs().mean()),  # |log pi - log pi_k|
-            "net_mismatch": float((lp - b.logp_mu).abs().mean()),  # |log pi - log mu|
-            "kl": float(kl.detach()),
-            "head_entropy": head_entropy(lp_all, b),
-            "tokens": float(b.num_tokens),
-            "tokens_per_s": b.num_tokens / dt,
-            "skipped": 0.0,
-            **diag,
-        }
+    return {
+        "loss": loss_sum,
+        "grad_norm": grad_norm,
+        "kl": kl_sum,
+        "tokens": float(tokens),
+        "input_tokens": float(inputs),
+        "micro_batches": float(n_micro),
+        "tokens_per_s": tokens / dt,
+        "skipped": 0.0,
+        **_merge_diagnostics(parts),
+    }
 
 
 def _reference_logprobs(reference, b: PackedBatch, versions: list[str], chunk: int) -> torch.Tensor:
@@ -222,6 +257,22 @@ def round_advantages(trajs: list[Trajectory], recipe: Recipe, state: TrainerStat
     )
 
 
+def layout_round(trajs: list[Trajectory], adv_all: np.ndarray, plan: list[list[int]], recipe: Recipe,
+                 rank: int = 0, world_size: int = 1) -> tuple[list[tuple[list[Sequence], list[list[int]]]], LayoutStats]:
+    """Each minibatch's sequences (calls merged where their prompts extend) and this rank's
+    micro-batches of them (index lists; [] = a filler), plus what merging and splitting did. Every
+    rank computes the whole layout (cheap, deterministic) and keeps its own micro-batches."""
+    stats = LayoutStats()
+    out = []
+    for mb in plan:
+        seqs = minibatch_sequences([trajs[i] for i in mb], adv_all[mb], len(mb), recipe.merge_turns, stats)
+        micro = plan_microbatches([q.num_inputs for q in seqs], recipe.max_tokens_per_microbatch, world_size)
+        stats.micro_batches += micro.num_micro
+        stats.oversize_sequences += micro.oversize
+        out.append((seqs, micro.ranks[rank]))
+    return out, stats
+
+
 def train_round(
     model,
     optimizer: torch.optim.Optimizer,
@@ -251,39 +302,52 @@ def train_round(
     ``resume_path``: in-round checkpoint file, written atomically every ``recipe.checkpoint_every``
     steps; when it exists (same plan), training resumes after its last step and ends with the same
     weights as an uninterrupted run. pi_k is always recomputed from the round-start weights.
-    ``rank``/``world_size``: data parallel; this process packs trajectories ``mb[rank::world_size]``
-    of every minibatch with the global B in the token weights, and ``model`` (sharded with
-    ``rl.sharding.shard_policy``) sums the gradients over the ranks, so the step is one process's.
+    Each minibatch is laid out as sequences (a trajectory's calls merged where their prompts extend)
+    packed without padding into micro-batches of at most ``recipe.max_tokens_per_microbatch``
+    positions; the step accumulates their gradients (``layout_round``, ``train_step``).
+    ``rank``/``world_size``: data parallel; this process trains its share of every minibatch's
+    sequences (balanced by tokens) with the global B in the token weights, and ``model`` (sharded
+    with ``rl.sharding.shard_policy``) sums the gradients over the ranks, so the step is one process's.
     """
     torch.manual_seed(round_seed)
     adv_all = np.asarray(adv_all, dtype=np.float64)
-    if world_size > 1 and min(len(mb) for mb in plan) < world_size:
-        raise ValueError(f"batch_size={min(len(mb) for mb in plan)} is smaller than the {world_size} training processes")
-    shards = [mb[rank::world_size] for mb in plan]
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
-    batches: list[PackedBatch] = [pack_minibatch([trajs[i] for i in sh], adv_all[sh], pad_id, total_batch=len(mb),
-                                                 vocab_size=vocab) for sh, mb in zip(shards, plan)]
-
     if recipe.needs_reference_model and reference_model is None:
         raise ValueError(f"correction {recipe.correction!r} needs the deployed weights as a reference model")
+    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    layout, stats = layout_round(trajs, adv_all, plan, recipe, rank, world_size)
+
+    def micro_batches(s: int):  # packed when used: peak memory follows the budget
+        seqs, micro = layout[s]
+        return (pack_micro(seqs, idx, pad_id, vocab) for idx in micro)
+
     chunk = recipe.logprob_chunk
     cparams = recipe.correction_params()
-    # pi_k (and pi_ref) once per round, reused by all S steps.
+    # pi_k (and pi_ref) once per round from the round-start weights, kept per token, reused by all S steps.
     model.eval()
+    old_all: list[list[torch.Tensor]] = []
+    ref_all: list[list[torch.Tensor]] | None = None if reference_model is None else []
+    mismatch_sum, mismatch_tokens = 0.0, 0
     with torch.no_grad():
-        old_all = [policy_logprobs(model, b, chunk) for b in batches]
-        ref_all = None
-        if reference_model is not None:
-            ref_all = [_reference_logprobs(reference_model, b, [trajs[i].policy_version for i in sh], chunk)
-                       for b, sh in zip(batches, shards)]
-    all_old = torch.cat([support_renormalised(o, b) for o, b in zip(old_all, batches)])
-    all_mu = torch.cat([b.logp_mu for b in batches])
-    result = RoundResult(mismatch_abs_logp=float((all_old - all_mu).abs().mean()), advantages=adv_all)
-    fingerprint = _plan_fingerprint(plan, adv_all)
+        for s in tqdm(range(len(plan)), desc="pi_k", disable=not progress, leave=False):
+            versions = [trajs[i].policy_version for i in plan[s]]
+            olds, refs = [], []
+            for b in micro_batches(s):
+                olds.append(policy_logprobs(model, b, chunk))
+                if ref_all is not None:
+                    refs.append(_reference_logprobs(reference_model, b, versions, chunk))
+                if not b.filler:
+                    mismatch_sum += float((support_renormalised(olds[-1], b) - b.logp_mu).abs().sum())
+                    mismatch_tokens += b.num_tokens
+            old_all.append(olds)
+            if ref_all is not None:
+                ref_all.append(refs)
+    result = RoundResult(mismatch_abs_logp=mismatch_sum / mismatch_tokens if mismatch_tokens else float("nan"),
+                         advantages=adv_all, layout=stats)
+    fingerprint = _plan_fingerprint(plan, adv_all, recipe)
     start = _resume(resume_path, fingerprint, model, optimizer, state, result) if resume_path else 0
 
     model.train()
-    for s, b in enumerate(tqdm(batches, desc="train", disable=not progress, leave=False)):
+    for s in tqdm(range(len(plan)), desc="train", disable=not progress, leave=False):
         if s < start:
             continue
         if resume_path is not None and recipe.checkpoint_every and s > start and s % recipe.checkpoint_every == 0:
@@ -303,8 +367,8 @@ def train_round(
             if on_step is not None:
                 on_step(state.global_step, result.steps[-1])
             continue
-        metrics = {**base, **train_step(model, optimizer, b, old_all[s], None if ref_all is None else ref_all[s],
-                                        recipe, cparams)}
+        metrics = {**base, **train_step(model, optimizer, micro_batches(s), old_all[s],
+                                        None if ref_all is None else ref_all[s], recipe, cparams)}
         state.global_step += 1
         result.steps.append(metrics)
         if on_step is not None:
