@@ -396,3 +396,58 @@ def test_export_scheme_setting_is_validated():
     assert DeploySettings().export_scheme == "nvfp4-w4a16"
     with pytest.raises(ValidationError, match="export_scheme"):
         DeploySettings(export_scheme="int4")
+
+
+# ------------------------------------------------------------------------------ streaming
+
+def test_a_chunked_sharded_export_is_the_whole_tensor_export(base, w4a16, tmp_path, monkeypatch):
+    """Every tensor quantized, cast and measured in row chunks of a few rows, written into many
+    shards: the same tensors, bytes and errors as the one-file export, readable by safetensors."""
+    from prodrl_pipelines.quant import export as export_mod
+
+    monkeypatch.setattr(export_mod, "CHUNK_BYTES", 512)  # a handful of rows per chunk
+    out = tmp_path / "sharded"
+    rep = export_policy(base, out, max_shard_bytes=4_000)
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    files = sorted(set(index["weight_map"].values()))
+    assert len(files) > 2 and not (out / "model.safetensors").exists() and not list(out.glob(".shard-*"))
+    sharded = {}
+    for f in files:
+        sharded.update(load_file(out / f))
+    whole = load_file(w4a16[0] / "model.safetensors")
+    assert sharded.keys() == whole.keys()
+    for k in whole:
+        assert sharded[k].dtype == whole[k].dtype and torch.equal(sharded[k].view(torch.uint8), whole[k].view(torch.uint8)), k
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in sharded.values())
+    rows = {r["name"]: r["rel_fro_error"] for r in w4a16[1]["layers"]}
+    for r in rep["layers"]:
+        assert r["rel_fro_error"] == pytest.approx(rows[r["name"]], rel=1e-9, abs=1e-12), r["name"]
+
+
+def test_the_chunk_reader_reads_what_safetensors_wrote(tmp_path):
+    from prodrl_pipelines.quant.safetensors_stream import CheckpointReader, SafetensorsError
+
+    g = torch.Generator().manual_seed(0)
+    sd = {"a": torch.randn(37, 5, generator=g), "b": torch.randn(7, generator=g).to(torch.bfloat16),
+          "c": torch.arange(12, dtype=torch.int64).reshape(3, 4), "s": torch.tensor(2.5),
+          "f8": torch.randn(9, 16, generator=g).to(torch.float8_e4m3fn)}
+    save_file(sd, tmp_path / "model.safetensors")
+    r = CheckpointReader(tmp_path)
+    for k, t in sd.items():
+        assert torch.equal(r.get(k).view(torch.uint8), t.view(torch.uint8)) if t.dtype == torch.float8_e4m3fn \
+            else torch.equal(r.get(k), t), k
+        assert torch.equal(torch.cat(list(r.chunks(k, 24))) if t.dim() >= 2 else r.get(k), r.get(k)), k
+    assert torch.equal(r.rows("a", 10, 13), sd["a"][10:13])
+    (tmp_path / "model.safetensors").write_bytes((tmp_path / "model.safetensors").read_bytes()[:200])
+    with pytest.raises(SafetensorsError, match="truncated|header"):
+        CheckpointReader(tmp_path).get("a")
+
+
+def test_a_tensor_of_the_wrong_shape_is_refused_by_name(base, tmp_path):
+    ck = _copy(base, tmp_path / "ck")
+    sd = load_file(ck / "model.safetensors")
+    sd["model.norm.weight"] = torch.ones(sd["model.norm.weight"].shape[0] + 1)
+    save_file(sd, ck / "model.safetensors", metadata={"format": "pt"})
+    with pytest.raises(ExportError, match=r"wrong shape.*model\.norm\.weight"):
+        export_policy(ck, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

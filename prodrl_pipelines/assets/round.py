@@ -55,7 +55,8 @@ def trained_checkpoint(context: AssetExecutionContext, settings: ProdRLSettings,
     history, starts = rounds.training_history(svc)
     png = mismatch_history_png(history, starts)
     svc.lineage.log_bytes(run_id, png, "mismatch.png", "plots")
-    svc.lineage.log_metrics(run_id, {"round_mismatch_abs_logp": stats["mismatch_abs_logp"]}, stats["global_step"])
+    svc.lineage.log_metrics(run_id, {"round_mismatch_abs_logp": stats["mismatch_abs_logp"],
+                                     **{k: v for k, v in stats.items() if k.startswith("layout_")}}, stats["global_step"])
     means = {f"mean_{k}": float(sum(m[k] for m in steps) / len(steps))
              for k in ("engine_mismatch", "staleness", "staleness_steps", "net_mismatch", "kl", "head_entropy", "grad_norm",
                        "is_weight_mean", "is_truncated_frac", "ppo_clip_frac") if steps and k in steps[0]}

@@ -2,7 +2,10 @@
 
 ``export_policy(src, dst, scheme)`` reads the checkpoint's safetensors (Hugging Face layout), refuses
 anything it cannot export faithfully (unknown scheme, missing tensors, non-finite weights, NVFP4
-input dimensions not divisible by 16) before writing a byte, and writes the export atomically:
+input dimensions not divisible by 16) before writing a byte, and writes the export atomically. It
+streams: every tensor is read, checked, quantized, measured and written in row chunks
+(``quant.safetensors_stream``), the architecture is checked on the meta device, so peak memory
+follows a chunk, not the model (W4A4's calibration alone runs the whole served model):
 
 - ``nvfp4-w4a16`` (default, data-free): every Linear weight as ``weight_packed`` / ``weight_scale`` /
   ``weight_global_scale`` (see ``quant.nvfp4``); lm_head, embeddings, norms and MoE router gates stay
@@ -20,6 +23,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import re
 import shutil
 from collections import defaultdict
@@ -32,6 +36,9 @@ from torch import Tensor
 from prodrl_pipelines.atomic import atomic_directory
 from prodrl_pipelines.quant import nvfp4
 from prodrl_pipelines.quant.nvfp4 import NVFP4Error
+from prodrl_pipelines.quant.safetensors_stream import CheckpointReader, SafetensorsError, ShardedWriter
+
+CHUNK_BYTES = 16 * 1024**2  # rows of a tensor read, checked, quantized and written at once
 
 __all__ = ["SCHEMES", "ExportError", "NonFiniteWeightsError", "export_policy", "export_nonfinite",
            "layer_error_png", "layer_error_markdown"]
@@ -60,7 +67,9 @@ class NonFiniteWeightsError(ExportError):
 
 # --------------------------------------------------------------------------------- reading
 
-def _read_checkpoint(src: Path) -> tuple[dict, dict[str, Tensor]]:
+def _open_checkpoint(src: Path) -> tuple[dict, CheckpointReader]:
+    """The checkpoint's config and a reader of its tensors, checked a slice at a time: every tensor
+    finite, every expert present, every tensor the architecture needs present with its shape."""
     if not (src / "config.json").exists():
         raise ExportError(f"no checkpoint at {src} (config.json missing)")
     config = json.loads((src / "config.json").read_text())
@@ -68,19 +77,24 @@ def _read_checkpoint(src: Path) -> tuple[dict, dict[str, Tensor]]:
         raise ExportError(f"{src} is already quantized ({config['quantization_config'].get('quant_method')}); "
                           "export from the trainer checkpoint")
     try:
-        sd = nvfp4.read_safetensors_dir(src)
-    except NVFP4Error as e:
+        reader = CheckpointReader(src)
+    except SafetensorsError as e:
         raise ExportError(str(e)) from e
-    bad = {k: int((~torch.isfinite(t)).sum()) for k, t in sd.items() if t.is_floating_point()}
-    bad = {k: n for k, n in bad.items() if n}
+    bad = {}
+    for k, info in reader.tensors.items():
+        if info.dtype.is_floating_point:
+            n = sum(int((~torch.isfinite(c)).sum()) for c in reader.chunks(k, CHUNK_BYTES))
+            if n:
+                bad[k] = n
     if bad:
         names = ", ".join(f"{k} ({n})" for k, n in list(bad.items())[:5])
         raise NonFiniteWeightsError(f"refusing to export {src}: non-finite weights in {len(bad)} tensor(s): {names}", bad)
-    _check_experts(src, config, sd)
-    return config, sd
+    _check_experts(src, config, reader.tensors)
+    _check_architecture(src, config, reader)
+    return config, reader
 
 
-def _check_experts(src: Path, config: dict, sd: dict[str, Tensor]) -> None:
+def _check_experts(src: Path, config: dict, sd) -> None:
     """Every MoE layer holds every expert's projections (named, not a concat error from transformers)."""
     n = config.get("num_experts") or config.get("num_local_experts")
     found: dict[str, dict[str, set[int]]] = defaultdict(lambda: defaultdict(set))
@@ -98,66 +112,141 @@ def _check_experts(src: Path, config: dict, sd: dict[str, Tensor]) -> None:
         raise ExportError(f"checkpoint {src} is missing tensors: {missing[:8]}" + (" ..." if len(missing) > 8 else ""))
 
 
-def _source_model(src: Path, config: dict, sd: dict[str, Tensor]):
-    """The fp32 model of the checkpoint: proves the checkpoint is complete for its architecture."""
+def _check_architecture(src: Path, config: dict, reader: CheckpointReader) -> None:
+    """The checkpoint holds every tensor its architecture needs, with its shape: the model built on
+    the meta device (no memory) and its state dict named as ``save_pretrained`` names it."""
+    import transformers
+    from transformers import AutoConfig
+    from transformers.core_model_loading import revert_weight_conversion
+
+    raw = {k: v for k, v in config.items() if k != "quantization_config"}
     try:
-        return nvfp4.build_model(config, {k: v.float() if v.is_floating_point() else v for k, v in sd.items()},
-                                 torch.float32, where=f"checkpoint {src}")
-    except NVFP4Error as e:
-        raise ExportError(str(e)) from e
+        cfg = AutoConfig.for_model(raw.pop("model_type"), **raw)
+        archs = cfg.architectures or []
+        cls = getattr(transformers, archs[0], None) if archs else None
+        cls = cls or transformers.AutoModelForCausalLM._model_mapping[type(cfg)]
+        with torch.device("meta"):
+            model = cls(cfg)
+        want = revert_weight_conversion(model, model.state_dict())
+    except Exception as e:
+        raise ExportError(f"checkpoint {src}: its config does not build a model: {e}") from e
+    tied = set(getattr(model, "all_tied_weights_keys", None) or {})
+    missing = sorted(k for k in want if k not in reader and k not in tied)
+    if missing:
+        raise ExportError(f"checkpoint {src}: the weights do not load into {cls.__name__}: tensors missing: {missing[:8]}")
+    wrong = [f"{k} {reader.tensors[k].shape} (expected {tuple(t.shape)})" for k, t in want.items()
+             if k in reader and reader.tensors[k].shape != tuple(t.shape)]
+    if wrong:
+        raise ExportError(f"checkpoint {src}: tensors of the wrong shape for {cls.__name__}: {wrong[:5]}")
 
 
 # --------------------------------------------------------------------------------- quantizing
 
-def _rel_fro(ref: Tensor, approx: Tensor) -> float:
-    ref = ref.double()
-    den = float(ref.norm())
-    return float((approx.double() - ref).norm()) / den if den > 0 else float((approx.double() - ref).norm())
+class _RelFro:
+    """||approx - ref||_F / ||ref||_F accumulated over row chunks in float64 (a chunk's copy at a time)."""
+
+    def __init__(self) -> None:
+        self.err = self.ref = 0.0
+
+    def add(self, ref: Tensor, approx: Tensor) -> None:
+        r = ref.double()
+        self.err += float((approx.double() - r).square().sum())
+        self.ref += float(r.square().sum())
+
+    @property
+    def value(self) -> float:
+        return math.sqrt(self.err) / math.sqrt(self.ref) if self.ref > 0 else math.sqrt(self.err)
 
 
-def _quantize(sd: dict[str, Tensor]) -> tuple[dict[str, Tensor], list[dict], list[str]]:
-    names = [k for k, t in sd.items() if nvfp4.quantizable(k, t)]
-    bad = [f"{k} {tuple(sd[k].shape)}" for k in names if sd[k].shape[1] % nvfp4.GROUP_SIZE]
-    if bad:
-        raise ExportError(f"NVFP4 needs input dimensions divisible by {nvfp4.GROUP_SIZE}; not so for: "
-                          + ", ".join(bad[:8]))
+def _cast_chunks(reader: CheckpointReader, name: str, err: _RelFro | None, keep: list | None):
+    for c in reader.chunks(name, CHUNK_BYTES):
+        out = c.to(SERVE_DTYPE) if c.is_floating_point() else c
+        if err is not None:
+            err.add(c, out)
+        if keep is not None:
+            keep.append(out)
+        yield out
+
+
+def _write_cast(reader: CheckpointReader, writer: ShardedWriter, name: str, rows: list[dict],
+                keep: dict[str, Tensor] | None) -> None:
+    """A tensor served as bf16 (integers as they are), with its error row."""
+    info = reader.tensors[name]
+    floating = info.dtype.is_floating_point
+    err = _RelFro() if floating else None
+    parts: list | None = [] if keep is not None else None
+    writer.add(name, _cast_chunks(reader, name, err, parts),
+               nbytes=math.prod(info.shape) * (2 if floating else info.dtype.itemsize))
+    if keep is not None:
+        keep[name] = torch.cat(parts) if parts[0].dim() else parts[0]
+    if floating:
+        rows.append({"name": name, "shape": list(info.shape), "format": "bf16", "rel_fro_error": err.value})
+
+
+def _global_scales(reader: CheckpointReader, names: list[str]) -> dict[str, Tensor]:
+    """Each quantized weight's global scale (``nvfp4.global_scale`` of the whole tensor, from its
+    chunks' amax); layers fused at serving time share the smallest of theirs."""
+    amax = {k: torch.stack([c.abs().amax() for c in reader.chunks(k, CHUNK_BYTES)]).amax().reshape(1) for k in names}
     groups: dict[str, list[str]] = defaultdict(list)
     for k in names:
         groups[nvfp4.fused_group(k)].append(k)
-    gscale = {}
+    out = {}
     for members in groups.values():
-        g = torch.stack([nvfp4.global_scale(sd[k]) for k in members]).amin(0)  # fused: one shared scale
-        gscale.update({k: g for k in members})
-    out: dict[str, Tensor] = {}
-    rows: list[dict] = []
-    qset = set(names)
-    for k, t in sd.items():
-        if k in qset:
+        g = torch.stack([nvfp4.global_scale(amax[k]) for k in members]).amin(0)
+        out.update({k: g for k in members})
+    return out
+
+
+def _write_quantized(reader: CheckpointReader, writer: ShardedWriter, name: str, gscale: Tensor, rows: list[dict],
+                     keep: dict[str, Tensor] | None) -> None:
+    """One Linear weight as NVFP4, quantized row chunk by row chunk (block scales are per row, the
+    global scale is the tensor's): identical bytes to quantizing it whole."""
+    prefix = name[: -len(".weight")]
+    scales, err, deq = [], _RelFro(), []
+
+    def packed():
+        for c in reader.chunks(name, CHUNK_BYTES):
             try:
-                q = nvfp4.quantize_nvfp4(t, gscale[k], name=k)
+                q = nvfp4.quantize_nvfp4(c, gscale, name=name)
             except NVFP4Error as e:
                 raise ExportError(str(e)) from e
-            prefix = k[: -len(".weight")]
-            out[f"{prefix}.weight_packed"] = q.packed
-            out[f"{prefix}.weight_scale"] = q.scale
-            out[f"{prefix}.weight_global_scale"] = q.global_scale
-            rows.append({"name": k, "shape": list(t.shape), "format": "nvfp4",
-                         "rel_fro_error": _rel_fro(t, q.dequantize()), "fused_group": nvfp4.fused_group(k)})
-        else:
-            out[k] = t.to(SERVE_DTYPE) if t.is_floating_point() else t
-            if t.is_floating_point():
-                rows.append({"name": k, "shape": list(t.shape), "format": "bf16",
-                             "rel_fro_error": _rel_fro(t, out[k])})
-    ignore = ["lm_head"] + sorted(
-        k[: -len(".weight")] for k, t in sd.items()
-        if k.endswith(".weight") and t.ndim == 2 and k not in qset and not _EMBEDDING.search(k[: -len(".weight")])
-        and k != "lm_head.weight")
-    return out, rows, ignore
+            d = q.dequantize()
+            err.add(c, d)
+            if keep is not None:
+                deq.append(d)
+            scales.append(q.scale)
+            yield q.packed
+
+    info = reader.tensors[name]
+    writer.add(f"{prefix}.weight_packed", packed(), nbytes=math.prod(info.shape) // 2)
+    writer.add(f"{prefix}.weight_scale", scales)
+    writer.add(f"{prefix}.weight_global_scale", [gscale.to(torch.float32).reshape(1).clone()])
+    if keep is not None:
+        keep[name] = torch.cat(deq)
+    rows.append({"name": name, "shape": list(info.shape), "format": "nvfp4", "rel_fro_error": err.value,
+                 "fused_group": nvfp4.fused_group(name)})
 
 
-def _calibrate(config: dict, packed_sd: dict[str, Tensor], prompts: list[list[int]], names: list[str]) -> dict[str, Tensor]:
-    """``input_global_scale`` per quantized Linear from activation amax on the W4-dequantized model."""
-    model = nvfp4.build_model(config, nvfp4.dequantize_state_dict(packed_sd, torch.float32), torch.float32,
+def _quantizable(reader: CheckpointReader) -> list[str]:
+    names = [k for k, info in reader.tensors.items() if nvfp4.quantizable(k, info.meta())]
+    bad = [f"{k} {reader.tensors[k].shape}" for k in names if reader.tensors[k].shape[1] % nvfp4.GROUP_SIZE]
+    if bad:
+        raise ExportError(f"NVFP4 needs input dimensions divisible by {nvfp4.GROUP_SIZE}; not so for: "
+                          + ", ".join(bad[:8]))
+    return names
+
+
+def _ignore_list(reader: CheckpointReader, qset: set[str]) -> list[str]:
+    return ["lm_head"] + sorted(
+        k[: -len(".weight")] for k, info in reader.tensors.items()
+        if k.endswith(".weight") and len(info.shape) == 2 and k not in qset
+        and not _EMBEDDING.search(k[: -len(".weight")]) and k != "lm_head.weight")
+
+
+def _calibrate(config: dict, served: dict[str, Tensor], prompts: list[list[int]], names: list[str]) -> dict[str, Tensor]:
+    """``input_global_scale`` per quantized Linear from activation amax on the W4-dequantized model
+    (``served``: what the export serves, dequantized; the one step that holds the whole model)."""
+    model = nvfp4.build_model(config, {k: v.float() for k, v in served.items()}, torch.float32,
                               where="the W4 export (calibration)")
     vocab = int(model.get_input_embeddings().weight.shape[0])
     amax: dict[str, Tensor] = {}
@@ -201,31 +290,6 @@ def _calibrate(config: dict, packed_sd: dict[str, Tensor], prompts: list[list[in
 
 # --------------------------------------------------------------------------------- writing
 
-def _save_shards(tensors: dict[str, Tensor], out: Path, max_shard_bytes: int) -> None:
-    from safetensors.torch import save_file
-
-    shards: list[dict[str, Tensor]] = [{}]
-    size = 0
-    for k, t in tensors.items():
-        nb = t.numel() * t.element_size()
-        if shards[-1] and size + nb > max_shard_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][k] = t.contiguous()
-        size += nb
-    if len(shards) == 1:
-        save_file(shards[0], out / "model.safetensors", metadata={"format": "pt"})
-        return
-    weight_map = {}
-    for i, sh in enumerate(shards):
-        fname = f"model-{i + 1:05d}-of-{len(shards):05d}.safetensors"
-        save_file(sh, out / fname, metadata={"format": "pt"})
-        weight_map.update({k: fname for k in sh})
-    total = sum(t.numel() * t.element_size() for t in tensors.values())
-    (out / "model.safetensors.index.json").write_text(
-        json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
-
-
 def _copy_tokenizer(src: Path, dst: Path) -> None:
     if not ((src / "tokenizer.json").exists() or (src / "tokenizer_config.json").exists()):
         raise ExportError(f"{src} holds no tokenizer (tokenizer.json / tokenizer_config.json)")
@@ -249,29 +313,38 @@ def export_policy(src: str | PathLike, dst: str | PathLike, scheme: str = "nvfp4
         raise ExportError(f"unknown export scheme {scheme!r}; choose one of {list(SCHEMES)}")
     if scheme == "nvfp4-w4a4" and not calibration_prompts:
         raise ExportError("scheme 'nvfp4-w4a4' needs calibration prompts (token-id lists) for input_global_scale")
-    config, sd = _read_checkpoint(src)
-    _source_model(src, config, sd)  # completeness check against the architecture
-    src_bytes = sum(t.numel() * t.element_size() for t in sd.values())
-    bf16_bytes = sum(t.numel() * (2 if t.is_floating_point() else t.element_size()) for t in sd.values())
+    config, reader = _open_checkpoint(src)
+    infos = reader.tensors.values()
+    src_bytes = sum(i.nbytes for i in infos)
+    bf16_bytes = sum(i.nbytes // i.dtype.itemsize * (2 if i.dtype.is_floating_point else i.dtype.itemsize)
+                     for i in infos)
     out_cfg = {k: v for k, v in config.items() if k != "torch_dtype"}
     out_cfg["dtype"] = "bfloat16"
     extra: dict = {}
-    if scheme == "bf16":
-        tensors = {k: t.to(SERVE_DTYPE) if t.is_floating_point() else t for k, t in sd.items()}
-        rows = [{"name": k, "shape": list(t.shape), "format": "bf16", "rel_fro_error": _rel_fro(t, tensors[k])}
-                for k, t in sd.items() if t.is_floating_point()]
-        fmt = "bf16 safetensors"
-    else:
-        tensors, rows, ignore = _quantize(sd)
-        qnames = [r["name"] for r in rows if r["format"] == "nvfp4"]
-        if scheme == "nvfp4-w4a4":
-            tensors.update(_calibrate(config, tensors, calibration_prompts, qnames))
-            extra["calibration_prompts"] = len(calibration_prompts)
-        out_cfg["quantization_config"] = nvfp4.quantization_config(scheme.split("-", 1)[1], ignore)
-        fmt = f"compressed-tensors {nvfp4.FORMAT} ({scheme.split('-', 1)[1].upper()})"
-        extra["ignore"] = ignore
+    rows: list[dict] = []
+    qnames = [] if scheme == "bf16" else _quantizable(reader)
+    gscales = _global_scales(reader, qnames)
+    served: dict[str, Tensor] | None = {} if scheme == "nvfp4-w4a4" else None  # calibration runs the model
     with atomic_directory(dst) as tmp:
-        _save_shards(tensors, tmp, max_shard_bytes)
+        writer = ShardedWriter(tmp, max_shard_bytes)
+        for k in reader:  # one tensor, and one chunk of it, at a time
+            if k in gscales:
+                _write_quantized(reader, writer, k, gscales[k], rows, served)
+            else:
+                _write_cast(reader, writer, k, rows, served)
+        if scheme == "bf16":
+            fmt = "bf16 safetensors"
+        else:
+            if scheme == "nvfp4-w4a4":
+                for k, t in _calibrate(config, served, calibration_prompts, qnames).items():
+                    writer.add(k, [t])
+                served = None
+                extra["calibration_prompts"] = len(calibration_prompts)
+            ignore = _ignore_list(reader, set(qnames))
+            out_cfg["quantization_config"] = nvfp4.quantization_config(scheme.split("-", 1)[1], ignore)
+            fmt = f"compressed-tensors {nvfp4.FORMAT} ({scheme.split('-', 1)[1].upper()})"
+            extra["ignore"] = ignore
+        writer.close()
         (tmp / "config.json").write_text(json.dumps(out_cfg, indent=2, sort_keys=True))
         _copy_tokenizer(src, tmp)
         (tmp / MARKER).write_text(json.dumps({"format": fmt, "scheme": scheme, "source": str(src), "layers": rows,
