@@ -19,29 +19,36 @@ def bootstrap_base_policy(svc: Services, progress: bool = True) -> dict:
     and creates Adam's, and the baseline starts empty. Re-running it after a crash reuses an already
     imported checkpoint."""
     from prodrl_pipelines.model_source import import_base_model
+    from prodrl_pipelines.phases import PhaseMeter
     from prodrl_pipelines.quant.export import export_policy
 
     s = svc.settings
     suite = svc.suite  # a bad suite fails before the (possibly long) import
     ckpt = s.checkpoints_root / BASE_VERSION
     facts = {}
-    if not (ckpt / "config.json").exists():
-        facts = import_base_model(s.base_model, ckpt, s, svc.s3_endpoint_url)
-    publish_checkpoint(svc, BASE_VERSION, ckpt)
+    meter = PhaseMeter()  # where the time and memory go
+    with meter.phase("import"):
+        if not (ckpt / "config.json").exists():
+            facts = import_base_model(s.base_model, ckpt, s, svc.s3_endpoint_url)
+        publish_checkpoint(svc, BASE_VERSION, ckpt)
     scheme = s.deploy.export_scheme
-    exp = export_policy(ckpt, s.exports_root / BASE_VERSION, scheme,
-                        calibration_prompts=_calibration_prompts(svc, None) if scheme == "nvfp4-w4a4" else None)
-    ev = evaluate_policy(svc, s.exports_root / BASE_VERSION, BASE_VERSION)
-    svc.registry.record_eval(BASE_VERSION, ev)
-    _, rollout = make_live(svc, BASE_VERSION, by="bootstrap")  # served through the deploy target, probed
+    with meter.phase("export"):
+        exp = export_policy(ckpt, s.exports_root / BASE_VERSION, scheme,
+                            calibration_prompts=_calibration_prompts(svc, None) if scheme == "nvfp4-w4a4" else None)
+    with meter.phase("evaluate"):
+        ev = evaluate_policy(svc, s.exports_root / BASE_VERSION, BASE_VERSION)
+        svc.registry.record_eval(BASE_VERSION, ev)
+    with meter.phase("deploy"):  # served through the deploy target, probed
+        _, rollout = make_live(svc, BASE_VERSION, by="bootstrap")
     if svc.registry.decision(BASE_VERSION) is None:  # round 0 is decided by construction
         svc.registry.record_decision(BASE_VERSION, {"passed": True, "deployed": True, "review": "none", "base": True,
                                                     "decided_by": "bootstrap", "decided_at": now(),
                                                     "candidate_mean": ev["mean"], "n_tasks": len(ev["rewards"])})
     svc.registry.update_round(BASE_VERSION, heldout_reward=ev["mean"], heldout_reward_ci=ev["ci95"],
                               gate_passed=True, deployed=True, policy_version=BASE_VERSION, num_trajectories=0,
-                              base_model=s.base_model, suite=suite.name, **rollout.metadata())
+                              base_model=s.base_model, suite=suite.name, phases=meter.phases, **rollout.metadata())
     return {"checkpoint_dir": str(ckpt), "export": exp, "heldout_reward": ev["mean"], "heldout_ci95": ev["ci95"],
+            "phases": meter.phases,
             "deployment": rollout.metadata(),
             "reward_errors": ev["reward_errors"], "base_model": s.base_model,
             **{k: v for k, v in facts.items() if k in ("source", "architectures", "parameters", "vocab_size")}}
@@ -61,7 +68,8 @@ def bootstrap(svc: Services) -> dict:
     version = svc.lineage.register_candidate(source, run_id, BASE_VERSION, {
         **state_tags(DEPLOYED, base=True), "format": s.deploy.export_scheme,
         "heldout_reward": f"{stats['heldout_reward']:.4f}", "base_model": s.base_model})
-    svc.lineage.log_metrics(run_id, {"heldout_reward": stats["heldout_reward"]}, 0)
+    svc.lineage.log_metrics(run_id, {"heldout_reward": stats["heldout_reward"],
+                                     **{f"{n}_{k}": v for n, p in stats["phases"].items() for k, v in p.items()}}, 0)
     svc.lineage.promote(version)
     svc.lineage.describe_version(version, f"{BASE_VERSION}: the base model {s.base_model}, held-out reward "
                                           f"{stats['heldout_reward']:.4f}; deployed by bootstrap.")

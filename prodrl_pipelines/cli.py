@@ -57,6 +57,7 @@ def cmd_check_settings(args) -> int:
 
 def cmd_bootstrap(args) -> int:
     from prodrl_pipelines import bootstrap
+    from prodrl_pipelines.phases import PhaseMeter
     from prodrl_pipelines.resources.settings import services
 
     res = _resources(args.settings)
@@ -67,6 +68,7 @@ def cmd_bootstrap(args) -> int:
         return 1
     out = bootstrap.bootstrap(svc)
     print(json.dumps({k: v for k, v in out.items() if k != "export"}, indent=1, default=str))
+    print(PhaseMeter(out["phases"]).table(), file=sys.stderr)  # where the time and memory went
     return 0
 
 

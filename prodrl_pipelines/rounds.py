@@ -259,6 +259,7 @@ def export(svc: Services, rkey: str) -> dict:
     """
     from dataclasses import asdict as _asdict
 
+    from prodrl_pipelines.phases import PhaseMeter
     from prodrl_pipelines.quant.export import ExportError, NonFiniteWeightsError, export_policy
 
     refuse_if_decided(svc, rkey, "exported_policy")
@@ -268,8 +269,10 @@ def export(svc: Services, rkey: str) -> dict:
         raise RoundError(f"trained checkpoint of {rkey} is missing at {src}: materialise trained_checkpoint")
     scheme = s.deploy.export_scheme
     calib = _calibration_prompts(svc, rkey) if scheme == "nvfp4-w4a4" else None
+    meter = PhaseMeter()
     try:
-        stats = export_policy(src, s.exports_root / rkey, scheme, calibration_prompts=calib)
+        with meter.phase("export"):
+            stats = export_policy(src, s.exports_root / rkey, scheme, calibration_prompts=calib)
     except NonFiniteWeightsError as e:
         d = GateDecision(passed=False, reasons=[f"export refused: {e}"])
         svc.registry.record_decision(rkey, {**_asdict(d), "deployed": False, "stage": "export"})
@@ -277,9 +280,11 @@ def export(svc: Services, rkey: str) -> dict:
         raise RoundError(f"{rkey}: {e}") from e
     except ExportError as e:  # permanent for this checkpoint: no retries
         raise RoundError(f"{rkey}: {e}") from e
-    stats["smoke"] = export_smoke(s, Path(stats["export_dir"]), svc.suite)
+    with meter.phase("smoke"):
+        stats["smoke"] = export_smoke(s, Path(stats["export_dir"]), svc.suite)
+    stats["phases"] = meter.metadata()
     svc.registry.update_round(rkey, export_scheme=scheme, export_bytes=stats["export_bytes"],
-                              export_max_rel_error=stats["max_rel_fro_error"])
+                              export_max_rel_error=stats["max_rel_fro_error"], export_phases=meter.phases)
     return stats
 
 

@@ -132,13 +132,22 @@ def test_an_empty_output_carries_the_history_and_a_trajectory_without_tokens_is_
 def test_packed_rows_restart_positions_and_index_every_target():
     trajs = _mixed_batch()
     seqs = minibatch_sequences(trajs, np.ones(len(trajs)))
-    b = pack_sequences(seqs, pad_id=0)
-    assert b.input_ids.shape == (1, sum(s.num_inputs for s in seqs)) and b.attention_mask is None
-    assert b.seq_lens == tuple(s.num_inputs for s in seqs)
+    one = pack_sequences(seqs, pad_id=0, one_row=True)
+    assert one.input_ids.shape == (1, sum(s.num_inputs for s in seqs)) and one.attention_mask is None
     flat = torch.cat([torch.tensor(s.ids[1:]) for s in seqs])  # what each packed position predicts
-    assert torch.equal(flat[b.gen_pos], b.targets)
-    starts = np.cumsum([0] + list(b.seq_lens))[:-1]
-    assert all(b.position_ids[0, s] == 0 for s in starts)
+    assert torch.equal(flat[one.gen_pos], one.targets)
+    assert torch.equal(one.segment_ids[0], torch.repeat_interleave(torch.arange(len(seqs)),
+                                                                   torch.tensor([s.num_inputs for s in seqs])))
+    assert (one.position_ids[0][torch.nonzero(torch.diff(one.segment_ids[0])) + 1] == 0).all()
+    b = pack_sequences(seqs, pad_id=0)  # rows as long as the longest sequence, filled first-fit
+    longest = max(s.num_inputs for s in seqs)
+    assert b.input_ids.shape[1] == longest and b.input_ids.shape[0] < len(seqs)
+    assert int((b.segment_ids < len(seqs)).sum()) == sum(s.num_inputs for s in seqs)  # every token once
+    rows_ids = [torch.tensor(s.ids) for s in seqs]
+    for g in range(b.num_tokens):  # each target is the next token of its own sequence
+        r, p = int(b.gen_row[g]), int(b.gen_pos[g])
+        seq = int(b.segment_ids[r, p])
+        assert int(rows_ids[seq][int(b.position_ids[r, p]) + 1]) == int(b.targets[g])
     ref = pack_minibatch(trajs, np.ones(len(trajs)), pad_id=0)
     # the same generated tokens with the same recorded data, whatever the layout (order within a call kept)
     key = lambda x: sorted(zip(x.traj_index.tolist(), x.targets.tolist(), x.logp_mu.tolist(), x.weight.tolist()))  # noqa: E731
@@ -153,6 +162,8 @@ def test_a_packed_forward_equals_separate_forwards(moe):
     packed = pack_sequences(seqs, pad_id=0)
     with torch.no_grad():
         got = policy_logprobs(model, packed)
+        torch.testing.assert_close(policy_logprobs(model, pack_sequences(seqs, pad_id=0, one_row=True)), got,
+                                   atol=1e-5, rtol=1e-5)
         ref = torch.cat([policy_logprobs(model, pack_sequences([s], pad_id=0, layout="padded"))[:, 0] for s in seqs])
         per_call = policy_logprobs(model, pack_minibatch(trajs, np.ones(len(trajs)), pad_id=0))
     torch.testing.assert_close(got[:, 0], ref, atol=1e-5, rtol=1e-5)

@@ -82,7 +82,7 @@ def exported_policy(context: AssetExecutionContext, settings: ProdRLSettings, st
     png = layer_error_png(stats["layers"])
     svc.lineage.log_bytes(run_id, png, "export_layer_error.png", "plots")
     svc.lineage.log_metrics(run_id, {"export_compression_ratio": stats["compression_ratio"],
-                                     "export_max_rel_fro_error": stats["max_rel_fro_error"]}, 0)
+                                     "export_max_rel_fro_error": stats["max_rel_fro_error"], **stats["phases"]}, 0)
     version = svc.lineage.register_candidate(rounds.publish_export(svc, rkey, Path(stats["export_dir"])), run_id, rkey,
                                              {**state_tags(RUNNING), "format": stats["format"],
                                               "scheme": stats["scheme"]})
@@ -96,7 +96,7 @@ def exported_policy(context: AssetExecutionContext, settings: ProdRLSettings, st
         "source_bytes": stats["source_bytes"], "bf16_bytes": stats["bf16_bytes"], "export_bytes": stats["export_bytes"],
         "compression_ratio": stats["compression_ratio"], "compression_ratio_vs_source": stats["compression_ratio_vs_source"],
         "quantized_tensors": stats["quantized_tensors"], "max_rel_fro_error": stats["max_rel_fro_error"],
-        "mean_rel_fro_error": stats["mean_rel_fro_error"],
+        "mean_rel_fro_error": stats["mean_rel_fro_error"], **stats["phases"],
         "layer_errors": MetadataValue.md(layer_error_markdown(stats["layers"])),
         "layer_error_plot": MetadataValue.md(markdown_image(png, "relative Frobenius error per tensor")),
         "smoke_generation": MetadataValue.md(smoke_md), "smoke_error": smoke["error"] or "none",

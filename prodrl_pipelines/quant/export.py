@@ -371,7 +371,7 @@ def export_nonfinite(export_dir: str | PathLike) -> dict[str, int]:
     An export without weights has nothing to count (its smoke test fails instead)."""
     if not any(Path(export_dir).glob("*.safetensors")):
         return {}
-    sd = nvfp4.read_safetensors_dir(export_dir)
+    sd = nvfp4.open_safetensors_dir(export_dir)  # a tensor at a time
     bad: dict[str, int] = {}
     for k, t in sd.items():
         if k.endswith(".weight_packed"):

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import json
 import re
+from collections.abc import Mapping
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
@@ -34,7 +35,7 @@ __all__ = [
     "FORMAT", "GROUP_SIZE", "FP4_MAX", "FP8_MAX", "ZERO_SCALE", "NVFP4Error", "NVFP4Tensor",
     "global_scale", "block_scales", "fp4_codes", "pack_codes", "unpack_codes", "quantize_nvfp4",
     "dequantize_nvfp4", "fused_group", "quantizable", "quantization_config", "is_compressed_tensors_dir",
-    "dequantize_state_dict", "build_model", "load_nvfp4_model", "read_safetensors_dir",
+    "dequantize_state_dict", "build_model", "load_nvfp4_model", "read_safetensors_dir", "open_safetensors_dir",
     "fake_quantize_activations", "install_activation_quantization",
 ]
 
@@ -230,30 +231,18 @@ def quantization_config(scheme: str, ignore: list[str]) -> dict:
 # --------------------------------------------------------------------------------- loading
 
 def read_safetensors_dir(path: str | PathLike) -> dict[str, Tensor]:
-    """Every tensor of a (possibly sharded) safetensors checkpoint directory."""
-    from safetensors.torch import load_file
+    """Every tensor of a (possibly sharded) safetensors checkpoint directory, in memory."""
+    return dict(open_safetensors_dir(path))
 
-    path = Path(path)
-    index = path / "model.safetensors.index.json"
-    if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted(set(weight_map.values()))
-        missing = [f for f in files if not (path / f).exists()]
-        if missing:
-            raise NVFP4Error(f"{path}: shard(s) {missing} listed in {index.name} are missing")
-    else:
-        files = sorted(f.name for f in path.glob("*.safetensors"))
-        weight_map = None
-    if not files:
-        raise NVFP4Error(f"{path}: no *.safetensors weights")
-    sd: dict[str, Tensor] = {}
-    for f in files:
-        sd.update(load_file(path / f))
-    if weight_map is not None:
-        absent = sorted(set(weight_map) - set(sd))
-        if absent:
-            raise NVFP4Error(f"{path}: tensors listed in the index are missing from the shards: {absent[:5]}")
-    return sd
+
+def open_safetensors_dir(path: str | PathLike):
+    """The directory's tensors, each read when asked for (``quant.safetensors_stream``)."""
+    from prodrl_pipelines.quant.safetensors_stream import CheckpointReader, SafetensorsError
+
+    try:
+        return CheckpointReader(path)
+    except SafetensorsError as e:
+        raise NVFP4Error(str(e)) from e
 
 
 def is_compressed_tensors_dir(path: str | PathLike) -> bool:
@@ -264,8 +253,9 @@ def is_compressed_tensors_dir(path: str | PathLike) -> bool:
     return qc.get("quant_method") == "compressed-tensors"
 
 
-def dequantize_state_dict(sd: dict[str, Tensor], dtype: torch.dtype = _F32) -> dict[str, Tensor]:
-    """Packed NVFP4 triplets -> dense ``<prefix>.weight``; activation scales dropped; the rest cast."""
+def dequantize_state_dict(sd: Mapping[str, Tensor], dtype: torch.dtype = _F32) -> dict[str, Tensor]:
+    """Packed NVFP4 triplets -> dense ``<prefix>.weight``; activation scales dropped; the rest cast.
+    ``sd`` may read each tensor when asked for (a ``CheckpointReader``): one packed tensor at a time."""
     out: dict[str, Tensor] = {}
     for key, t in sd.items():
         if key.endswith(".weight_packed"):
@@ -410,12 +400,12 @@ def load_nvfp4_model(path: str | PathLike, dtype: torch.dtype | str = _F32, devi
                          f"{qc.get('quant_method')!r} format={qc.get('format')!r}")
     if dtype == "auto":
         dtype = getattr(torch, str(raw.get("dtype") or raw.get("torch_dtype") or "bfloat16"))
-    sd = read_safetensors_dir(path)
+    sd = open_safetensors_dir(path)  # read and dequantized a tensor at a time
     model = build_model(raw, dequantize_state_dict(sd, dtype), dtype, where=str(path))
     if (path / "generation_config.json").exists():
         model.generation_config = GenerationConfig.from_pretrained(path)
     model = model.to(device).eval()
-    act = {k: v for k, v in sd.items() if k.endswith(".input_global_scale")}
+    act = {k: sd[k] for k in sd if k.endswith(".input_global_scale")}
     model._w4a4_hooks = install_activation_quantization(model, act) if simulate_activations and act else []
     tokenizer = AutoTokenizer.from_pretrained(path)
     return model, tokenizer

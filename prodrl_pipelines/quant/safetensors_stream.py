@@ -14,7 +14,7 @@ import json
 import math
 import shutil
 import struct
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from dataclasses import dataclass
 from os import PathLike
 from pathlib import Path
@@ -65,8 +65,9 @@ def _header(path: Path) -> tuple[dict, int]:
     return header, 8 + n
 
 
-class CheckpointReader:
-    """Every tensor of a (possibly sharded) safetensors directory, by name, read a row range at a time."""
+class CheckpointReader(Mapping):
+    """Every tensor of a (possibly sharded) safetensors directory, by name, read when asked for (a
+    read-only mapping: ``reader[name]`` reads that tensor alone), or a row range at a time."""
 
     def __init__(self, path: str | PathLike) -> None:
         path = Path(path)
@@ -96,11 +97,20 @@ class CheckpointReader:
             if absent:
                 raise SafetensorsError(f"{path}: tensors listed in the index are missing from the shards: {absent[:5]}")
 
-    def __contains__(self, name: str) -> bool:
+    def __contains__(self, name: object) -> bool:
         return name in self.tensors
 
     def __iter__(self) -> Iterator[str]:
         return iter(self.tensors)
+
+    def __len__(self) -> int:
+        return len(self.tensors)
+
+    def __getitem__(self, name: str) -> Tensor:
+        if name not in self.tensors:
+            raise KeyError(name)
+        info = self.tensors[name]
+        return self.rows(name, 0, info.shape[0] if len(info.shape) >= 2 else 1)
 
     def rows(self, name: str, start: int, stop: int) -> Tensor:
         """Rows ``start:stop`` of the tensor's first dimension (a 0-d or 1-d tensor: all of it)."""
@@ -128,10 +138,6 @@ class CheckpointReader:
         step = max(1, chunk_bytes // max(1, info.nbytes // info.shape[0]))
         for s in range(0, info.shape[0], step):
             yield self.rows(name, s, min(s + step, info.shape[0]))
-
-    def get(self, name: str) -> Tensor:
-        info = self.tensors[name]
-        return self.rows(name, 0, info.shape[0] if len(info.shape) >= 2 else 1)
 
 
 class ShardedWriter:

@@ -90,15 +90,15 @@ class PackedBatch:
     """The input rows of some training sequences and, flattened, their generated positions.
 
     Two layouts of the same per-token data: ``padded`` (one right-padded row per sequence, a 2D
-    ``attention_mask``) and ``packed`` (every sequence back to back in one row, no padding:
-    ``position_ids`` restart at each sequence and ``seq_lens`` bound the block-diagonal causal
-    attention, so no token attends across a sequence boundary). Position p of a row predicts token
-    p+1; the generated targets sit at ``(gen_row, gen_pos)`` so the trainer only projects those
-    hidden states onto the vocabulary.
+    ``attention_mask``) and ``packed`` (sequences back to back in rows: ``position_ids`` restart at
+    each sequence and ``segment_ids`` bound the block-diagonal causal attention, so no token attends
+    across a sequence boundary; the row's tail, if any, is one segment of padding). Position p of a
+    row predicts token p+1; the generated targets sit at ``(gen_row, gen_pos)`` so the trainer only
+    projects those hidden states onto the vocabulary.
     """
 
     input_ids: torch.Tensor  # [N, L] long
-    attention_mask: torch.Tensor | None  # [N, L] long (padded); None (packed: built from seq_lens)
+    attention_mask: torch.Tensor | None  # [N, L] long (padded); None (packed: built from segment_ids)
     gen_row: torch.Tensor  # [G] long
     gen_pos: torch.Tensor  # [G] long, position whose logits predict the target
     targets: torch.Tensor  # [G] long
@@ -115,8 +115,8 @@ class PackedBatch:
     target_in_head: torch.Tensor  # [G] bool
     extra_ids: torch.Tensor  # [G] long, recorded extra draw a' (the sampled id where none was recorded)
     has_extra: torch.Tensor  # [G] bool
-    position_ids: torch.Tensor | None = None  # [1, L] long (packed)
-    seq_lens: tuple[int, ...] | None = None  # lengths of the packed sequences, in row order (packed)
+    position_ids: torch.Tensor | None = None  # [N, L] long (packed)
+    segment_ids: torch.Tensor | None = None  # [N, L] long, the sequence of each position (packed)
     filler: bool = False  # a zero-weight stand-in that keeps the ranks' collectives in step
 
     @property
@@ -139,28 +139,56 @@ def _head_rows(rows: list[list], n: int, K: int, fill, dtype) -> np.ndarray:
     return out
 
 
+def first_fit_decreasing(lengths: list[int], capacity: int, order: list[int] | None = None) -> list[list[int]]:
+    """Indices of ``lengths`` in bins of at most ``capacity`` (an item larger than that alone),
+    longest first, each into the first bin with room."""
+    order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)) if order is None else order
+    bins: list[list[int]] = []
+    room: list[int] = []
+    for i in order:
+        n = lengths[i]
+        for b, free in enumerate(room):
+            if n <= free:
+                bins[b].append(i)
+                room[b] -= n
+                break
+        else:
+            bins.append([i])
+            room.append(capacity - n)
+    return bins
+
+
 def pack_sequences(seqs: list[Sequence], pad_id: int, vocab_size: int | None = None,
-                   layout: str = "packed") -> PackedBatch:
-    """The tensors of ``seqs`` in ``layout`` (``packed``: one unpadded row; ``padded``: a row each)."""
+                   layout: str = "packed", one_row: bool = False) -> PackedBatch:
+    """The tensors of ``seqs`` in ``layout``: ``padded`` (a right-padded row each) or ``packed``
+    (no padding within a row). Packed sequences fill rows as long as the longest of them (first-fit
+    decreasing: attention costs rows x longest^2 with a dense block-diagonal mask, not total^2), or
+    ``one_row`` (flash-attention's variable-length path has no quadratic mask: nothing to pad)."""
     if layout not in ("packed", "padded"):
         raise ValueError(f"unknown layout {layout!r}; known: ['packed', 'padded']")
     if not seqs:
         raise ValueError("no sequences to pack")
     spans = [(r, sp) for r, s in enumerate(seqs) for sp in s.spans if sp.call.output_ids]
     K = max([len(row) for _, sp in spans for row in (sp.call.top_ids or [])] or [1])
-    offsets = np.cumsum([0] + [s.num_inputs for s in seqs])
+    lens = [s.num_inputs for s in seqs]
+    if layout == "packed":
+        bins = [list(range(len(seqs)))] if one_row else first_fit_decreasing(lens, max(lens))
+    else:
+        bins = [[i] for i in range(len(seqs))]
+    where = {}  # sequence -> (row, offset)
+    for r, members in enumerate(bins):
+        off = 0
+        for i in members:
+            where[i] = (r, off)
+            off += lens[i]
     gen_row, gen_pos, targets, temps, lmu, adv, weight, tidx = [], [], [], [], [], [], [], []
     head_ids, head_mu, complete, filtered, extra, has_extra = [], [], [], [], [], []
     for r, sp in spans:
         c, n = sp.call, len(sp.call.output_ids)
         tgt = np.asarray(c.output_ids, dtype=np.int64)
-        pos = np.arange(sp.start - 1, sp.start - 1 + n, dtype=np.int64)
-        if layout == "packed":
-            gen_row.append(np.zeros(n, dtype=np.int64))
-            gen_pos.append(pos + offsets[r])
-        else:
-            gen_row.append(np.full(n, r, dtype=np.int64))
-            gen_pos.append(pos)
+        row, off = where[r]
+        gen_row.append(np.full(n, row, dtype=np.int64))
+        gen_pos.append(np.arange(off + sp.start - 1, off + sp.start - 1 + n, dtype=np.int64))
         targets.append(tgt)
         temps.append(np.full(n, c.temperature, dtype=np.float32))
         lmu.append(np.asarray(c.output_logprobs, dtype=np.float32))
@@ -184,20 +212,25 @@ def pack_sequences(seqs: list[Sequence], pad_id: int, vocab_size: int | None = N
             extra.append(tgt)
         has_extra.append(np.full(n, c.extra_ids is not None))
 
-    rows = [s.ids[:-1] for s in seqs]  # the last token is only a target
-    position_ids = seq_lens = None
+    L = max(sum(lens[i] for i in members) for members in bins)
+    ids = torch.full((len(bins), L), pad_id, dtype=torch.long)
+    mask = position_ids = segment_ids = None
     if layout == "packed":
-        ids = torch.from_numpy(np.concatenate([np.asarray(r, dtype=np.int64) for r in rows]))[None]
-        seq_lens = tuple(len(r) for r in rows)
-        position_ids = torch.from_numpy(np.concatenate([np.arange(n, dtype=np.int64) for n in seq_lens]))[None]
-        mask = None
+        position_ids = torch.zeros((len(bins), L), dtype=torch.long)
+        segment_ids = torch.full((len(bins), L), len(seqs), dtype=torch.long)  # the tail: one padding segment
     else:
-        L = max(len(r) for r in rows)
-        ids = torch.full((len(rows), L), pad_id, dtype=torch.long)
-        mask = torch.zeros((len(rows), L), dtype=torch.long)
-        for r, s in enumerate(rows):
-            ids[r, : len(s)] = torch.tensor(s, dtype=torch.long)
-            mask[r, : len(s)] = 1
+        mask = torch.zeros((len(bins), L), dtype=torch.long)
+    for i, seq in enumerate(seqs):
+        row, off = where[i]
+        ids[row, off:off + lens[i]] = torch.tensor(seq.ids[:-1], dtype=torch.long)  # the last token is only a target
+        if layout == "packed":
+            position_ids[row, off:off + lens[i]] = torch.arange(lens[i])
+            segment_ids[row, off:off + lens[i]] = i
+        else:
+            mask[row, :lens[i]] = 1
+    if layout == "packed":  # positions of the padding tail count on from 0
+        tail = segment_ids == len(seqs)
+        position_ids[tail] = (tail.cumsum(1) - 1)[tail]
 
     def cat(parts):
         return torch.from_numpy(np.concatenate(parts))
@@ -211,7 +244,7 @@ def pack_sequences(seqs: list[Sequence], pad_id: int, vocab_size: int | None = N
     return PackedBatch(
         ids, mask, cat(gen_row), cat(gen_pos), tgt, cat(temps), cat(lmu), cat(adv), cat(weight), cat(tidx),
         hids, hmu, head_mask, cat(complete), cat(filtered), in_head, cat(extra), cat(has_extra),
-        position_ids=position_ids, seq_lens=seq_lens,
+        position_ids=position_ids, segment_ids=segment_ids,
     )
 
 

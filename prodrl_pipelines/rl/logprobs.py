@@ -86,22 +86,24 @@ def full_gather_logprobs(hidden, weight, ids, temperature) -> torch.Tensor:
     return torch.log_softmax(logits, -1).gather(-1, ids)
 
 
-def packed_attention_mask(config, seq_lens, device) -> torch.Tensor | None:
-    """The attention of one row of sequences packed back to back: causal within each sequence, never
-    across. Flash-attention derives its varlen boundaries from the restarting ``position_ids`` (no
-    mask, as TRL's ``DataCollatorWithFlattening`` relies on); SDPA and eager need the 4D
-    block-diagonal causal mask (position ids alone leave them attending across sequences). It costs
-    L^2 bytes: the micro-batch budget bounds L."""
+def uses_flash_attention(config) -> bool:
+    return (getattr(config, "_attn_implementation", None) or "").startswith("flash")
+
+
+def packed_attention_mask(config, segment_ids: torch.Tensor) -> torch.Tensor | None:
+    """The attention of rows of sequences packed back to back: causal within each sequence
+    (``segment_ids`` [N, L]), never across. Flash-attention derives its variable-length boundaries
+    from the restarting ``position_ids`` (no mask, as TRL's ``DataCollatorWithFlattening`` relies
+    on); SDPA and eager need the 4D block-diagonal causal mask (position ids alone leave them
+    attending across sequences), N x L^2 bytes."""
     impl = getattr(config, "_attn_implementation", None) or "sdpa"
-    if impl.startswith("flash"):
+    if uses_flash_attention(config):
         return None
     if impl not in ("sdpa", "eager"):
         raise ValueError(f"packed sequences need attn_implementation sdpa, eager or flash_attention_*, got {impl!r}")
-    lens = torch.as_tensor(seq_lens, device=device)
-    seg = torch.repeat_interleave(torch.arange(len(seq_lens), device=device), lens)
-    mask = (seg[:, None] == seg[None, :]).tril_()[None, None]
+    mask = (segment_ids[:, :, None] == segment_ids[:, None, :]).tril_()[:, None]
     if impl == "eager":  # eager adds the mask to the scores
-        return torch.zeros(mask.shape, device=device).masked_fill_(~mask, torch.finfo(torch.float32).min)
+        return torch.zeros(mask.shape, device=mask.device).masked_fill_(~mask, torch.finfo(torch.float32).min)
     return mask
 
 
@@ -121,9 +123,9 @@ class PolicyLogprobs(nn.Module):
         return self.policy.config
 
     def forward(self, input_ids, attention_mask, gen_row, gen_pos, ids, temperature, chunk: int = DEFAULT_CHUNK,
-                position_ids=None, seq_lens=None):
-        if seq_lens is not None:  # packed sequences: attention never crosses a boundary
-            attention_mask = packed_attention_mask(self.policy.config, seq_lens, input_ids.device)
+                position_ids=None, segment_ids=None):
+        if segment_ids is not None:  # packed sequences: attention never crosses a boundary
+            attention_mask = packed_attention_mask(self.policy.config, segment_ids)
         out = self.policy.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
                                 use_cache=False)
         h = out.last_hidden_state[gen_row, gen_pos]
@@ -135,7 +137,7 @@ def _gathered(model, batch: PackedBatch, ids: torch.Tensor, chunk: int) -> torch
     (sharded) ``PolicyLogprobs``, else through one wrapped around it."""
     runner = model if isinstance(model, PolicyLogprobs) else PolicyLogprobs(model)
     return runner(batch.input_ids, batch.attention_mask, batch.gen_row, batch.gen_pos, ids, batch.temperature, chunk,
-                  position_ids=batch.position_ids, seq_lens=batch.seq_lens)
+                  position_ids=batch.position_ids, segment_ids=batch.segment_ids)
 
 
 def policy_logprobs(model, batch: PackedBatch, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:

@@ -17,7 +17,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prodrl_pipelines.rl.batch import Call, PackedBatch, pack_sequences
+from prodrl_pipelines.rl.batch import Call, PackedBatch, first_fit_decreasing, pack_sequences
 from prodrl_pipelines.rl.sequences import Sequence, Span
 
 
@@ -33,22 +33,6 @@ class MicroBatchPlan:
         return len(self.ranks[0])
 
 
-def _first_fit_decreasing(order: list[int], lengths: list[int], budget: int) -> list[list[int]]:
-    bins: list[list[int]] = []
-    room: list[int] = []
-    for i in order:  # longest first
-        n = lengths[i]
-        for b, free in enumerate(room):
-            if n <= free:
-                bins[b].append(i)
-                room[b] -= n
-                break
-        else:
-            bins.append([i])
-            room.append(budget - n)
-    return bins
-
-
 def plan_microbatches(lengths: list[int], budget: int, world_size: int = 1) -> MicroBatchPlan:
     """Deterministic micro-batches of sequences with ``lengths`` input positions each."""
     if budget < 1:
@@ -60,7 +44,7 @@ def plan_microbatches(lengths: list[int], budget: int, world_size: int = 1) -> M
         r = min(range(world_size), key=lambda k: (load[k], k))
         mine[r].append(i)
         load[r] += lengths[i]
-    ranks = [_first_fit_decreasing(m, lengths, budget) for m in mine]
+    ranks = [first_fit_decreasing(lengths, budget, order=m) for m in mine]
     n = max(1, max(len(r) for r in ranks))
     for r in ranks:
         r.extend([] for _ in range(n - len(r)))
@@ -76,8 +60,10 @@ def filler_batch(pad_id: int) -> PackedBatch:
     return b
 
 
-def pack_micro(seqs: list[Sequence], idx: list[int], pad_id: int, vocab_size: int | None) -> PackedBatch:
-    """Micro-batch ``idx`` of ``seqs`` as one packed row (a filler when ``idx`` is empty)."""
+def pack_micro(seqs: list[Sequence], idx: list[int], pad_id: int, vocab_size: int | None,
+               one_row: bool = False) -> PackedBatch:
+    """Micro-batch ``idx`` of ``seqs`` packed (a filler when ``idx`` is empty); ``one_row`` for
+    flash-attention (see ``pack_sequences``)."""
     if not idx:
         return filler_batch(pad_id)
-    return pack_sequences([seqs[i] for i in idx], pad_id, vocab_size, layout="packed")
+    return pack_sequences([seqs[i] for i in idx], pad_id, vocab_size, layout="packed", one_row=one_row)

@@ -25,7 +25,7 @@ from prodrl_pipelines.rl.microbatches import pack_micro, plan_microbatches
 from prodrl_pipelines.rl.sequences import LayoutStats, Sequence, minibatch_sequences
 from prodrl_pipelines.rl.checkpoint import TrainerState
 from prodrl_pipelines.rl.config import Recipe
-from prodrl_pipelines.rl.logprobs import policy_logprobs
+from prodrl_pipelines.rl.logprobs import policy_logprobs, uses_flash_attention
 from prodrl_pipelines.rl.losses import TokenTerms, kl_penalty, policy_objective
 
 
@@ -313,12 +313,14 @@ def train_round(
     adv_all = np.asarray(adv_all, dtype=np.float64)
     if recipe.needs_reference_model and reference_model is None:
         raise ValueError(f"correction {recipe.correction!r} needs the deployed weights as a reference model")
-    vocab = getattr(getattr(model, "config", None), "vocab_size", None)
+    config = getattr(model, "config", None)
+    vocab = getattr(config, "vocab_size", None)
+    one_row = uses_flash_attention(config)
     layout, stats = layout_round(trajs, adv_all, plan, recipe, rank, world_size)
 
     def micro_batches(s: int):  # packed when used: peak memory follows the budget
         seqs, micro = layout[s]
-        return (pack_micro(seqs, idx, pad_id, vocab) for idx in micro)
+        return (pack_micro(seqs, idx, pad_id, vocab, one_row) for idx in micro)
 
     chunk = recipe.logprob_chunk
     cparams = recipe.correction_params()
