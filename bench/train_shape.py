@@ -50,6 +50,7 @@ def model():
 def token_ratios(batch: int = 16) -> dict:
     from prodrl_pipelines.lab.agent_shapes import shaped_minibatch
     from prodrl_pipelines.rl.config import Recipe
+    from prodrl_pipelines.rl.microbatches import pack_micro
     from prodrl_pipelines.rl.trainer import layout_round
 
     out = {}
@@ -60,7 +61,7 @@ def token_ratios(batch: int = 16) -> dict:
         unique = sum(len(t.calls[-1].prompt_ids) + len(t.calls[-1].output_ids) for t in trajs)
         rows = [len(c.prompt_ids) + len(c.output_ids) - 1 for t in trajs for c in t.calls]
         ((seqs, micro),), stats = layout_round(trajs, np.ones(batch), [list(range(batch))], recipe)
-        computed = sum(seqs[i].num_inputs for m in micro for i in m)
+        computed = sum(pack_micro(seqs, m, 0, VOCAB).num_inputs for m in micro)  # row padding included
         out[name] = {"calls": len(rows), "longest": max(rows), "padded/unique": len(rows) * max(rows) / unique,
                      "per_call/unique": sum(rows) / unique, "new/unique": computed / unique,
                      "new/per_call": computed / sum(rows), "micro_batches": len(micro),

@@ -8,6 +8,11 @@ H100/H200). It prints, as one table:
   weights), the trainer's ``policy_logprobs`` -> policy-gradient loss -> backward -> clip -> AdamW;
   tokens/s and MFU against the GPU's dense bf16 peak (``--peak-tflops``, default: looked up from the
   device name, else measured with a bf16 matmul);
+* production-shaped training (``lab.agent_shapes`` "tool": a system prompt and up to 8 tool-using
+  calls, 8k context, 16 trajectories): the trainer's own round (calls merged where their prompts
+  extend, packed without padding, token-budget micro-batches) on the same 0.6B Qwen3 under FSDP2,
+  flash-attention's variable-length path when ``flash_attn`` is installed, else SDPA with the
+  block-diagonal mask; tokens computed / unique, unique tokens/s and MFU;
 * chunked vs full log-probs at vocabulary 151,936 (time and peak CUDA memory of forward + backward,
   interleaved): the chunked path's memory ratio (target <= 0.25) and time ratio (target <= 1.3).
 
@@ -123,6 +128,66 @@ def train_check(torch, cuda: bool, args) -> dict:
     return out
 
 
+def shape_check(torch, cuda: bool, args) -> dict:
+    """One round of one step on the tool-agent shape through ``train_round`` (pi_k + the step)."""
+    import importlib.util
+
+    import numpy as np
+    import torch.distributed as dist
+    from transformers import Qwen3Config, Qwen3ForCausalLM
+
+    from prodrl_pipelines.lab.agent_shapes import shaped_minibatch
+    from prodrl_pipelines.rl.checkpoint import TrainerState
+    from prodrl_pipelines.rl.config import Recipe
+    from prodrl_pipelines.rl.sharding import shard_policy
+    from prodrl_pipelines.rl.trainer import build_optimizer, train_round
+
+    os.environ["MASTER_PORT"] = str(_free_port())
+    dist.init_process_group("nccl" if cuda else "gloo", rank=0, world_size=1)
+    attn = "flash_attention_2" if cuda and importlib.util.find_spec("flash_attn") else "sdpa"
+    if cuda:
+        cfg = Qwen3Config(hidden_size=1024, num_hidden_layers=28, intermediate_size=3072, num_attention_heads=16,
+                          num_key_value_heads=8, head_dim=128, vocab_size=151936, tie_word_embeddings=True,
+                          max_position_embeddings=8192, attn_implementation=attn)
+        batch, scale, budget, max_len = args.shape_batch, 1.0, 16384, 8192
+    else:
+        cfg = Qwen3Config(hidden_size=64, num_hidden_layers=2, intermediate_size=128, num_attention_heads=4,
+                          num_key_value_heads=2, head_dim=16, vocab_size=512, tie_word_embeddings=True,
+                          attn_implementation=attn)
+        batch, scale, budget, max_len = 4, 0.05, 512, 512
+    torch.manual_seed(0)
+    with torch.device("cuda" if cuda else "cpu"):
+        model = Qwen3ForCausalLM(cfg)
+    n_params = sum(p.numel() for p in model.parameters())
+    root = shard_policy(model, 1)
+    trajs = shaped_minibatch("tool", batch, cfg.vocab_size, seed=0, scale=scale, max_len=max_len)
+    unique = sum(len(t.calls[-1].prompt_ids) + len(t.calls[-1].output_ids) for t in trajs)
+    recipe = Recipe(steps_per_round=1, batch_size=batch, correction="tis", max_tokens_per_microbatch=budget,
+                    learning_rate=1e-6)
+    adv = np.where(np.arange(batch) % 2, 0.5, -0.5)
+    times, res = [], None
+    for _ in range(1 + args.steps):  # the first one warms up
+        st = TrainerState()
+        opt = build_optimizer(root, recipe, st)
+        _sync(torch, cuda)
+        t = time.perf_counter()
+        res = train_round(root, opt, trajs, adv, [list(range(batch))], recipe, st, 0, 0, progress=False)
+        _sync(torch, cuda)
+        times.append(time.perf_counter() - t)
+    dt = float(np.median(times[1:]))
+    computed = res.steps[0]["input_tokens"]
+    out = {"attn": attn, "trajectories": batch, "calls": sum(len(t.calls) for t in trajs), "unique_tokens": unique,
+           "computed/unique": computed / unique, "micro_batches": res.steps[0]["micro_batches"],
+           "round_s": dt, "unique_tokens_per_s": unique / dt,
+           # pi_k forward (2 N T) + the step's forward and backward (6 N T) over the tokens computed
+           "achieved_flops": 8 * n_params * computed / dt}
+    if cuda:
+        peak, _ = bf16_peak(torch, torch.cuda.get_device_name())
+        out.update(mfu=out["achieved_flops"] / peak, peak_memory_gib=torch.cuda.max_memory_allocated() / 2**30)
+    dist.destroy_process_group()
+    return out
+
+
 def logprob_check(torch, cuda: bool) -> dict:
     from prodrl_pipelines.rl.logprobs import full_gather_logprobs, gather_logprobs
 
@@ -160,6 +225,7 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=5)
     ap.add_argument("--batch", type=int, default=8, help="sequences per step (GPU)")
     ap.add_argument("--seq", type=int, default=2048, help="tokens per sequence (GPU)")
+    ap.add_argument("--shape-batch", type=int, default=16, help="tool-agent trajectories in the shape check (GPU)")
     ap.add_argument("--json", default=None)
     args = ap.parse_args()
     import torch
@@ -170,6 +236,7 @@ def main() -> None:
     else:
         print("no GPU here: running the same code on CPU at toy sizes (gloo, fp32); the figures mean nothing")
     train = train_check(torch, cuda, args)
+    shape = shape_check(torch, cuda, args)
     lp = logprob_check(torch, cuda)
     print(f"FSDP2, 1 rank, {'bf16 params / fp32 reduce' if cuda else 'fp32'}: {train['params'] / 1e6:.0f}M params, "
           f"{train['tokens_per_step']} tokens/step, {train['step_s'] * 1e3:.0f} ms/step, {train['tokens_per_s']:.0f} tokens/s, "
@@ -177,11 +244,17 @@ def main() -> None:
     if cuda:
         print(f"  MFU {train['mfu']:.1%} of {train['peak_flops'] / 1e12:.0f} TFLOP/s ({train['peak_source']}); "
               f"peak memory {train['peak_memory_gib']:.1f} GiB")
+    print(f"tool-agent shape ({shape['attn']}): {shape['trajectories']} trajectories, {shape['calls']} calls, "
+          f"{shape['unique_tokens']} unique tokens, computed/unique {shape['computed/unique']:.3f}, "
+          f"{shape['micro_batches']:.0f} micro-batches, {shape['round_s']:.2f} s a round of one step, "
+          f"{shape['unique_tokens_per_s']:.0f} unique tokens/s"
+          + (f", MFU {shape['mfu']:.1%}, peak memory {shape['peak_memory_gib']:.1f} GiB" if cuda else ""))
     print(f"log-probs, vocab {lp['vocab']}, {lp['tokens']} tokens: full {lp['full_s'] * 1e3:.0f} ms, chunked "
           f"{lp['chunked_s'] * 1e3:.0f} ms, time ratio {lp['time_ratio']:.2f} (target <= 1.3)"
           + (f", memory ratio {lp['memory_ratio']:.3f} (target <= 0.25)" if "memory_ratio" in lp else ""))
     if args.json:
-        Path(args.json).write_text(json.dumps({"cuda": cuda, "train": train, "logprobs": lp}, indent=2))
+        Path(args.json).write_text(json.dumps({"cuda": cuda, "train": train, "shape": shape, "logprobs": lp},
+                                              indent=2))
 
 
 if __name__ == "__main__":

@@ -126,6 +126,7 @@ def test_the_gpu_check_script_runs_and_says_so_without_a_gpu(tmp_path):
     assert "no GPU here" in out.stdout and "FSDP2, 1 rank" in out.stdout
     r = json.loads((tmp_path / "r.json").read_text())
     assert r["cuda"] is False and r["train"]["tokens_per_s"] > 0 and r["logprobs"]["time_ratio"] > 0
+    assert "tool-agent shape" in out.stdout and r["shape"]["computed/unique"] <= 1.05
 
 
 ROUND_TRIP = r'''

@@ -139,19 +139,29 @@ def test_packed_rows_restart_positions_and_index_every_target():
     assert torch.equal(one.segment_ids[0], torch.repeat_interleave(torch.arange(len(seqs)),
                                                                    torch.tensor([s.num_inputs for s in seqs])))
     assert (one.position_ids[0][torch.nonzero(torch.diff(one.segment_ids[0])) + 1] == 0).all()
-    b = pack_sequences(seqs, pad_id=0)  # rows as long as the longest sequence, filled first-fit
-    longest = max(s.num_inputs for s in seqs)
-    assert b.input_ids.shape[1] == longest and b.input_ids.shape[0] < len(seqs)
-    assert int((b.segment_ids < len(seqs)).sum()) == sum(s.num_inputs for s in seqs)  # every token once
-    rows_ids = [torch.tensor(s.ids) for s in seqs]
+    ref = pack_minibatch(trajs, np.ones(len(trajs)), pad_id=0)
+    # the same generated tokens with the same recorded data, whatever the layout (order within a call kept)
+    key = lambda x: sorted(zip(x.traj_index.tolist(), x.targets.tolist(), x.logp_mu.tolist(), x.weight.tolist()))  # noqa: E731
+    assert key(one) == key(ref)
+
+
+def test_many_short_sequences_fill_short_rows_and_a_few_uneven_ones_one_row():
+    # many short sequences: short rows (a few times the longest), filled first-fit, little padding
+    rng = np.random.default_rng(5)
+    short = minibatch_sequences([_agent(rng, f"s{i}", 1, 1.0) for i in range(40)], np.ones(40))
+    b = pack_sequences(short, pad_id=0)
+    longest, total = max(s.num_inputs for s in short), sum(s.num_inputs for s in short)
+    assert b.input_ids.shape[1] < total / 4 and b.input_ids.shape[1] >= longest and b.input_ids.shape[0] > 4
+    assert b.num_inputs <= 1.05 * total
+    assert int((b.segment_ids < len(short)).sum()) == total  # every token once
+    # a few of unequal length would pad more than that: one row
+    uneven = [short[0], minibatch_sequences([_agent(rng, "long", 6, 1.0)], np.ones(1))[0]]
+    assert pack_sequences(uneven, pad_id=0).num_inputs == sum(s.num_inputs for s in uneven)
+    rows_ids = [torch.tensor(s.ids) for s in short]
     for g in range(b.num_tokens):  # each target is the next token of its own sequence
         r, p = int(b.gen_row[g]), int(b.gen_pos[g])
         seq = int(b.segment_ids[r, p])
         assert int(rows_ids[seq][int(b.position_ids[r, p]) + 1]) == int(b.targets[g])
-    ref = pack_minibatch(trajs, np.ones(len(trajs)), pad_id=0)
-    # the same generated tokens with the same recorded data, whatever the layout (order within a call kept)
-    key = lambda x: sorted(zip(x.traj_index.tolist(), x.targets.tolist(), x.logp_mu.tolist(), x.weight.tolist()))  # noqa: E731
-    assert key(b) == key(ref)
 
 
 @pytest.mark.parametrize("moe", [False, True])
@@ -167,6 +177,14 @@ def test_a_packed_forward_equals_separate_forwards(moe):
         ref = torch.cat([policy_logprobs(model, pack_sequences([s], pad_id=0, layout="padded"))[:, 0] for s in seqs])
         per_call = policy_logprobs(model, pack_minibatch(trajs, np.ones(len(trajs)), pad_id=0))
     torch.testing.assert_close(got[:, 0], ref, atol=1e-5, rtol=1e-5)
+    # many short sequences in several rows of several sequences each (with a padding tail)
+    rng = np.random.default_rng(5)
+    short = minibatch_sequences([_agent(rng, f"s{i}", 2, 1.0) for i in range(24)], np.ones(24))
+    rows = pack_sequences(short, pad_id=0)
+    assert 1 < rows.input_ids.shape[0] < len(short)
+    with torch.no_grad():
+        sep = torch.cat([policy_logprobs(model, pack_sequences([s], pad_id=0, layout="padded"))[:, 0] for s in short])
+        torch.testing.assert_close(policy_logprobs(model, rows)[:, 0], sep, atol=1e-5, rtol=1e-5)
     # merged, each call's tokens get the log-probs of the call's own padded row (same token order)
     assert torch.equal(packed.targets, pack_minibatch(trajs, np.ones(len(trajs)), 0).targets)
     torch.testing.assert_close(got, per_call, atol=1e-5, rtol=1e-5)

@@ -6,7 +6,7 @@ conversation is never re-rendered. Only model-generated tokens are trained on.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -21,6 +21,8 @@ if TYPE_CHECKING:
 
 # Recorded head entries at or below this are padding (outside the processed support).
 HEAD_FLOOR = -9000.0
+# Packed rows may pad up to this fraction of a micro-batch's tokens; beyond it, one row.
+MAX_ROW_PADDING = 0.05
 
 
 @dataclass
@@ -128,6 +130,12 @@ class PackedBatch:
         """Positions the model computes (padding included)."""
         return int(self.input_ids.numel())
 
+    def to(self, device) -> "PackedBatch":
+        """The same batch with every tensor on ``device`` (the model's)."""
+        moved = {f.name: getattr(self, f.name) for f in fields(self)}
+        moved = {k: v.to(device) if isinstance(v, torch.Tensor) else v for k, v in moved.items()}
+        return PackedBatch(**moved)
+
 
 def _head_rows(rows: list[list], n: int, K: int, fill, dtype) -> np.ndarray:
     """A call's recorded head as an [n, K] array (short rows padded with ``fill``)."""
@@ -158,12 +166,30 @@ def first_fit_decreasing(lengths: list[int], capacity: int, order: list[int] | N
     return bins
 
 
+def balanced_rows(lengths: list[int], n_rows: int) -> list[list[int]]:
+    """Indices of ``lengths`` in ``n_rows`` rows of near-equal total: longest first, each into the
+    row with the least so far."""
+    import heapq
+
+    heap = [(0, r) for r in range(max(1, n_rows))]
+    rows: list[list[int]] = [[] for _ in heap]
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        load, r = heapq.heappop(heap)
+        rows[r].append(i)
+        heapq.heappush(heap, (load + lengths[i], r))
+    return [r for r in rows if r]
+
+
 def pack_sequences(seqs: list[Sequence], pad_id: int, vocab_size: int | None = None,
                    layout: str = "packed", one_row: bool = False) -> PackedBatch:
-    """The tensors of ``seqs`` in ``layout``: ``padded`` (a right-padded row each) or ``packed``
-    (no padding within a row). Packed sequences fill rows as long as the longest of them (first-fit
-    decreasing: attention costs rows x longest^2 with a dense block-diagonal mask, not total^2), or
-    ``one_row`` (flash-attention's variable-length path has no quadratic mask: nothing to pad)."""
+    """The tensors of ``seqs`` in ``layout``: ``padded`` (a right-padded row each) or ``packed``.
+
+    Packed sequences fill rows of near-equal length (``balanced_rows``) about as long as the
+    longest sequence, or twice, four times that..., the first that pads at most
+    ``MAX_ROW_PADDING`` of the tokens: a dense
+    block-diagonal mask then costs rows x row^2 instead of total^2 (many short sequences). Failing
+    that (a few sequences of unequal length), or with ``one_row`` (flash-attention's
+    variable-length path has no quadratic mask), they go into one row without any padding."""
     if layout not in ("packed", "padded"):
         raise ValueError(f"unknown layout {layout!r}; known: ['packed', 'padded']")
     if not seqs:
@@ -172,7 +198,13 @@ def pack_sequences(seqs: list[Sequence], pad_id: int, vocab_size: int | None = N
     K = max([len(row) for _, sp in spans for row in (sp.call.top_ids or [])] or [1])
     lens = [s.num_inputs for s in seqs]
     if layout == "packed":
-        bins = [list(range(len(seqs)))] if one_row else first_fit_decreasing(lens, max(lens))
+        bins, cap = [list(range(len(seqs)))], max(lens)
+        while not one_row and cap < sum(lens):  # the shortest rows that pad little
+            rows = balanced_rows(lens, sum(lens) // cap)
+            if len(rows) * max(sum(lens[i] for i in r) for r in rows) <= (1 + MAX_ROW_PADDING) * sum(lens):
+                bins = rows
+                break
+            cap *= 2
     else:
         bins = [[i] for i in range(len(seqs))]
     where = {}  # sequence -> (row, offset)

@@ -229,7 +229,7 @@ def _reference_logprobs(reference, b: PackedBatch, versions: list[str], chunk: i
     if missing:
         raise ValueError(f"no reference model for policy versions {missing} (have {sorted(reference)})")
     names = sorted(set(versions))
-    tok_version = torch.tensor([names.index(v) for v in versions], dtype=torch.long)[b.traj_index]
+    tok_version = torch.tensor([names.index(v) for v in versions], dtype=torch.long, device=b.traj_index.device)[b.traj_index]
     out = None
     for i, v in enumerate(names):
         lp = policy_logprobs(reference[v], b, chunk)
@@ -316,11 +316,12 @@ def train_round(
     config = getattr(model, "config", None)
     vocab = getattr(config, "vocab_size", None)
     one_row = uses_flash_attention(config)
+    device = next(model.parameters()).device
     layout, stats = layout_round(trajs, adv_all, plan, recipe, rank, world_size)
 
-    def micro_batches(s: int):  # packed when used: peak memory follows the budget
+    def micro_batches(s: int):  # packed when used, on the model's device: peak memory follows the budget
         seqs, micro = layout[s]
-        return (pack_micro(seqs, idx, pad_id, vocab, one_row) for idx in micro)
+        return (pack_micro(seqs, idx, pad_id, vocab, one_row).to(device) for idx in micro)
 
     chunk = recipe.logprob_chunk
     cparams = recipe.correction_params()
