@@ -13,7 +13,9 @@ broken at every second call, as a template that drops earlier reasoning does).
    round of one step (pi_k + the step) in the old layout (one padded tensor, one row per call) and
    the new (merged, packed, micro-batches of 4,096), interleaved.
 3. Peak memory: a minibatch 4x larger at the same budget, each in a fresh process: the peak RSS the
-   round adds above the model and Adam state (``/proc/self/clear_refs`` resets the high-water mark).
+   round adds above the model and Adam state (``/proc/self/clear_refs`` resets the high-water mark),
+   with large allocations on mmap (what the trainer holds) and with glibc's default heap (which
+   also keeps freed activation buffers of earlier micro-batches: fragmentation, not data).
 
 Goals: tokens/unique <= 1.05 where the property holds (<= 1.05x the per-call sum where it breaks);
 peak memory (4x)/(1x) <= 1.2; step time old/new on the tool shape >= 3.
@@ -142,12 +144,20 @@ def memory_child(batch: int, scale: float) -> None:
 
 
 def peak_memory(batch: int, scale: float) -> dict:
+    """Peak memory added by a round of ``batch`` and 4x ``batch`` trajectories, each in a fresh process:
+    with glibc's large allocations on mmap (``MALLOC_MMAP_THRESHOLD_``: freed buffers go back to the
+    system, so the figure is what the trainer holds) and with the default allocator (whose dynamic
+    threshold keeps freed activation buffers in a fragmenting heap)."""
+    import os
+
     out = {}
-    for b in (batch, 4 * batch):
-        r = subprocess.run([sys.executable, __file__, "--memory-child", str(b), "--scale", str(scale)],
-                           capture_output=True, text=True, check=True)
-        out[b] = json.loads(r.stdout.strip().splitlines()[-1])["added_peak_bytes"]
-        print(f"  peak memory added by a round of {b} trajectories: {out[b] / 2**20:.0f} MiB", flush=True)
+    for alloc, env in (("mmap", {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}), ("default", {})):
+        for b in (batch, 4 * batch):
+            r = subprocess.run([sys.executable, __file__, "--memory-child", str(b), "--scale", str(scale)],
+                               capture_output=True, text=True, check=True, env={**os.environ, **env})
+            out[alloc, b] = json.loads(r.stdout.strip().splitlines()[-1])["added_peak_bytes"]
+            print(f"  peak memory added by a round of {b} trajectories ({alloc} allocator): "
+                  f"{out[alloc, b] / 2**20:.0f} MiB", flush=True)
     return out
 
 
@@ -176,7 +186,8 @@ def main() -> None:
     mem = peak_memory(args.batch, args.scale)
     print(f"train_shape: tokens/unique chat={ratios['chat']['new/unique']:.3f} tool={ratios['tool']['new/unique']:.3f} "
           f"coding={ratios['coding']['new/unique']:.3f} tool-broken/per-call={ratios['tool-broken']['new/per_call']:.3f}; "
-          f"peak-memory(4x batch)/(1x)={mem[4 * args.batch] / mem[args.batch]:.2f}; "
+          f"peak-memory(4x batch)/(1x)={mem['mmap', 4 * args.batch] / mem['mmap', args.batch]:.2f} "
+          f"(default malloc {mem['default', 4 * args.batch] / mem['default', args.batch]:.2f}); "
           f"step-time old/new tool={t['old'] / t['new']:.2f}")
 
 

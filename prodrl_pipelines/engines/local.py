@@ -25,6 +25,7 @@ __all__ = ["LocalEngine", "TOP_LOGPROB_FLOOR"]
 # Top-K entries outside the processed support (only when the support is smaller than K) carry -inf;
 # they are recorded as this floor instead, like vLLM's OpenAI server does, so records stay finite.
 TOP_LOGPROB_FLOOR = -9999.0
+SCORE_TOKENS = 8192  # positions of one packed micro-batch when re-scoring
 
 
 def _sample(proc: Tensor, top_ids: Tensor, top_lps: Tensor, complete: Tensor, gen: torch.Generator) -> Tensor:
@@ -262,21 +263,34 @@ class LocalEngine:
     ) -> list[list[float]]:
         """Processed logprobs of each output token given its prompt and the earlier output tokens.
 
-        One full forward pass per (prompt, output) pair, unpadded and without a KV cache: an
-        independent path to check what ``generate`` recorded.
+        No KV cache (an independent path to check what ``generate`` recorded): the (prompt, output)
+        pairs are packed without padding into micro-batches of ``SCORE_TOKENS`` positions exactly as
+        the trainer packs its sequences (``rl.batch.pack_sequences``: restarting position ids,
+        attention never crossing a pair), so every log-prob of a round is computed one way.
         """
+        from prodrl_pipelines.rl.batch import Call, pack_sequences
+        from prodrl_pipelines.rl.logprobs import packed_attention_mask, uses_flash_attention
+        from prodrl_pipelines.rl.microbatches import plan_microbatches
+        from prodrl_pipelines.rl.sequences import Sequence as TokenSequence, Span
+
         if len(prompts) != len(outputs):
             raise ValueError(f"got {len(prompts)} prompts but {len(outputs)} outputs")
         prompts = self._check_ids(prompts, "prompt", allow_empty=False)
         outputs = self._check_ids(outputs, "output", allow_empty=True)
-        result: list[list[float]] = []
-        for p, o in zip(prompts, outputs):
-            if not o:
-                result.append([])
-                continue
-            ids = torch.tensor([p + o], dtype=torch.long, device=self.device)
-            logits = self.model(input_ids=ids, use_cache=False, logits_to_keep=len(o) + 1).logits[0, :-1]
-            proc = self._processed(logits, params)
-            target = torch.tensor(o, dtype=torch.long, device=self.device).unsqueeze(-1)
-            result.append(proc.gather(-1, target).squeeze(-1).tolist())
+        result: list[list[float]] = [[] for _ in prompts]
+        todo = [i for i, o in enumerate(outputs) if o]
+        seqs = [TokenSequence(prompts[i] + outputs[i], [Span(Call(prompts[i], outputs[i], [0.0] * len(outputs[i]), 1.0),
+                                                          len(prompts[i]), 0.0, 0.0, i)]) for i in todo]
+        config = self.model.config
+        for micro in plan_microbatches([q.num_inputs for q in seqs], SCORE_TOKENS).ranks[0]:
+            b = pack_sequences([seqs[j] for j in micro], pad_id=0, one_row=uses_flash_attention(config)).to(self.device)
+            hidden = self.model.model(input_ids=b.input_ids, position_ids=b.position_ids, use_cache=False,
+                                      attention_mask=packed_attention_mask(config, b.segment_ids)).last_hidden_state
+            logits = self.model.lm_head(hidden[b.gen_row, b.gen_pos])
+            lp = self._processed(logits, params).gather(-1, b.targets[:, None]).squeeze(-1).tolist()
+            g = 0
+            for j in micro:  # tokens come out sequence by sequence, in the micro-batch's order
+                i = seqs[j].spans[0].traj
+                result[i] = lp[g:g + len(outputs[i])]
+                g += len(outputs[i])
         return result
