@@ -78,7 +78,12 @@ def parity_probe(settings, export_dir: Path, prompts: list[list[int]], endpoint:
 
     t0 = time.monotonic()
     d = settings.deploy
-    trainer = LocalEngine(*load_policy(Path(export_dir), torch.float32))  # scores what was served
+    served = None if endpoint else LocalEngine.from_pretrained(export_dir)
+    if served is not None and not getattr(served.model, "_w4a4_hooks", None) \
+            and next(served.model.parameters()).dtype == torch.float32:
+        trainer = served  # the same fp32 weights, no activation quantization: one model in memory, not two
+    else:
+        trainer = LocalEngine(*load_policy(Path(export_dir), torch.float32))  # scores what was served
     params = d.sampling(stop_token_ids=stop_token_ids(trainer.tokenizer, export_dir))
     if endpoint:
         from prodrl_pipelines.engines.vllm_client import VLLMClient
@@ -87,7 +92,7 @@ def parity_probe(settings, export_dir: Path, prompts: list[list[int]], endpoint:
             records = client.generate(prompts, params, seed=seed)
         engine = endpoint
     else:
-        records = LocalEngine.from_pretrained(export_dir).generate(prompts, params, seed=seed)
+        records = served.generate(prompts, params, seed=seed)
         engine = "local"
     pi = trainer.score([r.prompt_token_ids for r in records], [r.output_token_ids for r in records], params)
     served = [np.asarray(r.output_logprobs, dtype=np.float64) for r in records]
