@@ -9,8 +9,8 @@ scales, FP4 codes, packing. compressed-tensors: ``generate_gparam`` -> ``calcula
 
 Peak memory: a Qwen3 with Qwen's real vocabulary (151,936 rows, untied embedding and output matrix,
 ~79M parameters, a ~316 MB fp32 checkpoint) exported to NVFP4 W4A16 by ``export_policy`` in a fresh
-process; the peak resident memory the export adds (``/proc/self/clear_refs`` resets the high-water
-mark after the imports) over the checkpoint's size (goal <= 1.3).
+process; the peak resident memory the export adds (``phases.PhaseMeter`` resets the high-water mark
+after the imports) over the checkpoint's size (goal <= 1.3).
 
 Usage: ``python bench/nvfp4_export.py [--vocab 151936]``
 """
@@ -51,13 +51,6 @@ def ours(w):
     return q.packed, q.scale, q.global_scale
 
 
-def _status(key: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def write_checkpoint(path: Path, vocab: int) -> int:
     """A ~79M-parameter Qwen3 (vocabulary ``vocab``, untied) saved as an fp32 trainer checkpoint."""
     from transformers import Qwen3Config, Qwen3ForCausalLM
@@ -72,14 +65,14 @@ def write_checkpoint(path: Path, vocab: int) -> int:
 
 
 def memory_child(src: str, dst: str) -> None:
+    from prodrl_pipelines.phases import PhaseMeter
     from prodrl_pipelines.quant.export import export_policy
 
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak RSS: count what the export adds
-    base = _status("VmRSS")
-    t0 = time.perf_counter()
-    export_policy(src, dst)
-    print(json.dumps({"peak_added": _status("VmHWM") - base, "seconds": time.perf_counter() - t0}))
+    meter = PhaseMeter()  # resets the peak RSS: counts what the export adds
+    with meter.phase("export"):
+        export_policy(src, dst)
+    p = meter.phases["export"]
+    print(json.dumps({"peak_added": p["added_peak_mb"] * 1e6, "seconds": p["seconds"]}))
 
 
 def peak_memory(vocab: int) -> float:

@@ -13,7 +13,7 @@ broken at every second call, as a template that drops earlier reasoning does).
    round of one step (pi_k + the step) in the old layout (one padded tensor, one row per call) and
    the new (merged, packed, micro-batches of 4,096), interleaved.
 3. Peak memory: a minibatch 4x larger at the same budget, each in a fresh process: the peak RSS the
-   round adds above the model and Adam state (``/proc/self/clear_refs`` resets the high-water mark),
+   round adds above the model and Adam state (``phases.PhaseMeter``: the high-water mark reset first),
    with large allocations on mmap (what the trainer holds) and with glibc's default heap (which
    also keeps freed activation buffers of earlier micro-batches: fragmentation, not data).
 
@@ -109,18 +109,12 @@ def step_times(batch: int, scale: float, reps: int) -> dict:
     return {k: float(np.median(v)) for k, v in times.items()}
 
 
-def _status(key: str) -> int:
-    for line in open("/proc/self/status"):
-        if line.startswith(key + ":"):
-            return int(line.split()[1]) * 1024
-    raise KeyError(key)
-
-
 def memory_child(batch: int, scale: float) -> None:
     """One round on ``batch`` trajectories of the tool shape; prints the peak RSS it added."""
     import torch
 
     from prodrl_pipelines.lab.agent_shapes import shaped_minibatch
+    from prodrl_pipelines.phases import PhaseMeter
     from prodrl_pipelines.rl.checkpoint import TrainerState
     from prodrl_pipelines.rl.config import Recipe
     from prodrl_pipelines.rl.trainer import build_optimizer, train_round
@@ -134,12 +128,11 @@ def memory_child(batch: int, scale: float) -> None:
     opt = build_optimizer(m, recipe, st)
     train_round(m, opt, warm, np.array([0.5, -0.5]), [[0, 1]], recipe, st, 0, 0, progress=False)  # Adam state
     recipe = recipe.model_copy(update={"batch_size": batch})
-    with open("/proc/self/clear_refs", "w") as f:
-        f.write("5")  # reset the peak RSS
-    base = _status("VmRSS")
-    train_round(m, opt, trajs, np.where(np.arange(batch) % 2, 0.5, -0.5), [list(range(batch))], recipe, st, 0, 0,
-                progress=False)
-    print(json.dumps({"batch": batch, "added_peak_bytes": _status("VmHWM") - base,
+    meter = PhaseMeter()  # resets the peak RSS: counts what the round adds
+    with meter.phase("round"):
+        train_round(m, opt, trajs, np.where(np.arange(batch) % 2, 0.5, -0.5), [list(range(batch))], recipe, st, 0, 0,
+                    progress=False)
+    print(json.dumps({"batch": batch, "added_peak_bytes": meter.phases["round"]["added_peak_mb"] * 1e6,
                       "tokens": sum(len(c.output_ids) + len(c.prompt_ids) for t in trajs for c in t.calls)}))
 
 

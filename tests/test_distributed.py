@@ -26,7 +26,8 @@ from prodrl_pipelines.lab.traffic import simulate_traffic
 from prodrl_pipelines.resources.settings import make_resources, services
 
 TINY = {"lab_size": "tiny", "lab_sft_steps": 5, "steps_per_round": 2, "batch_size": 4, "heldout_size": 4,
-        "max_tokens": 6, "learning_rate": 1e-2, "correction": "tis", "kl_beta": 0.1}
+        "max_tokens": 6, "learning_rate": 1e-2, "correction": "tis", "kl_beta": 0.1,
+        "max_tokens_per_microbatch": 40}  # several micro-batches per rank: accumulation, balancing, fillers
 
 
 def _round_with_data(tmp_path, pg_instance, **extra):

@@ -9,6 +9,7 @@ from prodrl_pipelines import promotion, rounds
 from prodrl_pipelines.assets.partitions import ACTION_TAG, AT_TAG, BY_TAG, MODEL_VERSION_TAG, round_asset
 from prodrl_pipelines.review import RUNNING, state_tags, version_description
 from prodrl_pipelines.ops.training import train_op
+from prodrl_pipelines.phases import PhaseMeter
 from prodrl_pipelines.plots import markdown_image, mismatch_history_png
 from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, StoreResource, services
 
@@ -110,7 +111,9 @@ def heldout_eval(context: AssetExecutionContext, settings: ProdRLSettings, store
     round's gate has decided, re-running it reproduces the recorded evaluation (nothing is re-judged)."""
     svc = services(settings, store, mlflow)
     rkey = context.partition_key
-    res = rounds.evaluate(svc, rkey)
+    meter = PhaseMeter()
+    with meter.phase("evaluate"):
+        res = rounds.evaluate(svc, rkey)
     run_id = svc.lineage.round_run(rkey)
     cand = res["candidate"]
     if cand is not None and not res["reproduced"]:
@@ -125,7 +128,7 @@ def heldout_eval(context: AssetExecutionContext, settings: ProdRLSettings, store
         "first_reward_error": (cand.get("first_reward_error") or "none") if cand else "none",
         # the paired test the gate applies next (it also checks the weights)
         "verdict": rounds.heldout_verdict(svc, res).summary(), "reproduced": res["reproduced"],
-        "mlflow_run": MetadataValue.url(svc.lineage.run_url(run_id)),
+        "mlflow_run": MetadataValue.url(svc.lineage.run_url(run_id)), **meter.metadata(),
     })
 
 

@@ -6,8 +6,9 @@ final norm, lm_head), shards every decoder layer and then that root with ``fully
 1-D device mesh (CPU with gloo, or CUDA with nccl). Mixed precision on GPU: bf16 parameters in
 forward/backward, fp32 reduction and fp32 master weights; fp32 throughout on CPU. MoE experts are
 parameters of their layer and are sharded with it. Gradients are summed over the ranks, not
-averaged: each rank's objective is its shard's part of the minibatch's (``pack_minibatch``
-``total_batch``), so the sum is the full gradient, exactly as the single-process step.
+averaged: each rank's objective is its share of the minibatch's sequences with the minibatch's
+token weights 1/(B*T_i) (``trainer.layout_round``), so the sum is the full gradient, exactly as the
+single-process step.
 
 State moves between sharded and whole (``full_model_state``, ``full_optimizer_state``,
 ``load_full_optimizer_state``): the round's checkpoint is written whole by rank 0 (Hugging Face

@@ -180,7 +180,7 @@ def train_step(model, optimizer, micro: Iterable[PackedBatch], old_all: list[tor
     optimizer.zero_grad(set_to_none=True)
     loss_sum, kl_sum, tokens, inputs, parts, n_micro = 0.0, 0.0, 0, 0, [], 0
     for m, b in enumerate(micro):
-        n_micro += 1
+        n_micro = m + 1
         lp_all = policy_logprobs(model, b, recipe.logprob_chunk)
         terms = terms_for(lp_all, old_all[m], b, None if ref_all is None else ref_all[m])
         objective, diag = policy_objective(terms, b.weight, recipe.correction, cparams)
