@@ -67,7 +67,7 @@ class NonFiniteWeightsError(ExportError):
 
 # --------------------------------------------------------------------------------- reading
 
-def _open_checkpoint(src: Path) -> tuple[dict, CheckpointReader]:
+def _open_checkpoint(src: Path) -> tuple[dict, CheckpointReader, dict[str, Tensor]]:
     """The checkpoint's config and a reader of its tensors, checked a slice at a time: every tensor
     finite, every expert present, every tensor the architecture needs present with its shape."""
     if not (src / "config.json").exists():
@@ -80,10 +80,14 @@ def _open_checkpoint(src: Path) -> tuple[dict, CheckpointReader]:
         reader = CheckpointReader(src)
     except SafetensorsError as e:
         raise ExportError(str(e)) from e
-    bad = {}
-    for k, info in reader.tensors.items():
+    bad, amax = {}, {}
+    for k, info in reader.tensors.items():  # one pass: non-finite counts, and the amax global scales need
         if info.dtype.is_floating_point:
-            n = sum(int((~torch.isfinite(c)).sum()) for c in reader.chunks(k, CHUNK_BYTES))
+            n, peaks = 0, []
+            for c in reader.chunks(k, CHUNK_BYTES):
+                n += int((~torch.isfinite(c)).sum())
+                peaks.append(c.abs().amax())
+            amax[k] = torch.stack(peaks).amax().reshape(1)
             if n:
                 bad[k] = n
     if bad:
@@ -91,7 +95,7 @@ def _open_checkpoint(src: Path) -> tuple[dict, CheckpointReader]:
         raise NonFiniteWeightsError(f"refusing to export {src}: non-finite weights in {len(bad)} tensor(s): {names}", bad)
     _check_experts(src, config, reader.tensors)
     _check_architecture(src, config, reader)
-    return config, reader
+    return config, reader, amax
 
 
 def _check_experts(src: Path, config: dict, sd) -> None:
@@ -183,10 +187,9 @@ def _write_cast(reader: CheckpointReader, writer: ShardedWriter, name: str, rows
         rows.append({"name": name, "shape": list(info.shape), "format": "bf16", "rel_fro_error": err.value})
 
 
-def _global_scales(reader: CheckpointReader, names: list[str]) -> dict[str, Tensor]:
+def _global_scales(amax: dict[str, Tensor], names: list[str]) -> dict[str, Tensor]:
     """Each quantized weight's global scale (``nvfp4.global_scale`` of the whole tensor, from its
     chunks' amax); layers fused at serving time share the smallest of theirs."""
-    amax = {k: torch.stack([c.abs().amax() for c in reader.chunks(k, CHUNK_BYTES)]).amax().reshape(1) for k in names}
     groups: dict[str, list[str]] = defaultdict(list)
     for k in names:
         groups[nvfp4.fused_group(k)].append(k)
@@ -313,7 +316,7 @@ def export_policy(src: str | PathLike, dst: str | PathLike, scheme: str = "nvfp4
         raise ExportError(f"unknown export scheme {scheme!r}; choose one of {list(SCHEMES)}")
     if scheme == "nvfp4-w4a4" and not calibration_prompts:
         raise ExportError("scheme 'nvfp4-w4a4' needs calibration prompts (token-id lists) for input_global_scale")
-    config, reader = _open_checkpoint(src)
+    config, reader, amax = _open_checkpoint(src)
     infos = reader.tensors.values()
     src_bytes = sum(i.nbytes for i in infos)
     bf16_bytes = sum(i.nbytes // i.dtype.itemsize * (2 if i.dtype.is_floating_point else i.dtype.itemsize)
@@ -323,7 +326,7 @@ def export_policy(src: str | PathLike, dst: str | PathLike, scheme: str = "nvfp4
     extra: dict = {}
     rows: list[dict] = []
     qnames = [] if scheme == "bf16" else _quantizable(reader)
-    gscales = _global_scales(reader, qnames)
+    gscales = _global_scales(amax, qnames)
     served: dict[str, Tensor] | None = {} if scheme == "nvfp4-w4a4" else None  # calibration runs the model
     with atomic_directory(dst) as tmp:
         writer = ShardedWriter(tmp, max_shard_bytes)
