@@ -281,15 +281,16 @@ def pack_sequences(seqs: list[Sequence], pad_id: int, vocab_size: int | None = N
 
 
 def pack_minibatch(trajs: list[Trajectory], advantages: np.ndarray, pad_id: int, total_batch: int | None = None,
-                   vocab_size: int | None = None, merge: bool = False, layout: str = "padded") -> PackedBatch:
+                   vocab_size: int | None = None) -> PackedBatch:
     """Pack B trajectories; tokens get weight 1/(B*T_i) so J = (1/B) sum_i (1/T_i) sum_t ...
 
-    The defaults give one right-padded row per model call (the simple layout: tests, scripts and
-    the reference the trainer's packed, merged micro-batches are checked against).
+    One right-padded row per model call: the simple layout of tests and scripts, and the reference
+    the trainer's packed, merged micro-batches are checked against.
     ``total_batch``: B of the whole minibatch when this process packs only its shard of it
     (data parallel), so the ranks' partial objectives sum to the full one. ``vocab_size``: the
     policy's, so that a recorded top-k of at least the vocabulary counts as no top-k.
     """
     from prodrl_pipelines.rl.sequences import minibatch_sequences
 
-    return pack_sequences(minibatch_sequences(trajs, advantages, total_batch, merge), pad_id, vocab_size, layout)
+    return pack_sequences(minibatch_sequences(trajs, advantages, total_batch, merge=False), pad_id, vocab_size,
+                          layout="padded")

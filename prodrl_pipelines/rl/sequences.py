@@ -53,10 +53,6 @@ class Sequence:
         """Positions fed to the model: the last token is only a target."""
         return len(self.ids) - 1
 
-    @property
-    def num_generated(self) -> int:
-        return sum(len(s.call.output_ids) for s in self.spans)
-
 
 @dataclass
 class LayoutStats:
@@ -70,16 +66,6 @@ class LayoutStats:
     per_call_tokens: int = 0  # positions of one row per call (what per-call rows would compute)
     micro_batches: int = 0  # per rank, summed over the minibatches
     oversize_sequences: int = 0  # sequences longer than the micro-batch budget (each alone)
-
-    def add(self, other: "LayoutStats") -> None:
-        self.calls += other.calls
-        self.merged_calls += other.merged_calls
-        self.split_calls.update(other.split_calls)
-        self.sequences += other.sequences
-        self.sequence_tokens += other.sequence_tokens
-        self.per_call_tokens += other.per_call_tokens
-        self.micro_batches += other.micro_batches
-        self.oversize_sequences += other.oversize_sequences
 
     def as_metrics(self) -> dict[str, float]:
         out = {"layout_calls": self.calls, "layout_merged_calls": self.merged_calls,
