@@ -7,6 +7,7 @@ import os
 from datetime import timedelta
 
 import pyarrow as pa
+import pyarrow.dataset as ds
 import pytest
 from helpers import T0, make_call, make_reward, make_trajectory
 
@@ -92,10 +93,8 @@ def test_calls_round_trip_types_and_lists_exact(store):
     rows = make_trajectory("t1", 2, policy_version="v0") + make_trajectory("t2", 1, policy_version="v1", k=5)
     rows[1]["prompt_token_ids"] = []  # empty list must stay an empty list, not null
     rows[2]["task_id"] = None
-    keys = store.write_calls(rows)
-    assert len(keys) == 2
-    assert keys[0].startswith("trajectories/policy_version=v0/part-") and keys[0].endswith(".parquet")
-    assert keys[1].startswith("trajectories/policy_version=v1/part-")
+    assert store.write_calls(rows) == ["v0", "v1"]
+    assert store.versions()["calls"] == 1  # the table's creation, then one commit for both partitions
     table = store.read_calls()
     assert table.schema == CALL_SCHEMA
     got = {(r["trajectory_id"], r["call_index"]): r for r in table.to_pylist()}
@@ -110,13 +109,12 @@ def test_calls_round_trip_types_and_lists_exact(store):
 def test_read_calls_filters_hive_partitions(store, blobs, monkeypatch):
     store.write_calls(make_trajectory("a", policy_version="v0"))
     store.write_calls(make_trajectory("b", policy_version="v1") + make_trajectory("c", policy_version="v2"))
-    read_keys = []
-    original = blobs.get_bytes
-    monkeypatch.setattr(blobs, "get_bytes", lambda k: (read_keys.append(k), original(k))[1])
+    d = store.tables.dataset("calls")
+    read = d.get_fragments(filter=ds.field("policy_version").isin(["v1"]))
+    assert [f.path.split("/")[-2] for f in read] == ["policy_version=v1"]  # partition pruning: one file read
     t = store.read_calls(["v1"])
     assert set(t.column("trajectory_id").to_pylist()) == {"b"}
     assert set(t.column("policy_version").to_pylist()) == {"v1"}
-    assert read_keys and all("policy_version=v1/" in k for k in read_keys)
     t = store.read_calls(["v0", "v2"])
     assert sorted(set(zip(t.column("trajectory_id").to_pylist(), t.column("policy_version").to_pylist()))) == [
         ("a", "v0"),
@@ -181,8 +179,8 @@ def test_read_calls_column_projection(store):
 
 
 def test_latest_reward_wins(store):
-    k1 = store.write_rewards([make_reward("a", 0.0, minutes=5), make_reward("b", 1.0, minutes=1)])
-    assert k1.startswith("rewards/part-")
+    v1 = store.write_rewards([make_reward("a", 0.0, minutes=5), make_reward("b", 1.0, minutes=1)])
+    assert v1 == store.versions()["rewards"]
     store.write_rewards([make_reward("a", 0.5, minutes=1)])  # written later but older: loses
     store.write_rewards([make_reward("b", 2.0, minutes=1)])  # same timestamp, written later: wins
     store.write_rewards([make_reward("c", 3.0, minutes=0), make_reward("c", 4.0, minutes=9)])
@@ -216,8 +214,7 @@ def test_empty_store_reads_empty_tables(store):
 def test_quarantine_round_trip_and_replace(store):
     rows = [make_call("t") | {"quarantine_reason": "empty_generation: call 0", "reward": math.nan}]
     table = pa.Table.from_pylist(rows)
-    key = store.write_quarantine(table, "round-000001")
-    assert key.startswith("quarantine/round=round-000001/part-")
+    assert store.write_quarantine(table, "round-000001") == store.versions()["quarantine"]
     store.write_quarantine(table, "round-000001")
     assert store.read_quarantine("round-000001").num_rows == 2
     store.write_quarantine(table, "round-000001", replace=True)
@@ -229,10 +226,9 @@ def test_quarantine_round_trip_and_replace(store):
 
 
 def test_ledger_idempotent_and_used_ids(store, blobs):
-    key = store.write_ledger("round-000001", ["a", "b"], quarantined_ids=["x"])
-    assert key == "ledger/round=round-000001.parquet"
+    store.write_ledger("round-000001", ["a", "b"], quarantined_ids=["x"])
     store.write_ledger("round-000001", ["a", "b"], quarantined_ids=["x"])  # re-materialised
-    assert blobs.list("ledger/") == [key]
+    assert sorted(store.read_ledger("round-000001")["trajectory_id"].to_pylist()) == ["a", "b", "x"]
     store.write_ledger("round-000002", ["c"])
     assert store.used_trajectory_ids() == {"a", "b", "x", "c"}
     assert store.used_trajectory_ids(include_quarantined=False) == {"a", "b", "c"}

@@ -65,8 +65,9 @@ class BlobStore(ABC):
         """True when an object is stored under ``key``."""
 
     @abstractmethod
-    def list(self, prefix: str = "") -> list[str]:
-        """Sorted keys that start with ``prefix`` (plain string prefix, as on S3)."""
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> list[str]:
+        """Sorted keys that start with ``prefix`` (plain string prefix, as on S3); with ``start_after``
+        only the keys sorting after it (S3's ``StartAfter``: one request for the tail of a log)."""
 
     @abstractmethod
     def delete(self, key: str, *, missing_ok: bool = False) -> None:
@@ -137,7 +138,7 @@ class LocalBlobStore(BlobStore):
     def exists(self, key: str) -> bool:
         return self._path(key).is_file()
 
-    def list(self, prefix: str = "") -> list[str]:
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> list[str]:
         # Walk only the deepest directory the prefix names completely, then filter by string prefix.
         parts = prefix.split("/")
         base = self.root.joinpath(*[p for p in parts[:-1] if p])
@@ -152,7 +153,7 @@ class LocalBlobStore(BlobStore):
                 if name.startswith(_TMP_PREFIX):
                     continue
                 key = rel + name
-                if key.startswith(prefix):
+                if key.startswith(prefix) and (start_after is None or key > start_after):
                     keys.append(key)
         keys.sort()
         return keys

@@ -232,13 +232,15 @@ class S3BlobStore(BlobStore):
         return self._call("head", fk, lambda: self.client.head_object(Bucket=self.bucket, Key=fk) is not None,
                           missing=lambda: False)
 
-    def list(self, prefix: str = "") -> list[str]:
+    def list(self, prefix: str = "", *, start_after: str | None = None) -> list[str]:
         full = self._full_prefix(prefix)
         strip = len(self.prefix) + 1 if self.prefix else 0
+        # StartAfter makes S3 skip the keys at or before it: a tail of a log costs what is new, not its history
+        after = {"StartAfter": self.full_key(start_after)} if start_after else {}
 
         def run() -> list[str]:
             pages = self.client.get_paginator("list_objects_v2").paginate(
-                Bucket=self.bucket, Prefix=full, PaginationConfig={"PageSize": self.list_page_size})
+                Bucket=self.bucket, Prefix=full, PaginationConfig={"PageSize": self.list_page_size}, **after)
             keys: list[str] = []
             for page in pages:
                 for obj in page.get("Contents", []) or []:

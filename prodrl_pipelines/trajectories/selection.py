@@ -172,9 +172,6 @@ def select_round_dataset(
     )
 
 
-_CHEAP_COLUMNS = ["trajectory_id", "call_index", "policy_version", "output_token_ids", "output_logprobs"]
-
-
 def count_eligible(
     store: TrajectoryStore,
     live_version: str,
@@ -184,19 +181,12 @@ def count_eligible(
 ) -> int:
     """Cheap upper bound of ``select_round_dataset``'s ``n_eligible``, for a sensor.
 
-    Reads only key columns, output ids and output logprobs of the window's partitions. Excludes
-    trajectories without a reward row or with a null / non-finite reward, those in any round's
-    ledger, and those failing the simple rules (duplicate conflict, call indices, empty generation,
-    length mismatch, output token range, non-finite output logprob). Skips the prompt token-range
-    and all top-K checks, so it may count a few trajectories that selection then quarantines.
+    Incremental (``eligibility.EligibilityTracker``): reads only the commits since the last count
+    and the files they added. Excludes trajectories without a reward or with a null / non-finite
+    one, those in any round's ledger, and those failing the simple rules (call indices, empty
+    generation, length mismatch, output token range, non-finite output logprob). Skips the prompt
+    and top-K checks and duplicate conflicts, so it may count a few that selection then quarantines.
     """
-    window = policy_window(live_version, version_order, max_policy_lag)
-    calls = store.read_calls(window, dedupe=False, columns=_CHEAP_COLUMNS)
-    if calls.num_rows == 0:
-        return 0
-    rewards = store.read_rewards()
-    include, _, _ = _candidates(store, calls, rewards, exclude_round=None)
-    verdict = _validate(
-        calls, rewards, vocab_size, set(version_order), check_top=False, check_prompt=False, include=include
-    )
-    return len(np.unique(verdict.t[verdict.keep]))
+    from .eligibility import EligibilityTracker
+
+    return EligibilityTracker(store, vocab_size).count(live_version, version_order, max_policy_lag)
