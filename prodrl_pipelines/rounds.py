@@ -79,6 +79,7 @@ def select_data(svc: Services, rkey: str) -> dict:
         "num_trajectories": len(rewards), "num_calls": ds.num_rows, "generated_tokens": gen_tokens,
         "eligible": sel.n_eligible, "quarantined": sel.n_quarantined,
         "quarantine_reasons": dict(sel.quarantine_counts),
+        "table_versions": dict(sel.table_versions),  # the store snapshot read: re-readable by time travel
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
         **replay_stats,  # replay mode and, when retokenized, the retokenize counts
     }

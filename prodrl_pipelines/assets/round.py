@@ -26,6 +26,7 @@ def recorded_trajectories(context: AssetExecutionContext, settings: ProdRLSettin
         "quarantined": stats["quarantined"], "quarantine_reasons": MetadataValue.json(stats["quarantine_reasons"]),
         "reward_mean": stats["reward_mean"], "reward_std": stats["reward_std"],
         "live_version": stats["live_version"], "data_versions": MetadataValue.json(stats["data_versions"]),
+        "table_versions": MetadataValue.json(stats["table_versions"]),  # the pinned store snapshot
         # replay mode, and with the retokenized baseline how many calls' ids differ from the recorded ones
         **{k: v for k, v in stats.items() if k == "replay" or k.startswith("retokenized_")},
     })

@@ -44,8 +44,11 @@ from typing import Any
 
 import pyarrow as pa
 
-from prodrl_pipelines.recorder.wal import WriteAheadLog, encode_entry
+from prodrl_pipelines.recorder.wal import WriteAheadLog, encode_entry, seq_of
 from prodrl_pipelines.trajectories.schema import CALL_SCHEMA, REWARD_SCHEMA, call_id
+from prodrl_pipelines.trajectories.store import CALLS as CALLS_T
+from prodrl_pipelines.trajectories.store import RETRACTIONS as RETRACTIONS_T
+from prodrl_pipelines.trajectories.store import REWARDS as REWARDS_T
 from prodrl_pipelines.trajectories.store import SchemaMismatchError, TrajectoryStore, name_problem, to_table, uuid7
 
 __all__ = ["Ingestor", "Stats", "SKIPPED_PREFIX", "REJECTED_PREFIX", "now_us"]
@@ -111,6 +114,7 @@ class _Sealed:
     path: Path | None
     entries: list[dict]
     done: list[threading.Event] = field(default_factory=list)
+    attempts: int = 0
 
 
 @dataclass(frozen=True)
@@ -219,11 +223,18 @@ class Ingestor:
             seg = self.wal.read_segment(path)
             if seg.torn:
                 counts["wal_torn_tails"] += 1
+            # a segment whose commit landed (its application transaction) is not written again
+            done = self._committed(seq_of(path))
             for e in seg.entries:
                 kind = e.get("kind")
                 if kind == "call":
                     row = e["row"]
                     cid = (call_id(row["trajectory_id"], row["call_index"]), row.get("created_at"))
+                    if done[CALLS_T]:
+                        counts["replay_committed"] += 1
+                        stored_calls.add(cid)
+                        self._see(row["trajectory_id"], int(row["call_index"]))
+                        continue
                     if cid in stored_calls:
                         counts["replay_duplicates"] += 1
                         continue
@@ -245,13 +256,17 @@ class Ingestor:
                 elif kind == "reward":
                     row = e["row"]
                     k = _reward_key(row["trajectory_id"], row["source"], row["created_at"], row["reward"])
+                    if done[REWARDS_T]:
+                        counts["replay_committed"] += 1
+                        continue
                     if k in stored_rewards:
                         counts["replay_duplicates"] += 1
                         continue
                     stored_rewards.add(k)
                     new_rewards.append(row)
         if new_calls or new_rewards or new_skips or new_retractions:
-            self._write(new_calls, new_rewards, new_skips, new_retractions)
+            self._write(new_calls, new_rewards, new_skips, new_retractions,
+                        seq=seq_of(segments[-1]) if segments else None)
         counts["replayed_calls"] += len(new_calls)
         counts["replayed_rewards"] += len(new_rewards)
         counts["replayed_skips"] += len(new_skips)
@@ -460,31 +475,45 @@ class Ingestor:
         retractions = [r for e in item.entries if (r := _retraction_of(e)) is not None]
         if not item.entries:
             return
-        self._write(calls, rewards, skips, retractions)
+        seq = None if item.path is None else seq_of(item.path)
+        if seq is not None and item.attempts:  # a retry: an earlier attempt may have committed (answer lost)
+            done = self._committed(seq)
+            calls, rewards, retractions = ([] if done[CALLS_T] else calls), ([] if done[REWARDS_T] else rewards), \
+                ([] if done[RETRACTIONS_T] else retractions)
+        item.attempts += 1
+        self._write(calls, rewards, skips, retractions, seq=seq)
         if item.path is not None:
             self.wal.delete(item.path)
         self.stats.inc("flushed_calls", len(calls))
         self.stats.inc("flushed_rewards", len(rewards))
         self.stats.inc("flush_parts")
 
-    def _write(self, calls: list[dict], rewards: list[dict], skips: list[dict], retractions: list[dict] = ()) -> None:
+    def _committed(self, seq: int) -> dict[str, bool]:
+        """Per table: did a commit carrying this log's segment ``seq`` (or a later one) land?"""
+        wid = self.wal.writer_id()
+        return {t: (self.store.tables.txn_version(t, wid) or 0) >= seq for t in (CALLS_T, REWARDS_T, RETRACTIONS_T)}
+
+    def _write(self, calls: list[dict], rewards: list[dict], skips: list[dict], retractions: list[dict] = (),
+               seq: int | None = None) -> None:
+        # each table's commit carries (this log's id, segment number): replaying a segment is idempotent
+        txn = None if seq is None else (self.wal.writer_id(), seq)
         if retractions:  # before the rows that supersede them: a crash between leaves a gap, not a conflict
-            self.store.retract_calls(retractions)
+            self.store.retract_calls(retractions, txn=txn)
         if calls:
             try:
-                self.store.write_calls(calls)
+                self.store.write_calls(calls, txn=txn)
             except SchemaMismatchError:
-                self._write_one_by_one(calls, "calls")
+                self._write_one_by_one(calls, "calls", txn)
         if rewards:
             try:
-                self.store.write_rewards(rewards)
+                self.store.write_rewards(rewards, txn=txn)
             except SchemaMismatchError:
-                self._write_one_by_one(rewards, "rewards")
+                self._write_one_by_one(rewards, "rewards", txn)
         if skips:
             payload = [{k: s[k] for k in ("trajectory_id", "call_index", "reason", "created_at")} for s in skips]
             self.store.blobs.put_bytes(f"{SKIPPED_PREFIX}part-{uuid7()}.json", json.dumps(payload).encode())
 
-    def _write_one_by_one(self, rows: list[dict], kind: str) -> None:
+    def _write_one_by_one(self, rows: list[dict], kind: str, txn: tuple[str, int] | None = None) -> None:
         """A row that cannot be brought to its schema is set aside (JSON, counted: ``rejected_rows``),
         the rest stored: one bad row never stalls the flush of the others."""
         schema = CALL_SCHEMA if kind == "calls" else REWARD_SCHEMA
@@ -499,7 +528,7 @@ class Ingestor:
             except SchemaMismatchError as exc:
                 bad.append({"kind": kind, "row": row, "error": str(exc)})
         if good:
-            (self.store.write_calls if kind == "calls" else self.store.write_rewards)(good)
+            (self.store.write_calls if kind == "calls" else self.store.write_rewards)(good, txn=txn)
         if bad:
             self.store.blobs.put_bytes(f"{REJECTED_PREFIX}part-{uuid7()}.json", json.dumps(bad).encode())
             self.stats.inc("rejected_rows", len(bad))

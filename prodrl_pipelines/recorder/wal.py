@@ -30,9 +30,26 @@ from pathlib import Path
 
 from prodrl_pipelines.trajectories.blobstore import fsync_dir
 
-__all__ = ["WriteAheadLog", "SegmentRead", "encode_entry", "decode_payload"]
+__all__ = ["WriteAheadLog", "SegmentRead", "encode_entry", "decode_payload", "seq_of"]
 
 _NAME = re.compile(r"^wal-(\d{16})\.log$")
+WRITER_ID_FILE = "writer-id"
+HIGH_WATER_FILE = "last-segment"
+
+
+def seq_of(path: Path) -> int:
+    """The segment number of a segment file."""
+    return int(_NAME.match(Path(path).name).group(1))
+
+
+def _write_durably(path: Path, text: str) -> None:
+    tmp = path.with_name(f".{path.name}.tmp")
+    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:  # private, as the log
+        f.write(text)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+    fsync_dir(path.parent)
 _HEADER = 18  # 8 hex + space + 8 hex + space
 
 
@@ -179,13 +196,37 @@ class WriteAheadLog:
         return self.dir / f"wal-{seq:016d}.log"
 
     def open(self) -> Path:
-        """Start a new segment after the existing ones; returns its path."""
+        """Start a new segment after every segment this log ever had; returns its path. Numbers never
+        repeat, even after every segment was flushed and deleted: the store's application
+        transactions key commits by (``writer_id``, segment number)."""
         existing = self.segments()
-        seq = int(_NAME.match(existing[-1].name).group(1)) + 1 if existing else 1
+        seq = max(seq_of(existing[-1]) if existing else 0, self._high_water()) + 1
         return self._open(seq)
+
+    def writer_id(self) -> str:
+        """This log's stable identity (created once, kept in the directory): whoever replays it is the
+        same writer to the store, whichever process or replica it is."""
+        path = self.dir / WRITER_ID_FILE
+        try:
+            return path.read_text().strip()
+        except FileNotFoundError:
+            import uuid
+
+            _write_durably(path, f"recorder-{uuid.uuid4().hex}")
+            return path.read_text().strip()
+
+    def _high_water(self) -> int:
+        try:
+            return int((self.dir / HIGH_WATER_FILE).read_text().strip() or 0)
+        except FileNotFoundError:
+            return 0
+
+    def _set_high_water(self, seq: int) -> None:
+        _write_durably(self.dir / HIGH_WATER_FILE, str(seq))
 
     def _open(self, seq: int) -> Path:
         path = self._path(seq)
+        self._set_high_water(seq)  # before the segment exists: a number is never handed out twice
         self._fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o600)  # as private as the parts
         self._seq = seq
         fsync_dir(self.dir)

@@ -51,9 +51,9 @@ class SelectionResult:
     policy_versions: list[str] = field(default_factory=list)
     n_pending: int = 0  # in the window, not yet used, no reward row yet
     n_used_elsewhere: int = 0  # in the window but in another round's ledger
-    quarantine_key: str | None = None
-    ledger_key: str | None = None
     seed: int | None = None
+    # the store's table versions this selection read: re-reading them reproduces it (time travel)
+    table_versions: dict[str, int] = field(default_factory=dict)
 
     @property
     def quarantined(self) -> dict[str, int]:
@@ -74,11 +74,13 @@ def policy_window(live_version: str, version_order: list[str], max_policy_lag: i
 
 
 def _candidates(
-    store: TrajectoryStore, calls: pa.Table, rewards: pa.Table, exclude_round: str | None
+    store: TrajectoryStore, calls: pa.Table, rewards: pa.Table, exclude_round: str | None, as_of=None,
 ) -> tuple[np.ndarray, int, int]:
-    """Row mask of trajectories neither ledgered nor unrewarded; also (n_used, n_pending)."""
+    """Row mask of trajectories neither ledgered nor unrewarded; also (n_used, n_pending). The ledger
+    is read for the window's trajectories only (the filter goes into the table scan)."""
     ids = calls.column("trajectory_id")
-    used = store.used_trajectory_ids(exclude_round=exclude_round)
+    used = store.used_trajectory_ids(exclude_round=exclude_round, trajectory_ids=pc.unique(ids).to_pylist(),
+                                     as_of=as_of)
     used_mask = pc.is_in(ids, value_set=pa.array(sorted(used), pa.string()))
     rewarded = pc.is_in(ids, value_set=rewards.column("trajectory_id"))
     n_used = len(pc.unique(ids.filter(used_mask))) if used else 0
@@ -99,6 +101,8 @@ def select_round_dataset(
     seed: int | None = None,
     *,
     requirement: str | None = None,
+    as_of: dict[str, int] | None = None,
+    record: bool = True,
 ) -> SelectionResult:
     """Validate the window's rewarded, unused trajectories and take the ``n_required`` oldest.
 
@@ -107,14 +111,17 @@ def select_round_dataset(
     Raises ``InsufficientDataError`` (writing nothing) when fewer than ``n_required`` are eligible;
     ``requirement`` is a human explanation of ``n_required`` for that message, e.g.
     ``"S*B = steps_per_round=8 x batch_size=8"``. ``seed`` is recorded only: the choice is
-    deterministic without it.
+    deterministic without it. The table versions read are pinned first (``table_versions`` of the
+    result); ``as_of`` re-reads earlier pinned versions, and ``record=False`` writes nothing: together
+    they reproduce a decided round's selection exactly, whatever arrived or was compacted since.
     """
     if n_required < 1:
         raise ValueError(f"n_required must be >= 1, got {n_required}")
     window = policy_window(live_version, version_order, max_policy_lag)
-    calls = store.read_calls(window, dedupe=False)
-    rewards = store.read_rewards()
-    include, n_used, n_pending = _candidates(store, calls, rewards, exclude_round=round_key)
+    pinned = dict(as_of) if as_of is not None else store.versions()
+    calls = store.read_calls(window, dedupe=False, as_of=pinned)
+    rewards = store.read_rewards(trajectory_ids=pc.unique(calls.column("trajectory_id")).to_pylist(), as_of=pinned)
+    include, n_used, n_pending = _candidates(store, calls, rewards, exclude_round=round_key, as_of=pinned)
     verdict = _validate(
         calls, rewards, vocab_size, set(version_order), check_top=True, check_prompt=True, include=include
     )
@@ -155,8 +162,9 @@ def select_round_dataset(
     dataset = verdict.valid_table(rows)
     chosen_ids = [ids[c] for c in chosen]
 
-    quarantine_key = store.write_quarantine(verdict.quarantine_table(), round_key, replace=True)
-    ledger_key = store.write_ledger(round_key, chosen_ids, verdict.rejected_trajectory_ids())
+    if record:
+        store.write_quarantine(verdict.quarantine_table(), round_key, replace=True)
+        store.write_ledger(round_key, chosen_ids, verdict.rejected_trajectory_ids())
     return SelectionResult(
         dataset=dataset,
         quarantine_counts=verdict.counts,
@@ -166,9 +174,8 @@ def select_round_dataset(
         policy_versions=window,
         n_pending=n_pending,
         n_used_elsewhere=n_used,
-        quarantine_key=quarantine_key,
-        ledger_key=ledger_key,
         seed=seed,
+        table_versions=pinned,
     )
 
 
