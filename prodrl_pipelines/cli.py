@@ -5,6 +5,7 @@
     prodrl eval --settings FILE [--policy V] held-out reward of a policy version on the suite (JSON); a
                                              round's re-evaluation is stored beside its original
     prodrl review list|approve|reject|rollback  the reviewer's registry commands (review_cli)
+    prodrl data stats|compact|vacuum|query|migrate  the trajectory store's tables (data_cli)
     prodrl up / serve / record               the stack, the local engine server, the recording proxy
 
 Packages add commands through the entry point group ``prodrl_pipelines.cli`` (a function taking the
@@ -123,6 +124,9 @@ def build_parser() -> argparse.ArgumentParser:
     from prodrl_pipelines.review_cli import add_review_parser
 
     add_review_parser(sub)  # prodrl review: approve, reject, roll back in the MLflow registry
+    from prodrl_pipelines.data_cli import add_data_parser
+
+    add_data_parser(sub)  # prodrl data: stats, compact, vacuum, query, migrate on the trajectory store
     for ep in entry_points(group=CLI_GROUP):
         ep.load()(sub)
     return p

@@ -11,6 +11,9 @@ from dagster import Definitions
 from prodrl_pipelines.assets.base import base_policy, bootstrap_job
 from prodrl_pipelines.assets.gate import deployment_gate
 from prodrl_pipelines.assets.monitoring import live_eval_job, live_eval_schedule, live_heldout_eval
+from prodrl_pipelines.assets.store_maintenance import (
+    store_compaction, store_maintenance_job, store_maintenance_schedule,
+)
 from prodrl_pipelines.assets.round import (
     deployment, exported_policy, heldout_eval, recorded_trajectories, trained_checkpoint, training_batch,
 )
@@ -24,11 +27,11 @@ def build_definitions(resources: dict | None = None) -> Definitions:
     """The code location; ``resources`` default to the environment (see `default_resources`)."""
     core = Definitions(
         assets=[base_policy, recorded_trajectories, training_batch, trained_checkpoint, exported_policy,
-                heldout_eval, deployment, live_heldout_eval],
+                heldout_eval, deployment, live_heldout_eval, store_compaction],
         asset_checks=[deployment_gate],
-        jobs=[round_job, registry_decision_job, bootstrap_job, live_eval_job],
+        jobs=[round_job, registry_decision_job, bootstrap_job, live_eval_job, store_maintenance_job],
         sensors=[data_volume_sensor, registry_sensor],
-        schedules=[live_eval_schedule],
+        schedules=[live_eval_schedule, store_maintenance_schedule],
         resources=resources if resources is not None else default_resources(),
     )
     plugins = [ep.load()() for ep in entry_points(group=DEFINITIONS_GROUP)]

@@ -84,8 +84,20 @@ def select_data(svc: Services, rkey: str) -> dict:
         **replay_stats,  # replay mode and, when retokenized, the retokenize counts
     }
     svc.registry.update_round(rkey, num_trajectories=len(rewards), data_reward_mean=stats["reward_mean"],
-                              quarantined=sel.n_quarantined)
+                              quarantined=sel.n_quarantined, table_versions=dict(sel.table_versions))
     return stats
+
+
+def in_flight_pins(svc: Services) -> list[dict]:
+    """The store snapshots (table versions) read by rounds not decided yet: a vacuum keeps their files."""
+    from prodrl_pipelines.review import is_decided
+
+    out = []
+    for rkey in sorted({k.split("/")[1] for k in svc.blobs.list(keys.ROUNDS) if k.endswith("/summary.json")}):
+        pin = svc.registry.round_summary(rkey).get("table_versions")
+        if pin and not is_decided(svc.registry.decision(rkey)):
+            out.append(pin)
+    return out
 
 
 # --- 2. training_batch ----------------------------------------------------------------------

@@ -215,9 +215,13 @@ class EligibilityTracker:
                         why = f"{name} version {c.version} ({c.operation or 'rewrite'}) removed rows"
                         break
                     files_read += len(c.added)
-                    tables = self.store.tables.read_files(
-                        name, [a["path"] for a in c.added],
-                        CALL_COLUMNS if name == CALLS else None, [a["partitionValues"] for a in c.added])
+                    try:
+                        tables = self.store.tables.read_files(
+                            name, [a["path"] for a in c.added],
+                            CALL_COLUMNS if name == CALLS else None, [a["partitionValues"] for a in c.added])
+                    except BlobNotFoundError:
+                        why = f"{name} version {c.version}'s files were vacuumed"
+                        break
                     for t in tables:
                         getattr(self, {CALLS: "_fold_calls", REWARDS: "_fold_rewards", RETRACTIONS:
                                        "_fold_retractions", LEDGER: "_fold_ledger"}[name])(trajs, t)
