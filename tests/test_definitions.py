@@ -12,12 +12,14 @@ def test_code_location_contents():
     graph = defs.resolve_asset_graph()
     keys = {k.to_user_string() for k in graph.get_all_asset_keys()}
     assert keys == {"base_policy", "recorded_trajectories", "training_batch", "trained_checkpoint",
-                    "exported_policy", "heldout_eval", "deployment", "live_heldout_eval"}
+                    "exported_policy", "heldout_eval", "deployment", "live_heldout_eval", "store_compaction"}
     assert defs.resolve_schedule_def("live_eval_schedule").cron_schedule == "0 */6 * * *"
+    assert defs.resolve_schedule_def("store_maintenance_schedule").cron_schedule == "17 * * * *"
     check = AssetCheckKey(AssetKey("heldout_eval"), "deployment_gate")
     assert check in graph.asset_check_keys
     assert graph.get_check_spec(check).blocking
-    assert {j.name for j in defs.resolve_all_job_defs()} >= {"prod_rl_round", "bootstrap", "lab_traffic_job"}
+    assert {j.name for j in defs.resolve_all_job_defs()} >= {"prod_rl_round", "bootstrap", "lab_traffic_job",
+                                                             "store_maintenance"}
     assert defs.resolve_sensor_def("data_volume_sensor") is not None
     # the round chain, in order
     chain = ["recorded_trajectories", "training_batch", "trained_checkpoint", "exported_policy", "heldout_eval",
@@ -28,7 +30,9 @@ def test_code_location_contents():
 
 def test_core_never_imports_dagster():
     code = ("import sys, prodrl_pipelines.rounds, prodrl_pipelines.rl.trainer, prodrl_pipelines.lab.traffic, "
-            "prodrl_pipelines.trajectories.selection, prodrl_pipelines.engines.local, prodrl_pipelines.quant.bf16;"
+            "prodrl_pipelines.trajectories.selection, prodrl_pipelines.engines.local, prodrl_pipelines.quant.bf16,"
+            "prodrl_pipelines.trajectories.maintenance, prodrl_pipelines.trajectories.eligibility,"
+            "prodrl_pipelines.trajectories.migrate, prodrl_pipelines.data_cli;"
             "print('dagster' in sys.modules)")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"
