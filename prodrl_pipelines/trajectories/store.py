@@ -66,7 +66,9 @@ STORED = {
     QUARANTINE: pa.schema([ROUND_FIELD] + list(QUARANTINE_SCHEMA) + _ORDER_FIELDS),
     LEDGER: pa.schema([ROUND_FIELD] + list(LEDGER_SCHEMA)),
 }
-PARTITION_BY = {CALLS: ["policy_version"], QUARANTINE: ["round"], LEDGER: ["round"]}
+# The ledger is not partitioned: every selection reads all of it (for its trajectories), and
+# compaction can then fold all rounds' ledgers into one file.
+PARTITION_BY = {CALLS: ["policy_version"], QUARANTINE: ["round"]}
 
 TableVersions = Mapping[str, int]  # table name -> version, as a round pins them
 
@@ -105,11 +107,12 @@ class TrajectoryStore:
         return {name: self.tables.version(name) for name in TABLE_NAMES}
 
     def _scan(self, name: str, *, filter=None, columns: Sequence[str] | None = None,
-              as_of: TableVersions | None = None) -> pa.Table:
+              as_of: TableVersions | None = None, partitions: list | None = None) -> pa.Table:
         version = None if as_of is None else as_of.get(name)
         if version is not None and version < 0:
             return STORED[name].empty_table() if columns is None else STORED[name].empty_table().select(columns)
-        return self.tables.scan(name, STORED[name], filter=filter, columns=columns, version=version)
+        return self.tables.scan(name, STORED[name], filter=filter, columns=columns, version=version,
+                                partitions=partitions)
 
     def _append(self, name: str, table: pa.Table, txn: tuple[str, int] | None = None) -> int | None:
         if table.num_rows == 0:
@@ -179,13 +182,13 @@ class TrajectoryStore:
             if retractions is not None:
                 wanted.add("created_at")
             schema = pa.schema([f for f in CALL_SCHEMA if f.name in wanted])
-        filt = None
+        filt = parts = None
         if policy_versions is not None:
-            filt = ds.field("policy_version").isin(list(dict.fromkeys(policy_versions)))
+            parts = [("policy_version", "in", list(dict.fromkeys(policy_versions)))]
         if trajectory_ids is not None:
-            by_id = ds.field("trajectory_id").isin(pa.array(list(trajectory_ids), pa.string()))
-            filt = by_id if filt is None else filt & by_id
-        table = self._scan(CALLS, filter=filt, columns=schema.names + list(ORDER_COLUMNS), as_of=as_of)
+            filt = ds.field("trajectory_id").isin(pa.array(list(trajectory_ids), pa.string()))
+        table = self._scan(CALLS, filter=filt, columns=schema.names + list(ORDER_COLUMNS), as_of=as_of,
+                           partitions=parts)
         table = in_write_order(table).drop_columns(list(ORDER_COLUMNS))
         table = conform(table, schema).combine_chunks()
         if retractions is not None:
@@ -242,8 +245,8 @@ class TrajectoryStore:
 
     def read_quarantine(self, round_key: str | None = None) -> pa.Table:
         """Quarantined rows of one round (all rounds when ``None``), QUARANTINE_SCHEMA."""
-        filt = None if round_key is None else ds.field("round") == round_key
-        return conform(in_write_order(self._scan(QUARANTINE, filter=filt)), QUARANTINE_SCHEMA)
+        parts = None if round_key is None else [("round", "=", round_key)]
+        return conform(in_write_order(self._scan(QUARANTINE, partitions=parts)), QUARANTINE_SCHEMA)
 
     # --- round ledger ------------------------------------------------------------------------
 
@@ -274,7 +277,7 @@ class TrajectoryStore:
             },
             schema=STORED[LEDGER],
         )
-        return self.tables.replace_where(LEDGER, table, f"round = {_quote_sql(round_key)}", PARTITION_BY[LEDGER])
+        return self.tables.replace_where(LEDGER, table, f"round = {_quote_sql(round_key)}")
 
     def read_ledger(self, round_key: str) -> pa.Table:
         """The round's ledger (LEDGER_SCHEMA); raises ``KeyError`` naming the round if it has none."""
@@ -285,8 +288,7 @@ class TrajectoryStore:
 
     def ledger_rounds(self) -> list[str]:
         """Round keys that have a ledger."""
-        dt = self.tables.open(LEDGER)
-        return [] if dt is None else sorted({p["round"] for p in dt.partitions()})
+        return sorted(set(self._scan(LEDGER, columns=["round"]).column("round").to_pylist()))
 
     def used_trajectory_ids(self, exclude_round: str | None = None, *, include_quarantined: bool = True,
                             trajectory_ids: Sequence[str] | None = None,

@@ -63,6 +63,7 @@ class DeltaTables:
 
     def __init__(self, blobs: BlobStore) -> None:
         self.blobs = blobs
+        self._pinned: dict[tuple[str, int], object] = {}  # a version never changes: opened once
 
     def __repr__(self) -> str:
         return f"DeltaTables({self.blobs!r})"
@@ -100,8 +101,12 @@ class DeltaTables:
         from deltalake import DeltaTable
         from deltalake.exceptions import TableNotFoundError
 
+        if version is not None and (name, version) in self._pinned:
+            return self._pinned[(name, version)]
         try:
-            return DeltaTable(self.uri(name), version=version, storage_options=self.storage_options())
+            dt = DeltaTable(self.uri(name), version=version, storage_options=self.storage_options())
+            self._pinned[(name, dt.version())] = dt
+            return dt
         except TableNotFoundError:
             if version is not None:
                 raise TableError(f"table {name!r} at {self.uri(name)} has no version {version}") from None
@@ -159,17 +164,18 @@ class DeltaTables:
 
     # --- reads --------------------------------------------------------------------------------
 
-    def dataset(self, name: str, version: int | None = None) -> ds.Dataset | None:
-        """The snapshot as a pyarrow dataset (filters on partition columns prune files; others use
-        Parquet statistics); None when the table does not exist."""
+    def dataset(self, name: str, version: int | None = None, partitions: list | None = None) -> ds.Dataset | None:
+        """The snapshot as a pyarrow dataset; None when the table does not exist. ``partitions``
+        (delta-rs filters, e.g. ``[("policy_version", "in", ["v1"])]``) leaves the other partitions'
+        files out of the dataset altogether; filters on other columns use Parquet statistics."""
         dt = self.open(name, version)
-        return None if dt is None else dt.to_pyarrow_dataset()
+        return None if dt is None else dt.to_pyarrow_dataset(partitions=partitions)
 
     def scan(self, name: str, schema: pa.Schema, *, filter: Any = None, columns: Sequence[str] | None = None,
-             version: int | None = None) -> pa.Table:
+             version: int | None = None, partitions: list | None = None) -> pa.Table:
         """Rows of the snapshot matching ``filter`` (a pyarrow expression) with ``columns``; an empty
         ``schema`` table when the table does not exist."""
-        d = self.dataset(name, version)
+        d = self.dataset(name, version, partitions)
         if d is None:
             return (schema if columns is None else pa.schema([schema.field(c) for c in columns])).empty_table()
         return d.to_table(columns=list(columns) if columns is not None else None, filter=filter)
