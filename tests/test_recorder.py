@@ -709,6 +709,89 @@ def test_sigkill_under_load_loses_no_acknowledged_record(fake, tmp_path):
             proc.kill()
 
 
+def _spawn_replica(upstream_url: str, port: int, s3_endpoint: str, bucket: str, wal: Path) -> subprocess.Popen:
+    env = {**os.environ, "PRODRL_RECORDER_TOKEN": TOKEN}
+    cmd = [sys.executable, "-m", "prodrl_pipelines.cli", "record", "--upstream", upstream_url, "--s3-bucket", bucket,
+           "--s3-prefix", "store", "--s3-endpoint-url", s3_endpoint, "--wal-dir", str(wal), "--port", str(port),
+           "--flush-rows", "25", "--flush-interval", "0.1"]
+    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    return wait_healthy(proc, f"http://127.0.0.1:{port}/health", AUTH, 60, "a recorder replica")
+
+
+def test_two_replicas_on_one_s3_store_sigkill_under_load_store_every_call_once(fake, tmp_path, s3_endpoint, bucket):
+    """Two recorders (one per serving replica, each its own WAL) append to one S3 store at once, under
+    load from 8 clients (a trajectory stays on its replica); both are killed -9, restarted, and every
+    acknowledged call and reward is in the store exactly once."""
+    from prodrl_pipelines.trajectories.s3 import S3BlobStore
+
+    ports = [_free_port(), _free_port()]
+    wals = [tmp_path / "wal-a", tmp_path / "wal-b"]
+    procs = [_spawn_replica(fake.url, p, s3_endpoint, bucket, w) for p, w in zip(ports, wals)]
+    acked_calls: set[tuple[str, int]] = set()
+    acked_rewards: set[tuple[str, int]] = set()
+    lock = threading.Lock()
+
+    def client(w: int, stop: threading.Event) -> None:
+        port = ports[w % 2]
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=10) as c:
+            i = 0
+            while not stop.is_set():
+                tid = f"w{w}-{i}"
+                try:
+                    for call in range(2):
+                        resp = c.post("/v1/completions", json={"prompt": [w, i, call], "max_tokens": 3, "seed": i},
+                                      headers={"X-Trajectory-Id": tid})
+                        if resp.status_code != 200:
+                            return
+                        with lock:
+                            acked_calls.add((tid, int(resp.headers["x-call-index"])))
+                    fb = c.post("/v1/feedback", json={"trajectory_id": tid, "reward": 1.0})
+                    if fb.status_code != 200:
+                        return
+                    with lock:
+                        acked_rewards.add((tid, fb.json()["created_at_us"]))
+                except httpx.HTTPError:
+                    return
+                i += 1
+
+    stop = threading.Event()
+    with ThreadPoolExecutor(8) as pool:
+        futs = [pool.submit(client, w, stop) for w in range(8)]
+        deadline = time.monotonic() + 90
+        while len(acked_calls) < 200 and time.monotonic() < deadline:
+            time.sleep(0.01)
+        for proc in procs:
+            os.kill(proc.pid, signal.SIGKILL)
+        for proc in procs:
+            proc.wait(10)
+        stop.set()
+        for f in futs:
+            f.result(30)
+    assert len(acked_calls) >= 200 and acked_rewards
+    procs = [_spawn_replica(fake.url, p, s3_endpoint, bucket, w) for p, w in zip(ports, wals)]  # replay both WALs
+    try:
+        store = TrajectoryStore(S3BlobStore(bucket, "store", endpoint_url=s3_endpoint))
+        calls = store.read_calls(dedupe=False, columns=["trajectory_id", "call_index"])
+        counts = Counter(zip(calls.column("trajectory_id").to_pylist(), calls.column("call_index").to_pylist()))
+        assert all(counts[k] == 1 for k in acked_calls), "an acknowledged call is missing or duplicated"
+        assert max(counts.values()) == 1
+        rewards = store.read_rewards(latest=False)
+        rcount = Counter(zip(rewards.column("trajectory_id").to_pylist(),
+                             rewards.column("created_at").cast(pa.int64()).to_pylist()))
+        assert all(rcount[k] == 1 for k in acked_rewards) and max(rcount.values()) == 1
+        # each replica's commits carry its own WAL identity
+        writers = {WriteAheadLog(w).writer_id() for w in wals}
+        assert len(writers) == 2 and all(store.tables.txn_version("calls", wid) for wid in writers)
+    finally:
+        for proc in procs:
+            proc.send_signal(signal.SIGTERM)
+        for proc in procs:
+            try:
+                proc.wait(30)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+
 def _print_diff(a, b, path=""):
     """Print where two JSON values differ (pytest's diff of long nested answers is hard to read)."""
     if isinstance(a, dict) and isinstance(b, dict):
