@@ -1,4 +1,4 @@
-"""Durable ingest of recorded calls and rewards: WAL first, then atomic Parquet parts.
+"""Durable ingest of recorded calls and rewards: WAL first, then atomic commits to the store's tables.
 
 ``Ingestor`` is the recorder's storage engine (no HTTP here):
 
@@ -14,16 +14,19 @@
   ``_recorder/skipped/`` so indices stay right across restarts.
 * The writer seals the current segment when it holds ``flush_rows`` entries or is older than
   ``flush_interval_s``; a flusher thread writes the sealed entries through ``TrajectoryStore``
-  (``write_calls`` / ``write_rewards``: atomic part files) and then deletes the segment. A failed
-  flush is retried (never dropped) and counted.
+  (``write_calls`` / ``write_rewards``: one atomic commit each) and then deletes the segment. Each
+  commit carries (the WAL's ``writer_id``, the segment number) as a Delta application transaction.
+  A failed flush is retried (never dropped) and counted; a retry first asks the tables whether the
+  earlier attempt's commit landed (its answer lost), and writes only what did not.
 * A client's retry of a call it got no answer to (same ``attempt`` key within the trajectory, see
   ``commit_call``) takes the earlier attempt's call index: its entry carries ``supersedes`` (the
   earlier row's ``created_at``), and the flush retracts the earlier row
   (``TrajectoryStore.retract_calls``) before writing the retry's. The keys of the last
   ``MAX_ATTEMPTS`` attempts are kept in memory only: a retry after a restart appends.
-* ``recover`` (on start) replays every segment left by a previous process: entries whose call id
+* ``recover`` (on start) replays every segment left by a previous process: a segment whose
+  commit the table's application transaction shows landed is skipped, as are entries whose call id
   (trajectory_id, call_index) or reward identity (trajectory_id, source, created_at, reward) is
-  already in the store -- a crash between writing a part and deleting its segment -- are skipped,
+  already in the store -- a crash between a commit and deleting its segment --,
   the rest are written, then the segments are deleted. It also rebuilds the per-trajectory next
   call index and the set of known trajectories from the store (a scan of the key columns of every
   call part, retracted rows included; fine for the volumes of one deployment, a compacted index would be the next step).
