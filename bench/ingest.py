@@ -102,7 +102,7 @@ def main() -> None:
     ing.flush(600)
     t_all = time.perf_counter() - t0
     ing.stop()
-    parquet = dir_bytes(store_dir / "trajectories")
+    parquet = dir_bytes(store_dir / "tables" / "calls")  # data files and the table log
     stats = ing.stats.as_dict()
     out["pipeline"] = {
         "acknowledged_calls_per_s": args.calls / t_ack,

@@ -32,6 +32,9 @@ def add_record_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--port", type=int, default=8100)
     r.add_argument("--wal-dir", default=None, help="write-ahead log directory, on local disk "
                    "(default <store>/_recorder/wal; required with --s3-bucket)")
+    r.add_argument("--coordination-url", default="",
+                   help="PostgreSQL URL shared by every recorder of a fleet: call indices, retries and feedback "
+                   "work whichever replica a request reaches (default: this process's memory)")
     r.add_argument("--policy-version", default=None, help="policy version of the calls (default: upstream model)")
     r.add_argument("--tokenizer", default=None, help="the served model's tokenizer dir (token strings)")
     r.add_argument("--top-logprobs", type=int, default=20, help="K: head size recorded per position")
@@ -79,7 +82,7 @@ def cmd_record(args) -> int:
             s3_region=args.s3_region, record_extra_draw=args.record_extra_draw,
             upstream_keepalive_s=args.upstream_keepalive, follow=args.follow, tokens_file=args.tokens_file,
             default_temperature=args.default_temperature, default_top_p=args.default_top_p,
-            default_top_k=args.default_top_k,
+            default_top_k=args.default_top_k, coordination_url=args.coordination_url,
         )
         app = build_recorder_app(cfg)  # a bad tokens file fails here, before the server starts
     except ValueError as e:

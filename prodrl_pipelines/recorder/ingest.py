@@ -21,8 +21,9 @@
 * A client's retry of a call it got no answer to (same ``attempt`` key within the trajectory, see
   ``commit_call``) takes the earlier attempt's call index: its entry carries ``supersedes`` (the
   earlier row's ``created_at``), and the flush retracts the earlier row
-  (``TrajectoryStore.retract_calls``) before writing the retry's. The keys of the last
-  ``MAX_ATTEMPTS`` attempts are kept in memory only: a retry after a restart appends.
+  (``TrajectoryStore.retract_calls``) before writing the retry's. Indices and attempt keys live in
+  the ``indexer`` (``recorder.indexer``): this process's memory (the last ``MAX_ATTEMPTS``; a retry
+  after a restart appends), or PostgreSQL shared by every replica of a fleet.
 * ``recover`` (on start) replays every segment left by a previous process: a segment whose
   commit the table's application transaction shows landed is skipped, as are entries whose call id
   (trajectory_id, call_index) or reward identity (trajectory_id, source, created_at, reward) is
@@ -39,7 +40,7 @@ import json
 import queue
 import threading
 import time
-from collections import Counter, OrderedDict
+from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -47,6 +48,7 @@ from typing import Any
 
 import pyarrow as pa
 
+from prodrl_pipelines.recorder.indexer import LocalIndexer
 from prodrl_pipelines.recorder.wal import WriteAheadLog, encode_entry, seq_of
 from prodrl_pipelines.trajectories.schema import CALL_SCHEMA, REWARD_SCHEMA, call_id
 from prodrl_pipelines.trajectories.store import CALLS as CALLS_T
@@ -57,7 +59,6 @@ from prodrl_pipelines.trajectories.store import SchemaMismatchError, TrajectoryS
 __all__ = ["Ingestor", "Stats", "SKIPPED_PREFIX", "REJECTED_PREFIX", "now_us"]
 
 SKIPPED_PREFIX = "_recorder/skipped/"
-MAX_ATTEMPTS = 65536  # (trajectory, attempt key) pairs remembered for retries
 REJECTED_PREFIX = "_recorder/rejected/"
 
 
@@ -154,6 +155,7 @@ class Ingestor:
         flush_rows: int = 1024,
         flush_interval_s: float = 2.0,
         stats: Stats | None = None,
+        indexer=None,
     ) -> None:
         self.store = store
         self.wal = WriteAheadLog(wal_dir)
@@ -161,9 +163,8 @@ class Ingestor:
         self.flush_interval_s = float(flush_interval_s)
         self.stats = stats or Stats()
         self._lock = threading.Lock()  # call-index state
-        self._next_index: dict[str, int] = {}
-        # (trajectory, attempt key) -> (call index, created_at of its row, or None for a skip)
-        self._attempts: OrderedDict[tuple[str, str], tuple[int, int | None]] = OrderedDict()
+        # call indices and attempts: this process's memory, or shared by every replica (indexer.py)
+        self.indexer = indexer if indexer is not None else LocalIndexer()
         self._cond = threading.Condition()
         self._queue: list[_Pending] = []
         self._flush_waiters: list[threading.Event] = []
@@ -184,15 +185,11 @@ class Ingestor:
     def known(self, trajectory_id: str) -> bool:
         """True when the trajectory has at least one committed call (recorded or skipped)."""
         with self._lock:
-            return trajectory_id in self._next_index
+            return self.indexer.known(trajectory_id)
 
     def next_index(self, trajectory_id: str) -> int:
         with self._lock:
-            return self._next_index.get(trajectory_id, 0)
-
-    def _see(self, tid: str, index: int) -> None:
-        if index + 1 > self._next_index.get(tid, 0):
-            self._next_index[tid] = index + 1
+            return self.indexer.next_index(trajectory_id)
 
     # ------------------------------------------------------------------ recovery
 
@@ -202,10 +199,11 @@ class Ingestor:
         counts = Counter()
         stored_calls: set[tuple[str, int]] = set()  # (call id, created_at): a retry is another row of its call id
         calls = self.store.read_calls(columns=["trajectory_id", "call_index", "created_at"], dedupe=False, retracted=True)
+        seen: list[tuple[str, int]] = []  # (trajectory, call index) already taken: the next index is past them
         for tid, ci, c in zip(calls.column("trajectory_id").to_pylist(), calls.column("call_index").to_pylist(),
                               calls.column("created_at").cast(pa.int64()).to_pylist()):
             stored_calls.add((call_id(tid, ci), c))
-            self._see(tid, int(ci))
+            seen.append((tid, int(ci)))
         rewards = self.store.read_rewards(latest=False)
         stored_rewards = set()
         if rewards.num_rows:
@@ -218,7 +216,7 @@ class Ingestor:
         for key in self.store.blobs.list(SKIPPED_PREFIX):
             for s in json.loads(self.store.blobs.get_bytes(key)):
                 stored_skips.add(call_id(s["trajectory_id"], s["call_index"]))
-                self._see(s["trajectory_id"], int(s["call_index"]))
+                seen.append((s["trajectory_id"], int(s["call_index"])))
 
         new_calls, new_rewards, new_skips, new_retractions = [], [], [], []
         segments = self.wal.segments()
@@ -236,7 +234,7 @@ class Ingestor:
                     if done[CALLS_T]:
                         counts["replay_committed"] += 1
                         stored_calls.add(cid)
-                        self._see(row["trajectory_id"], int(row["call_index"]))
+                        seen.append((row["trajectory_id"], int(row["call_index"])))
                         continue
                     if cid in stored_calls:
                         counts["replay_duplicates"] += 1
@@ -245,7 +243,7 @@ class Ingestor:
                     new_calls.append(row)
                     if (r := _retraction_of(e)) is not None:
                         new_retractions.append(r)
-                    self._see(row["trajectory_id"], int(row["call_index"]))
+                    seen.append((row["trajectory_id"], int(row["call_index"])))
                 elif kind == "skip":
                     cid = call_id(e["trajectory_id"], e["call_index"])
                     if (r := _retraction_of(e)) is not None:  # idempotent: written again whether or not it was
@@ -255,7 +253,7 @@ class Ingestor:
                         continue
                     stored_skips.add(cid)
                     new_skips.append(e)
-                    self._see(e["trajectory_id"], int(e["call_index"]))
+                    seen.append((e["trajectory_id"], int(e["call_index"])))
                 elif kind == "reward":
                     row = e["row"]
                     k = _reward_key(row["trajectory_id"], row["source"], row["created_at"], row["reward"])
@@ -267,6 +265,7 @@ class Ingestor:
                         continue
                     stored_rewards.add(k)
                     new_rewards.append(row)
+        self.indexer.see(seen)
         if new_calls or new_rewards or new_skips or new_retractions:
             self._write(new_calls, new_rewards, new_skips, new_retractions,
                         seq=seq_of(segments[-1]) if segments else None)
@@ -336,21 +335,14 @@ class Ingestor:
     def _index_for(self, tid: str, attempt: Attempt | None) -> tuple[int, int | None, bool]:
         """(call index, created_at of the row it supersedes, whether it retries an earlier attempt);
         under ``_lock``."""
-        earlier = self._attempts.get((tid, attempt.key)) if attempt is not None and attempt.retry else None
+        earlier = self.indexer.earlier(tid, attempt.key) if attempt is not None and attempt.retry else None
         if earlier is not None:
             return earlier[0], earlier[1], True
-        index = self._next_index.get(tid, 0)
-        self._next_index[tid] = index + 1
-        return index, None, False
+        return self.indexer.take(tid), None, False
 
     def _remember(self, tid: str, attempt: Attempt | None, index: int, created: int | None) -> None:
-        if attempt is None:
-            return
-        k = (tid, attempt.key)
-        self._attempts[k] = (index, created)
-        self._attempts.move_to_end(k)
-        if len(self._attempts) > MAX_ATTEMPTS:
-            self._attempts.popitem(last=False)
+        if attempt is not None:
+            self.indexer.remember(tid, attempt.key, index, created)
 
     def _commit(self, tid: str, attempt: Attempt | None, entry_at) -> tuple[int, Future, bool]:
         """Take the call's index (a retry: its earlier attempt's), queue ``entry_at(index)`` with what

@@ -141,7 +141,7 @@ class RecorderConfig:
     default_temperature: float = 1.0
     default_top_p: float = 1.0
     default_top_k: int = 0
-    s3_bucket: str = ""  # set: Parquet parts go to s3://<s3_bucket>/<s3_prefix>/ (the WAL stays local)
+    s3_bucket: str = ""  # set: the store's tables go to s3://<s3_bucket>/<s3_prefix>/ (the WAL stays local)
     s3_prefix: str = ""
     s3_endpoint_url: str = ""  # empty: AWS; else an S3-compatible server (MinIO, moto, ...)
     s3_region: str = ""
@@ -150,6 +150,8 @@ class RecorderConfig:
     # and policy version re-read whenever it changes, instead of a fixed ``upstream``
     follow: str | None = None
     tokens_file: str | None = None  # bearer tokens -> tenants (``tenants``), re-read when it changes
+    # PostgreSQL shared by a fleet's recorders: call indices and attempts (recorder.indexer); empty: in memory
+    coordination_url: str = ""
 
     def __post_init__(self) -> None:
         if bool(self.upstream) == bool(self.follow):
@@ -263,8 +265,11 @@ class Recorder:
         self.tenants = Tenants(config.token or None, config.tokens_file)  # a bad tokens file fails here
         self.stats = Stats()
         self.store = TrajectoryStore(config.blob_store())
+        from prodrl_pipelines.recorder.indexer import make_indexer
+
         self.ingestor = Ingestor(self.store, config.wal_path, flush_rows=config.flush_rows,
-                                 flush_interval_s=config.flush_interval_s, stats=self.stats)
+                                 flush_interval_s=config.flush_interval_s, stats=self.stats,
+                                 indexer=make_indexer(config.coordination_url))
         self.tokens = TokenStrings(config.tokenizer_dir) if config.tokenizer_dir else None
         self.tokenizer_source = config.tokenizer_dir or ""
         self._tokenizer_retry_at = 0.0
