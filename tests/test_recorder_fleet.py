@@ -4,11 +4,10 @@ any replica."""
 
 from __future__ import annotations
 
-import httpx
 import pytest
 
 from prodrl_pipelines.recorder.indexer import LocalIndexer, PostgresIndexer, make_indexer
-from tests.test_recorder import AUTH, fake, serving, start_recorder  # noqa: F401 - fixtures
+from tests.test_recorder import fake, serving, start_recorder  # noqa: F401 - fixtures
 
 BODY = {"prompt": [1, 2, 3], "max_tokens": 3}
 
