@@ -175,7 +175,13 @@ def test_review_through_the_daemon(tmp_path, pg_instance, mlflow_server, s3_endp
         assert rc == 1 and "was never deployed" in err
         rc, _, err = prodrl(capsys, settings_file, "review", "rollback", "1", "--by", "carol")
         assert rc == 0, err
-        wait_for(lambda: svc.registry.live().policy_version == "round-000000", "the rollback", log, client)
+        def rolled_back() -> bool:  # the live pointer moves first; the registry tags and the materialisation follow
+            ev = pg_instance.get_latest_materialization_event(AssetKey("deployment"))
+            return (svc.registry.live().policy_version == "round-000000"
+                    and "rollback.1" in client.get_model_version(MODEL, "1").tags
+                    and ev is not None and ev.asset_materialization.partition == "round-000000")
+
+        wait_for(rolled_back, "the rollback", log, client)
         live = svc.registry.live()
         assert (live.kind, live.decided_by, live.model_version) == ("rollback", "carol", "1")
         events = svc.registry.events()
