@@ -631,33 +631,38 @@ def _spawn_recorder(upstream_url: str, store: Path, port: int, *flush: str) -> s
     return wait_healthy(proc, f"http://127.0.0.1:{port}/health", AUTH, 60, "the recorder")
 
 
-def kill_under_load(proc: subprocess.Popen, client, acked, n: int = 150, workers: int = 8) -> None:
-    """Run ``client(w, stop)`` in ``workers`` threads until ``acked`` holds ``n`` entries (or 60 s),
-    then kill -9 ``proc`` and let the clients see it go."""
+def kill_under_load(proc, client, acked, n: int = 150, workers: int = 8, wait_s: float = 60) -> None:
+    """Run ``client(w, stop)`` in ``workers`` threads until ``acked`` holds ``n`` entries (or
+    ``wait_s``), then kill -9 ``proc`` (a process or a list of them) and let the clients see it go."""
+    procs = proc if isinstance(proc, list) else [proc]
     stop = threading.Event()
     with ThreadPoolExecutor(workers) as pool:
         futs = [pool.submit(client, w, stop) for w in range(workers)]
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + wait_s
         while len(acked) < n and time.monotonic() < deadline:
             time.sleep(0.01)
-        os.kill(proc.pid, signal.SIGKILL)
-        proc.wait(10)
+        for p in procs:
+            os.kill(p.pid, signal.SIGKILL)
+        for p in procs:
+            p.wait(10)
         stop.set()
         for f in futs:
             f.result(30)
 
 
-def test_sigkill_under_load_loses_no_acknowledged_record(fake, tmp_path):
-    """kill -9 while 8 clients record calls and rewards; after a restart every acknowledged call and
-    reward is in the store exactly once."""
-    store_dir = tmp_path / "store"
-    port = _free_port()
-    proc = _spawn_recorder(fake.url, store_dir, port)
-    acked_calls: set[tuple[str, int]] = set()
-    acked_rewards: set[tuple[str, int]] = set()
-    lock = threading.Lock()
+class LoadClients:
+    """Clients recording 2-call trajectories with a reward each, remembering what was acknowledged:
+    ``acked_calls`` (trajectory, call index) and ``acked_rewards`` (trajectory, created_at_us).
+    Worker ``w`` talks to ``ports[w % len(ports)]`` (a trajectory stays on one recorder)."""
 
-    def client(w: int, stop: threading.Event) -> None:
+    def __init__(self, ports: list[int]) -> None:
+        self.ports = ports
+        self.acked_calls: set[tuple[str, int]] = set()
+        self.acked_rewards: set[tuple[str, int]] = set()
+        self.lock = threading.Lock()
+
+    def __call__(self, w: int, stop: threading.Event) -> None:
+        port = self.ports[w % len(self.ports)]
         with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=10) as c:
             i = 0
             while not stop.is_set():
@@ -668,36 +673,49 @@ def test_sigkill_under_load_loses_no_acknowledged_record(fake, tmp_path):
                                       headers={"X-Trajectory-Id": tid})
                         if resp.status_code != 200:
                             return
-                        with lock:
-                            acked_calls.add((tid, int(resp.headers["x-call-index"])))
+                        with self.lock:
+                            self.acked_calls.add((tid, int(resp.headers["x-call-index"])))
                     fb = c.post("/v1/feedback", json={"trajectory_id": tid, "reward": float(i % 3)})
                     if fb.status_code != 200:
                         return
-                    with lock:
-                        acked_rewards.add((tid, fb.json()["created_at_us"]))
+                    with self.lock:
+                        self.acked_rewards.add((tid, fb.json()["created_at_us"]))
                 except httpx.HTTPError:
                     return  # the recorder is gone
                 i += 1
 
-    kill_under_load(proc, client, acked_calls)
-    assert len(acked_calls) >= 150 and acked_rewards
+
+def assert_stored_exactly_once(store: TrajectoryStore, load: LoadClients) -> Counter:
+    """Every acknowledged call and reward is in ``store`` once, and nothing is there twice."""
+    calls = store.read_calls(dedupe=False, columns=["trajectory_id", "call_index"])
+    counts = Counter(zip(calls.column("trajectory_id").to_pylist(), calls.column("call_index").to_pylist()))
+    assert all(counts[k] == 1 for k in load.acked_calls), "an acknowledged call is missing or duplicated"
+    assert max(counts.values()) == 1  # nothing at all twice
+    rewards = store.read_rewards(latest=False)
+    rcount = Counter(zip(rewards.column("trajectory_id").to_pylist(),
+                         rewards.column("created_at").cast(pa.int64()).to_pylist()))
+    assert all(rcount[k] == 1 for k in load.acked_rewards) and max(rcount.values()) == 1
+    return counts
+
+
+def test_sigkill_under_load_loses_no_acknowledged_record(fake, tmp_path):
+    """kill -9 while 8 clients record calls and rewards; after a restart every acknowledged call and
+    reward is in the store exactly once."""
+    store_dir = tmp_path / "store"
+    port = _free_port()
+    proc = _spawn_recorder(fake.url, store_dir, port)
+    load = LoadClients([port])
+    kill_under_load(proc, load, load.acked_calls)
+    assert len(load.acked_calls) >= 150 and load.acked_rewards
 
     proc = _spawn_recorder(fake.url, store_dir, port)  # replays the WAL before it listens
     try:
-        store = TrajectoryStore(LocalBlobStore(store_dir))
-        calls = store.read_calls(dedupe=False, columns=["trajectory_id", "call_index"])
-        counts = Counter(zip(calls.column("trajectory_id").to_pylist(), calls.column("call_index").to_pylist()))
-        assert all(counts[k] == 1 for k in acked_calls), "an acknowledged call is missing or duplicated"
-        assert max(counts.values()) == 1  # nothing at all twice
-        rewards = store.read_rewards(latest=False)
-        created = rewards.column("created_at").cast(pa.int64()).to_pylist()
-        rcount = Counter(zip(rewards.column("trajectory_id").to_pylist(), created))
-        assert all(rcount[k] == 1 for k in acked_rewards) and max(rcount.values()) == 1
+        counts = assert_stored_exactly_once(TrajectoryStore(LocalBlobStore(store_dir)), load)
         stats = httpx.get(f"http://127.0.0.1:{port}/stats", headers=AUTH).json()["counters"]
         assert stats["replayed_segments"] >= 1
-        print("after kill -9:", len(acked_calls), "acknowledged calls,", len(acked_rewards), "rewards;", stats)
+        print("after kill -9:", len(load.acked_calls), "acknowledged calls,", len(load.acked_rewards), "rewards;", stats)
         # the restarted recorder continues every trajectory after its last index
-        tid = max(acked_calls)[0]
+        tid = max(load.acked_calls)[0]
         resp = httpx.post(f"http://127.0.0.1:{port}/v1/completions", headers={**AUTH, "X-Trajectory-Id": tid},
                           json={"prompt": [1], "max_tokens": 2})
         assert int(resp.headers["x-call-index"]) == max(i for t, i in counts if t == tid) + 1
@@ -727,58 +745,13 @@ def test_two_replicas_on_one_s3_store_sigkill_under_load_store_every_call_once(f
     ports = [_free_port(), _free_port()]
     wals = [tmp_path / "wal-a", tmp_path / "wal-b"]
     procs = [_spawn_replica(fake.url, p, s3_endpoint, bucket, w) for p, w in zip(ports, wals)]
-    acked_calls: set[tuple[str, int]] = set()
-    acked_rewards: set[tuple[str, int]] = set()
-    lock = threading.Lock()
-
-    def client(w: int, stop: threading.Event) -> None:
-        port = ports[w % 2]
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=10) as c:
-            i = 0
-            while not stop.is_set():
-                tid = f"w{w}-{i}"
-                try:
-                    for call in range(2):
-                        resp = c.post("/v1/completions", json={"prompt": [w, i, call], "max_tokens": 3, "seed": i},
-                                      headers={"X-Trajectory-Id": tid})
-                        if resp.status_code != 200:
-                            return
-                        with lock:
-                            acked_calls.add((tid, int(resp.headers["x-call-index"])))
-                    fb = c.post("/v1/feedback", json={"trajectory_id": tid, "reward": 1.0})
-                    if fb.status_code != 200:
-                        return
-                    with lock:
-                        acked_rewards.add((tid, fb.json()["created_at_us"]))
-                except httpx.HTTPError:
-                    return
-                i += 1
-
-    stop = threading.Event()
-    with ThreadPoolExecutor(8) as pool:
-        futs = [pool.submit(client, w, stop) for w in range(8)]
-        deadline = time.monotonic() + 90
-        while len(acked_calls) < 200 and time.monotonic() < deadline:
-            time.sleep(0.01)
-        for proc in procs:
-            os.kill(proc.pid, signal.SIGKILL)
-        for proc in procs:
-            proc.wait(10)
-        stop.set()
-        for f in futs:
-            f.result(30)
-    assert len(acked_calls) >= 200 and acked_rewards
+    load = LoadClients(ports)
+    kill_under_load(procs, load, load.acked_calls, n=200, wait_s=90)
+    assert len(load.acked_calls) >= 200 and load.acked_rewards
     procs = [_spawn_replica(fake.url, p, s3_endpoint, bucket, w) for p, w in zip(ports, wals)]  # replay both WALs
     try:
         store = TrajectoryStore(S3BlobStore(bucket, "store", endpoint_url=s3_endpoint))
-        calls = store.read_calls(dedupe=False, columns=["trajectory_id", "call_index"])
-        counts = Counter(zip(calls.column("trajectory_id").to_pylist(), calls.column("call_index").to_pylist()))
-        assert all(counts[k] == 1 for k in acked_calls), "an acknowledged call is missing or duplicated"
-        assert max(counts.values()) == 1
-        rewards = store.read_rewards(latest=False)
-        rcount = Counter(zip(rewards.column("trajectory_id").to_pylist(),
-                             rewards.column("created_at").cast(pa.int64()).to_pylist()))
-        assert all(rcount[k] == 1 for k in acked_rewards) and max(rcount.values()) == 1
+        assert_stored_exactly_once(store, load)
         # each replica's commits carry its own WAL identity
         writers = {WriteAheadLog(w).writer_id() for w in wals}
         assert len(writers) == 2 and all(store.tables.txn_version("calls", wid) for wid in writers)
