@@ -190,7 +190,7 @@ class EligibilityTracker:
         start = order[window[0]]
         self._seen = window[0]
         loaded = self._load()
-        why = None
+        why, meta = None, None
         commits_read = files_read = 0
         if loaded is None:
             why = "first tick"
@@ -233,6 +233,7 @@ class EligibilityTracker:
             cursor, trajs = self._rebuild(window)
         # the window only moves forward: trajectories with a version before it never become eligible
         old = {v for v, i in order.items() if i < start}
+        tracked = len(trajs)
         trajs = {tid: tr for tid, tr in trajs.items()
                  if not (tr.versions & old) and (tr.versions or order.get(tr.seen, -1) >= start)}
         inside = set(window)
@@ -240,7 +241,9 @@ class EligibilityTracker:
                 if tr.versions and tr.versions <= inside and not tr.bad and not tr.used
                 and tr.reward is not None and np.isfinite(tr.reward)
                 and sorted(tr.indices) == list(range(len(tr.indices))))
-        self._save({"vocab_size": self.vocab_size, "window_start": window[0], "cursor": cursor}, trajs)
+        meta_now = {"vocab_size": self.vocab_size, "window_start": window[0], "cursor": cursor}
+        if why is not None or commits_read or len(trajs) != tracked or meta_now != meta:  # else: nothing to write
+            self._save(meta_now, trajs)
         if report:
             return TickReport(n, why, commits_read, files_read, len(trajs))
         return n

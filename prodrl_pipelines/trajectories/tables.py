@@ -93,9 +93,6 @@ class DeltaTables:
 
     # --- snapshots ----------------------------------------------------------------------------
 
-    def exists(self, name: str) -> bool:
-        return self.blobs.exists(_version_key(name, 0)) or bool(self.blobs.list(f"{TABLES_PREFIX}{name}/{LOG_DIR}"))
-
     def open(self, name: str, version: int | None = None):
         """The table's ``DeltaTable`` (at ``version``, else the latest); None when it does not exist yet."""
         from deltalake import DeltaTable
