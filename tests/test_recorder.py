@@ -623,9 +623,11 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _spawn_recorder(upstream_url: str, store: Path, port: int, *flush: str) -> subprocess.Popen:
+def _spawn_recorder(upstream_url: str, store: Path | list[str], port: int, *flush: str) -> subprocess.Popen:
+    """A `prodrl record` process; ``store`` is a local directory or the store flags (S3, --wal-dir)."""
     env = {**os.environ, "PRODRL_RECORDER_TOKEN": TOKEN}
-    cmd = [sys.executable, "-m", "prodrl_pipelines.cli", "record", "--upstream", upstream_url, "--store", str(store),
+    where = store if isinstance(store, list) else ["--store", str(store)]
+    cmd = [sys.executable, "-m", "prodrl_pipelines.cli", "record", "--upstream", upstream_url, *where,
            "--port", str(port), *(flush or ("--flush-rows", "25", "--flush-interval", "0.1"))]
     proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     return wait_healthy(proc, f"http://127.0.0.1:{port}/health", AUTH, 60, "the recorder")
@@ -728,12 +730,8 @@ def test_sigkill_under_load_loses_no_acknowledged_record(fake, tmp_path):
 
 
 def _spawn_replica(upstream_url: str, port: int, s3_endpoint: str, bucket: str, wal: Path) -> subprocess.Popen:
-    env = {**os.environ, "PRODRL_RECORDER_TOKEN": TOKEN}
-    cmd = [sys.executable, "-m", "prodrl_pipelines.cli", "record", "--upstream", upstream_url, "--s3-bucket", bucket,
-           "--s3-prefix", "store", "--s3-endpoint-url", s3_endpoint, "--wal-dir", str(wal), "--port", str(port),
-           "--flush-rows", "25", "--flush-interval", "0.1"]
-    proc = subprocess.Popen(cmd, env=env, cwd=REPO, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    return wait_healthy(proc, f"http://127.0.0.1:{port}/health", AUTH, 60, "a recorder replica")
+    return _spawn_recorder(upstream_url, ["--s3-bucket", bucket, "--s3-prefix", "store", "--s3-endpoint-url",
+                                          s3_endpoint, "--wal-dir", str(wal)], port)
 
 
 def test_two_replicas_on_one_s3_store_sigkill_under_load_store_every_call_once(fake, tmp_path, s3_endpoint, bucket):

@@ -222,9 +222,10 @@ class EligibilityTracker:
                     except BlobNotFoundError:
                         why = f"{name} version {c.version}'s files were vacuumed"
                         break
+                    fold = {CALLS: self._fold_calls, REWARDS: self._fold_rewards,
+                            RETRACTIONS: self._fold_retractions, LEDGER: self._fold_ledger}[name]
                     for t in tables:
-                        getattr(self, {CALLS: "_fold_calls", REWARDS: "_fold_rewards", RETRACTIONS:
-                                       "_fold_retractions", LEDGER: "_fold_ledger"}[name])(trajs, t)
+                        fold(trajs, t)
                 if why:
                     break
                 if commits:
