@@ -185,10 +185,11 @@ def apply_refusal(svc, a: RegistryAction) -> None:
     from prodrl_pipelines.tracking import CHAMPION
 
     lin = svc.lineage
-    lin.tag_version(a.version, {**a.restore, REFUSED: f"{a.at}: {a.message}"})
     live = svc.registry.live()
     if a.restore_champion and live is not None and live.model_version:
         lin.client.set_registered_model_alias(lin.model_name, CHAMPION, live.model_version)
+    # the refusal tag comes last: whoever sees it sees the registry already restored
+    lin.tag_version(a.version, {**a.restore, REFUSED: f"{a.at}: {a.message}"})
 
 
 def apply_rejection(svc, a: RegistryAction) -> dict:
