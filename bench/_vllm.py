@@ -9,7 +9,7 @@ SERVER_ARGS = ("--max-model-len", "256", "--max-num-seqs", "16", "--max-num-batc
 
 
 def vllm_python_or_exit() -> str:
-    from prodrl_pipelines import environment
+    from prodrl_pipelines.config import environment
 
     py = environment.vllm_python()
     if py is None or not Path(py).exists():

@@ -31,8 +31,8 @@ from prodrl_pipelines.deploy_targets.servers import stop_process_group  # noqa: 
 from prodrl_pipelines.engines.server import BackgroundServer  # noqa: E402
 from prodrl_pipelines.engines.vllm_client import vllm_serve_command, vllm_serve_env  # noqa: E402
 from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app  # noqa: E402
-from prodrl_pipelines.settings import Settings  # noqa: E402
-from prodrl_pipelines.stack.processes import pick_port  # noqa: E402
+from prodrl_pipelines.config.settings import Settings  # noqa: E402
+from prodrl_pipelines.deploy_targets.processes import pick_port  # noqa: E402
 
 PROMPTS = [[1, 5, 6, 7, 8], [1, 40, 41, 42, 9], [1, 12, 13], [1, 20, 21, 22, 23]]
 

@@ -30,7 +30,7 @@ import numpy as np
 
 from prodrl_pipelines.recorder.ingest import Ingestor
 from prodrl_pipelines.recorder.wal import WriteAheadLog, encode_entry
-from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
+from prodrl_pipelines.storage.blobstore import LocalBlobStore
 from prodrl_pipelines.trajectories.store import TrajectoryStore
 
 

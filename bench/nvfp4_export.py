@@ -65,7 +65,7 @@ def write_checkpoint(path: Path, vocab: int) -> int:
 
 
 def memory_child(src: str, dst: str) -> None:
-    from prodrl_pipelines.phases import PhaseMeter
+    from prodrl_pipelines.loop.phases import PhaseMeter
     from prodrl_pipelines.quant.export import export_policy
 
     meter = PhaseMeter()  # resets the peak RSS: counts what the export adds

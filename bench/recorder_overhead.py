@@ -86,7 +86,7 @@ def _cli(src: str | None) -> list[str]:
         return [sys.executable, "-m", "prodrl_pipelines.cli"]
     launcher = ("import sys; sys.meta_path[:] = [f for f in sys.meta_path if 'editable' not in "
                 "str(getattr(f, '__module__', '')) + repr(f)]; sys.path.insert(0, sys.argv.pop(1)); "
-                "from prodrl_pipelines.cli import main; sys.exit(main(sys.argv[1:]))")
+                "from prodrl_pipelines.cli.main import main; sys.exit(main(sys.argv[1:]))")
     return [sys.executable, "-c", launcher, str(Path(src).resolve())]
 
 

@@ -35,7 +35,7 @@ from pathlib import Path
 import numpy as np
 
 from prodrl_pipelines.trajectories import maintenance
-from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
+from prodrl_pipelines.storage.blobstore import LocalBlobStore
 from prodrl_pipelines.trajectories.eligibility import EligibilityTracker
 from prodrl_pipelines.trajectories.selection import select_round_dataset
 from prodrl_pipelines.trajectories.store import TrajectoryStore
@@ -119,7 +119,7 @@ def s3_requests_per_tick(local_root: Path, live: str, order: list[str], rng) -> 
     """Upload the history store to a moto S3 server; count boto3 requests of steady-state ticks."""
     import boto3
 
-    from prodrl_pipelines.trajectories.s3 import S3BlobStore
+    from prodrl_pipelines.storage.s3 import S3BlobStore
 
     os.environ.update(AWS_ACCESS_KEY_ID="testing", AWS_SECRET_ACCESS_KEY="testing", AWS_DEFAULT_REGION="us-east-1")
     port = _free_port()

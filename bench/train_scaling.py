@@ -67,7 +67,8 @@ def worker(args) -> None:
     import torch
     import torch.distributed as dist
 
-    from prodrl_pipelines.rl.batch import Call, Trajectory, pack_minibatch
+    from prodrl_pipelines.rl.trajectory import Call, Trajectory
+    from prodrl_pipelines.rl.batch import pack_minibatch
     from prodrl_pipelines.rl.logprobs import policy_logprobs
 
     world, rank = int(os.environ.get("WORLD_SIZE", "1")), int(os.environ.get("RANK", "0"))

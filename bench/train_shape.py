@@ -114,7 +114,7 @@ def memory_child(batch: int, scale: float) -> None:
     import torch
 
     from prodrl_pipelines.lab.agent_shapes import shaped_minibatch
-    from prodrl_pipelines.phases import PhaseMeter
+    from prodrl_pipelines.loop.phases import PhaseMeter
     from prodrl_pipelines.rl.checkpoint import TrainerState
     from prodrl_pipelines.rl.config import Recipe
     from prodrl_pipelines.rl.trainer import build_optimizer, train_round

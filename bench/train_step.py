@@ -11,7 +11,8 @@ import time
 import numpy as np
 import torch
 
-from prodrl_pipelines.rl.batch import Call, Trajectory, pack_minibatch
+from prodrl_pipelines.rl.trajectory import Call, Trajectory
+from prodrl_pipelines.rl.batch import pack_minibatch
 from prodrl_pipelines.rl.config import Recipe
 from prodrl_pipelines.rl.logprobs import policy_logprobs
 from prodrl_pipelines.rl.losses import POLICY_CORRECTIONS

@@ -24,7 +24,7 @@ from _vllm import SERVER_ARGS, dense_exports, vllm_python_or_exit  # noqa: E402
 from prodrl_pipelines.deploy_targets.base import wait_healthy  # noqa: E402
 from prodrl_pipelines.deploy_targets.servers import stop_process_group  # noqa: E402
 from prodrl_pipelines.engines.vllm_client import vllm_serve_command, vllm_serve_env  # noqa: E402
-from prodrl_pipelines.stack.processes import pick_port  # noqa: E402
+from prodrl_pipelines.deploy_targets.processes import pick_port  # noqa: E402
 
 TOKENS, PER_ROUND, ROUNDS = 64, 16, 3
 

@@ -16,12 +16,14 @@ from dagster import (
     SensorResult, SkipReason, define_asset_job, in_process_executor, sensor,
 )
 
-from prodrl_pipelines import environment, review, rounds
+from prodrl_pipelines.config import environment
+from prodrl_pipelines.loop import review
+from prodrl_pipelines.loop import schedule
 from prodrl_pipelines.assets.partitions import (
     ACTION_TAG, AT_TAG, BY_TAG, MODEL_VERSION_TAG, ROUND_TAG, rounds_partitions,
 )
 from prodrl_pipelines.assets.round import deployment
-from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, StoreResource, services
+from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, StoreResource, open_services
 
 # A round is a chain: its steps run one after another in the run's own process (a process per step
 # would only add a Python start-up and imports per step); training ranks are launched by Pipes.
@@ -54,7 +56,7 @@ def data_volume_sensor(context: SensorEvaluationContext, settings: ProdRLSetting
     existing = context.instance.get_dynamic_partitions(rounds_partitions.name)
     in_flight = any(context.instance.get_run_records(RunsFilter(job_name=job.name, statuses=IN_FLIGHT), limit=1)
                     for job in (round_job, registry_decision_job))
-    key, reason = rounds.next_round_decision(services(settings, store), existing, in_flight)
+    key, reason = schedule.next_round_decision(open_services(settings, store), existing, in_flight)
     if key is None:
         return SkipReason(reason)
     context.log.info(f"starting {key}: {reason}")
@@ -75,10 +77,10 @@ def _registry_digest(champion, versions, model_tags) -> str:
 def registry_sensor(context: SensorEvaluationContext, settings: ProdRLSettings, store: StoreResource,
                     mlflow: MlflowResource):
     """Polls the registry (its state digest is the cursor) and acts on what reviewers changed."""
-    from prodrl_pipelines.tracking import CHAMPION
+    from prodrl_pipelines.loop.lineage import CHAMPION
 
-    svc = services(settings, store, mlflow)
-    live = svc.registry.live()
+    svc = open_services(settings, store, mlflow)
+    live = svc.ledger.live()
     if live is None:
         return SkipReason("no live deployment yet: nothing to review")
     lin = svc.lineage
@@ -88,7 +90,7 @@ def registry_sensor(context: SensorEvaluationContext, settings: ProdRLSettings, 
         return SkipReason(f"registry unchanged; live: {live.policy_version} (model version {live.model_version})")
     actions = review.registry_actions(svc, champion, versions)
     notes, requests, partitions = [], [], []
-    n_events = len(svc.registry.events())
+    n_events = len(svc.ledger.events())
     for a in actions:
         if a.kind == "refuse":
             review.apply_refusal(svc, a)

@@ -167,7 +167,7 @@ def main() -> int:
     except NameError:
         pass
     print(line)
-    del big
+    big = None  # frees the device memory (the lambdas above hold the name, not the list)
 
     # 4. loading dequantized on the GPU
     print("\n[4] load the export dequantized on the GPU")

@@ -68,7 +68,8 @@ def train_check(torch, cuda: bool, args) -> dict:
     import torch.distributed as dist
     from transformers import Qwen3Config, Qwen3ForCausalLM
 
-    from prodrl_pipelines.rl.batch import Call, Trajectory, pack_minibatch
+    from prodrl_pipelines.rl.trajectory import Call, Trajectory
+    from prodrl_pipelines.rl.batch import pack_minibatch
     from prodrl_pipelines.rl.logprobs import policy_logprobs
     from prodrl_pipelines.rl.sharding import shard_policy
 

@@ -44,7 +44,8 @@ def _recorded(home: Path) -> dict:
 def _logratios(model, table, vocab_size: int, bs: int = 64) -> dict[tuple[str, int], np.ndarray]:
     """log pi_k - log mu per trained token of every call, packed and scored as the trainer does
     (``rl.batch.pack_minibatch``, ``rl.logprobs.token_logprobs``)."""
-    from prodrl_pipelines.rl.batch import pack_minibatch, trajectories_from_table
+    from prodrl_pipelines.rl.batch import pack_minibatch
+    from prodrl_pipelines.rl.trajectory import trajectories_from_table
     from prodrl_pipelines.rl.logprobs import token_logprobs
 
     indices: dict[str, list[int]] = {}

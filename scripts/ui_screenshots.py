@@ -37,16 +37,16 @@ def build_review_home(home: Path) -> None:
 
     from prodrl_pipelines.lab.demo import run_loop
     from prodrl_pipelines.sensors import registry_sensor
-    from prodrl_pipelines.tracking import CHAMPION
+    from prodrl_pipelines.loop.lineage import CHAMPION
 
     run_loop(home, REVIEW_SETTINGS, rounds=1)  # bootstrap, round 1 -> pending
     from prodrl_pipelines.definitions import build_definitions
-    from prodrl_pipelines.resources.settings import make_resources, services
+    from prodrl_pipelines.resources.settings import make_resources, open_services
 
     res = make_resources({**REVIEW_SETTINGS, "home": str(home)})
     defs = build_definitions(res)
     instance = DagsterInstance.get()
-    lineage = services(res["settings"], res["store"], res["mlflow"]).lineage
+    lineage = open_services(res["settings"], res["store"], res["mlflow"]).lineage
     lineage.tag_version("2", {"review_by": "reviewer"})
     lineage.client.set_registered_model_alias(lineage.model_name, CHAMPION, "2")  # approve as in the UI
     tick = registry_sensor(build_sensor_context(instance=instance, definitions=defs, resources=res))

@@ -23,7 +23,7 @@ def pg_url() -> str:
     """The test database, in a schema of this test session's own (concurrent runs don't collide)."""
     import psycopg2
 
-    from prodrl_pipelines.preflight import libpq_dsn
+    from prodrl_pipelines.config.preflight import libpq_dsn
 
     libpq = libpq_dsn(PG_URL)
     try:
@@ -192,9 +192,9 @@ def mlflow_server(s3_endpoint, tmp_path_factory):
     import httpx
     import psycopg2
 
-    from prodrl_pipelines.preflight import libpq_dsn
+    from prodrl_pipelines.config.preflight import libpq_dsn
     from prodrl_pipelines.stack.postgres import with_schema
-    from prodrl_pipelines.stack.processes import pick_port
+    from prodrl_pipelines.deploy_targets.processes import pick_port
     from prodrl_pipelines.stack.stack import mlflow_server_command
 
     schema = f"prodrl_test_{os.getpid()}_mlflow"

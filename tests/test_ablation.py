@@ -10,18 +10,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from prodrl_pipelines.lab.ablation import (
-    FAIL_ENV,
-    AblationConfig,
-    AblationConfigError,
-    CollapseRule,
-    aggregate,
-    check_claims,
-    identical_pairs,
-    load_config,
-    paired_diffs,
-    run_ablation,
-)
+from prodrl_pipelines.lab.ablation_config import AblationConfig, AblationConfigError, CollapseRule, load_config
+from prodrl_pipelines.lab.ablation_runner import run_ablation
+from prodrl_pipelines.lab.ablation_stats import aggregate, check_claims, identical_pairs, paired_diffs
+from prodrl_pipelines.lab.ablation_worker import FAIL_ENV
 
 REPO = Path(__file__).resolve().parents[1]
 QUICK = REPO / "ablations" / "quick.yaml"
@@ -70,7 +62,7 @@ def test_config_validation_names_the_problem(tmp_path, mutate, expected):
 
 
 def test_config_missing_file_and_cli_exit_code(tmp_path, capsys):
-    from prodrl_pipelines.cli import main
+    from prodrl_pipelines.cli.main import main
 
     with pytest.raises(AblationConfigError, match="does not exist"):
         load_config(tmp_path / "nope.yaml")
@@ -185,7 +177,7 @@ def test_quick_ablation_end_to_end(tmp_path, monkeypatch, capsys):
     1 seed, 1 round (tiny): real worker subprocesses, then a rerun."""
     from mlflow.tracking import MlflowClient
 
-    from prodrl_pipelines.cli import main
+    from prodrl_pipelines.cli.main import main
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cfg = yaml.safe_load(QUICK.read_text())
@@ -257,14 +249,14 @@ def test_quick_ablation_end_to_end(tmp_path, monkeypatch, capsys):
 def test_resume_skips_only_matching_results(tmp_path, monkeypatch):
     """result.json made with the same settings and rounds is skipped; one from other settings is set
     aside (result.stale.json) and the run goes again (here: an injected failure, no real training)."""
-    from prodrl_pipelines.lab.ablation import _lab_key, run_dir
+    from prodrl_pipelines.lab.ablation_runner import base_policy_key, run_dir
 
     cfg = AblationConfig(**_base_cfg(seeds=[0], rounds=1))
     root = tmp_path / "abl"
     for rec in ("a", "b"):
         s = cfg.settings_for(rec, 0)
-        (root / "bases" / _lab_key(s) / "round-000000").mkdir(parents=True, exist_ok=True)
-        (root / "bases" / _lab_key(s) / "round-000000" / "config.json").write_text("{}")  # no base build
+        (root / "bases" / base_policy_key(s) / "round-000000").mkdir(parents=True, exist_ok=True)
+        (root / "bases" / base_policy_key(s) / "round-000000" / "config.json").write_text("{}")  # no base build
         if rec == "b":
             s = {**s, "learning_rate": 1.0}  # made with other settings
         d = run_dir(root, rec, 0)
@@ -285,7 +277,7 @@ def test_report_from_synthetic_results(tmp_path, monkeypatch):
     """write_report + log_to_mlflow on synthetic result documents (no runs): table, claims, notes, plots."""
     from mlflow.tracking import MlflowClient
 
-    from prodrl_pipelines.lab.ablation import log_to_mlflow, write_report
+    from prodrl_pipelines.lab.ablation_report import log_to_mlflow, write_report
 
     monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
     cfg = AblationConfig(**_base_cfg(seeds=[0, 1], recipes={"a": {}, "b": {"kl_beta": 0.1}, "c": {"kl_beta": 1.0}},

@@ -19,7 +19,7 @@ from prodrl_pipelines.lab.episodes import run_episodes
 from prodrl_pipelines.lab.production_text import non_canonical_split
 from prodrl_pipelines.lab.tasks import get_task
 from prodrl_pipelines.lab.warmstart import _CallEncoder, build_base_policy
-from prodrl_pipelines.rl.batch import trajectories_from_table
+from prodrl_pipelines.rl.trajectory import trajectories_from_table
 from prodrl_pipelines.trajectories.retokenize import differing_tokens, render_reply, retokenize_calls
 
 ENV = get_task("arithmetic_tools")

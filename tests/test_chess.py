@@ -9,7 +9,7 @@ import random
 import chess
 import pytest
 
-from prodrl_pipelines import bootstrap
+from prodrl_pipelines.loop import bootstrap
 from prodrl_pipelines.engines.types import CallRecord, SamplingParams
 from prodrl_pipelines.lab import arithmetic, chess_env, chess_puzzles
 from prodrl_pipelines.lab.chess_env import MIN_MAX_TOKENS, MoveError, parse_move, parse_tool_call, tool_call
@@ -223,7 +223,7 @@ def test_task_registry_and_settings():
     assert ARITHMETIC.heldout_tasks(5) == arithmetic.heldout_tasks(5)
     assert build_tokenizer().get_vocab() == build_tokenizer(task="arithmetic").get_vocab()
     assert ProdRLSettings().settings().lab.task == "arithmetic"
-    from prodrl_pipelines.settings import check_settings
+    from prodrl_pipelines.config.settings import check_settings
 
     with pytest.raises(ValueError, match=f"'chess' needs deploy.max_tokens >= {MIN_MAX_TOKENS}"):
         check_settings(ProdRLSettings(lab_task="chess").settings())
@@ -375,15 +375,15 @@ def test_chess_through_the_vllm_client_and_served_policy(chess_policy, heldout):
 def test_chess_lab_bootstrap_and_traffic_over_prodrl_serve(tmp_path):
     """settings lab_task=chess end to end: the round-0 policy is a chess policy, evaluated on the
     chess held-out set, and lab traffic goes episodes -> ``prodrl record`` -> ``prodrl serve``."""
-    from prodrl_pipelines import rounds
+    from prodrl_pipelines.loop import export
     from prodrl_pipelines.lab.http_traffic import served_deployment, simulate_traffic_http
-    from prodrl_pipelines.resources.settings import make_resources, services
+    from prodrl_pipelines.resources.settings import make_resources, open_services
 
     res = make_resources({"home": str(tmp_path / "home"), "lab_task": "chess", "lab_size": "tiny", "lab_sft_steps": 3,
                           "heldout_size": 4, "max_tokens": MIN_MAX_TOKENS, "steps_per_round": 1, "batch_size": 4})
-    svc = services(res["settings"], res["store"])
+    svc = open_services(res["settings"], res["store"])
     boot = bootstrap.bootstrap_base_policy(svc, progress=False)
-    ev = svc.registry.eval("round-000000")
+    ev = svc.ledger.eval("round-000000")
     assert ev["task_ids"] == [p.task_id for p in chess_puzzles.heldout_puzzles(4)]
     assert 0.0 <= boot["heldout_reward"] <= 1.0
     assert json.loads((tmp_path / "home" / "checkpoints" / "round-000000" / "warm_start.json").read_text())["task"] \
@@ -395,5 +395,5 @@ def test_chess_lab_bootstrap_and_traffic_over_prodrl_serve(tmp_path):
     assert len(calls) == stats["calls"]
     assert all(c["prompt_text"].startswith("<|im_start|>user\nWhite to move, mate in ") for c in calls)
     assert set(svc.store.read_rewards()["source"].to_pylist()) == {"lab/chess"}
-    smoke = rounds.export_smoke(svc.settings, tmp_path / "home" / "exports" / "round-000000", svc.suite)
-    assert smoke["error"] == "" and len(smoke["samples"]) == rounds.SMOKE_PROMPTS
+    smoke = export.export_smoke(svc.settings, tmp_path / "home" / "exports" / "round-000000", svc.suite)
+    assert smoke["error"] == "" and len(smoke["samples"]) == export.SMOKE_PROMPTS

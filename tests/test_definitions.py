@@ -1,6 +1,7 @@
 """The code location loads with every asset, check, sensor and job (what `dagster dev` shows)."""
 
 import subprocess
+from pathlib import Path
 import sys
 
 from dagster import AssetCheckKey, AssetKey
@@ -29,10 +30,15 @@ def test_code_location_contents():
 
 
 def test_core_never_imports_dagster():
-    code = ("import sys, prodrl_pipelines.rounds, prodrl_pipelines.rl.trainer, prodrl_pipelines.lab.traffic, "
-            "prodrl_pipelines.trajectories.selection, prodrl_pipelines.engines.local, prodrl_pipelines.quant.bf16,"
-            "prodrl_pipelines.trajectories.maintenance, prodrl_pipelines.trajectories.eligibility,"
-            "prodrl_pipelines.trajectories.migrate, prodrl_pipelines.data_cli;"
-            "print('dagster' in sys.modules)")
+    """The wings below the Dagster layer, and the processes that get Services without it (the CLI's
+    commands, a torchrun rank, the stack), import no Dagster module."""
+    pkg = Path(__file__).resolve().parents[1] / "prodrl_pipelines"
+    mods = [f"prodrl_pipelines.{w}.{p.stem}" for w in ("config", "storage", "loop") for p in sorted((pkg / w).glob("[a-z]*.py"))]
+    mods += ["prodrl_pipelines.rl.trainer", "prodrl_pipelines.lab.traffic", "prodrl_pipelines.trajectories.selection",
+             "prodrl_pipelines.engines.local", "prodrl_pipelines.quant.bf16", "prodrl_pipelines.trajectories.maintenance",
+             "prodrl_pipelines.trajectories.eligibility", "prodrl_pipelines.trajectories.migrate",
+             "prodrl_pipelines.cli.data", "prodrl_pipelines.cli.review", "prodrl_pipelines.cli.services",
+             "prodrl_pipelines.ops.train_worker", "prodrl_pipelines.stack.stack"]
+    code = f"import sys, {', '.join(mods)}; print('dagster' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert out.stdout.strip() == "False"

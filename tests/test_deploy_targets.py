@@ -18,7 +18,7 @@ from prodrl_pipelines.deploy_targets.servers import ProdrlServeTarget, pid_alive
 from prodrl_pipelines.engines.server import BackgroundServer
 from prodrl_pipelines.engines.vllm_client import VLLMClient
 from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
-from prodrl_pipelines.settings import Settings, settings_from_flat
+from prodrl_pipelines.config.settings import Settings, settings_from_flat
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PROMPTS = [[1, 5, 6, 7, 8], [1, 40, 41, 42, 9, 9], [1, 12, 13]]
@@ -66,7 +66,7 @@ def test_settings_choose_a_known_target_and_fail_early():
 
 
 def test_prodrl_serve_target_switches_blue_green_and_rolls_back(exports, tmp_path):
-    from prodrl_pipelines.stack.processes import pick_port
+    from prodrl_pipelines.deploy_targets.processes import pick_port
 
     s = Settings(home=str(tmp_path / "home"), deploy={"target": "prodrl-serve", "target_port": pick_port(),
                                                       "probe_prompts": 3, "max_tokens": 6, "export_scheme": "bf16"})

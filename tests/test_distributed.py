@@ -15,15 +15,16 @@ import torch
 from dagster import materialize
 from safetensors.torch import load_file
 
-from prodrl_pipelines import bootstrap, environment
-from prodrl_pipelines import rounds
+from prodrl_pipelines.loop import bootstrap
+from prodrl_pipelines.config import environment
+from prodrl_pipelines.loop import train
 from prodrl_pipelines.ops.train_worker import KILL_AT_STEP_ENV
 from prodrl_pipelines.ops.training import torchrun_command
 from prodrl_pipelines.rl.checkpoint import load_policy, load_trainer_state
 from prodrl_pipelines.rl.trainer import build_optimizer
 from prodrl_pipelines.assets.round import recorded_trajectories, trained_checkpoint, training_batch
 from prodrl_pipelines.lab.traffic import simulate_traffic
-from prodrl_pipelines.resources.settings import make_resources, services
+from prodrl_pipelines.resources.settings import make_resources, open_services
 
 TINY = {"lab_size": "tiny", "lab_sft_steps": 5, "steps_per_round": 2, "batch_size": 4, "heldout_size": 4,
         "max_tokens": 6, "learning_rate": 1e-2, "correction": "tis", "kl_beta": 0.1,
@@ -32,7 +33,7 @@ TINY = {"lab_size": "tiny", "lab_sft_steps": 5, "steps_per_round": 2, "batch_siz
 
 def _round_with_data(tmp_path, pg_instance, **extra):
     res = make_resources({**TINY, "home": str(tmp_path / "home"), "train_processes": 2, **extra})
-    svc = services(res["settings"], res["store"])
+    svc = open_services(res["settings"], res["store"])
     bootstrap.bootstrap_base_policy(svc, progress=False)
     simulate_traffic(svc, 8)
     # graded rewards so every step has signal (the tiny model solves nothing)
@@ -56,7 +57,7 @@ def _same_weights(a_dir, b_dir, atol=2e-5, rtol=1e-4):
 
 def test_two_rank_torchrun_matches_single_process(tmp_path, pg_instance):
     res, svc, key = _round_with_data(tmp_path, pg_instance)
-    single = rounds.train(svc, key, progress=False, out_dir=tmp_path / "single")
+    single = train.train(svc, key, progress=False, out_dir=tmp_path / "single")
     assert single["steps_taken"] == 2
 
     out = materialize([recorded_trajectories, training_batch, trained_checkpoint], selection=[trained_checkpoint],

@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from prodrl_pipelines.gate import count_nonfinite, decide, paired_confidence_interval
+from prodrl_pipelines.evaluation.statistics import paired_confidence_interval
+from prodrl_pipelines.loop.gate import count_nonfinite, decide
 
 
 def test_paired_interval_hand_computed():

@@ -4,15 +4,16 @@ the round uses from the in-process path."""
 import numpy as np
 import pytest
 
-from prodrl_pipelines import bootstrap
-from prodrl_pipelines import rounds
+from prodrl_pipelines.loop import bootstrap
+from prodrl_pipelines.loop import data
+from prodrl_pipelines.loop import train
 from prodrl_pipelines.engines.local import LocalEngine
 from prodrl_pipelines.engines.vllm_client import request_seed
 from prodrl_pipelines.lab.arithmetic import generate_tasks
 from prodrl_pipelines.lab.episodes import run_episodes, stop_token_ids
 from prodrl_pipelines.lab.http_traffic import served_deployment, simulate_traffic_http
 from prodrl_pipelines.lab.traffic import simulate_traffic
-from prodrl_pipelines.resources.settings import make_resources, services
+from prodrl_pipelines.resources.settings import make_resources, open_services
 
 TINY = {"lab_size": "tiny", "lab_sft_steps": 5, "steps_per_round": 2, "batch_size": 4, "heldout_size": 4,
         "max_tokens": 6}
@@ -37,7 +38,7 @@ def _by_key(rows):
 
 def test_http_traffic_records_what_the_engine_generates(tmp_path):
     res = make_resources({**TINY, "home": str(tmp_path / "home")})
-    svc = services(res["settings"], res["store"])
+    svc = open_services(res["settings"], res["store"])
     bootstrap.bootstrap_base_policy(svc, progress=False)
     live = svc.live()
 
@@ -84,7 +85,7 @@ def test_http_traffic_records_what_the_engine_generates(tmp_path):
         assert c["task_id"] and c["policy_version"] == live.policy_version
 
     # 3. the round selects the recorded data
-    sel = rounds.select_data(svc, "round-000001")
+    sel = data.select_data(svc, "round-000001")
     assert sel["num_trajectories"] == 8 and sel["quarantined"] == 0
     assert sel["data_versions"] == [live.policy_version]
 
@@ -103,7 +104,7 @@ def test_http_traffic_lands_in_an_s3_store(tmp_path, s3_endpoint, bucket):
     res = make_resources({**TINY, "home": str(tmp_path / "home")},
                          s3={"s3_bucket": bucket, "s3_prefix": "prodrl", "s3_endpoint_url": s3_endpoint,
                              "s3_region": "us-east-1"})
-    svc = services(res["settings"], res["store"])
+    svc = open_services(res["settings"], res["store"])
     assert type(svc.blobs).__name__ == "S3BlobStore"
     bootstrap.bootstrap_base_policy(svc, progress=False)
     live = svc.live()
@@ -119,7 +120,7 @@ def test_http_traffic_lands_in_an_s3_store(tmp_path, s3_endpoint, bucket):
     assert all(c["task_id"] for c in calls)
     rewards = svc.store.read_rewards()
     assert rewards.num_rows == 8 and set(rewards["source"].to_pylist()) == {"lab/arithmetic"}
-    sel = rounds.select_data(svc, "round-000001")
+    sel = data.select_data(svc, "round-000001")
     assert sel["num_trajectories"] == 8 and sel["quarantined"] == 0
 
 
@@ -129,7 +130,7 @@ def test_http_traffic_records_the_extra_draw_for_sampled_score_centering(tmp_pat
     settings = {**TINY, "home": str(tmp_path / "home"), "record_extra_draw": True,
                 "correction": "score_centering_sampled"}
     res = make_resources(settings)
-    svc = services(res["settings"], res["store"])
+    svc = open_services(res["settings"], res["store"])
     bootstrap.bootstrap_base_policy(svc, progress=False)
     with served_deployment(svc, log_dir=tmp_path / "logs") as dep:
         simulate_traffic(svc, 8, via="http", deployment=dep)
@@ -139,7 +140,7 @@ def test_http_traffic_records_the_extra_draw_for_sampled_score_centering(tmp_pat
     assert all(len(c["extra_token_ids"]) == len(c["output_token_ids"]) for c in calls)
     assert any(c["extra_token_ids"] != c["output_token_ids"] for c in calls)  # an independent draw
     assert stats.get("extra_draw_missing", 0) == 0
-    rounds.select_data(svc, "round-000001")
-    rounds.build_batch(svc, "round-000001")
-    out = rounds.train(svc, "round-000001", progress=False)
+    data.select_data(svc, "round-000001")
+    data.build_batch(svc, "round-000001")
+    out = train.train(svc, "round-000001", progress=False)
     assert out["steps_taken"] + out["steps_skipped"] == TINY["steps_per_round"]

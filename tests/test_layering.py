@@ -67,3 +67,114 @@ def test_quant_depends_on_neither_engines_nor_training():
            for rel, imps in _modules() if rel.parts[0] == "quant"
            and (_hits(imps, "prodrl_pipelines.engines") or _hits(imps, "prodrl_pipelines.rl"))}
     assert not bad, bad
+
+
+def _module_name(rel: Path) -> str:
+    parts = list(rel.with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts = parts[:-1]
+    return ".".join(["prodrl_pipelines", *parts])
+
+
+def _import_graph() -> dict[str, set[str]]:
+    """Module -> the package modules it imports (lazy imports included; ``from pkg import mod``
+    resolved to the module; a package's ``__init__`` counts as the package)."""
+    mods = {_module_name(rel): imps for rel, imps in _modules()}
+    graph = {}
+    for m, imps in mods.items():
+        deps = set()
+        for name in imps:
+            if any(i.startswith(name + ".") and i in mods for i in imps):
+                continue  # `from pkg import mod`: an edge to the module, not to the package
+            while name and name not in mods:  # `pkg.mod.attr` -> `pkg.mod`
+                name = name.rpartition(".")[0]
+            if name and name != m and name != "prodrl_pipelines":
+                deps.add(name)
+        graph[m] = deps
+    return graph
+
+
+def _circles(graph: dict[str, set[str]]) -> list[list[str]]:
+    """Strongly connected components with more than one module (Tarjan)."""
+    index, low, stack, on, out, n = {}, {}, [], set(), [], [0]
+
+    def visit(v):
+        index[v] = low[v] = n[0]
+        n[0] += 1
+        stack.append(v)
+        on.add(v)
+        for w in graph.get(v, ()):
+            if w not in index:
+                visit(w)
+                low[v] = min(low[v], low[w])
+            elif w in on:
+                low[v] = min(low[v], index[w])
+        if low[v] == index[v]:
+            comp = []
+            while True:
+                w = stack.pop()
+                on.discard(w)
+                comp.append(w)
+                if w == v:
+                    break
+            if len(comp) > 1:
+                out.append(sorted(comp))
+
+    for v in sorted(graph):
+        if v not in index:
+            visit(v)
+    return out
+
+
+def test_no_import_circles():
+    assert not _circles(_import_graph()), _circles(_import_graph())
+
+
+def test_the_circle_check_finds_a_circle():
+    assert _circles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c"]]
+
+
+# The floors, lowest first: a module imports only its own floor and the ones below. A package's
+# modules share its floor unless a module is named on its own (``config.settings`` gathers the
+# configurations of the packages below it; the environment and preflight checks sit at the bottom).
+FLOORS = [
+    ("storage", "config.environment", "config.preflight"),
+    ("rl", "quant", "trajectories", "engines", "evaluation", "recorder", "deploy_targets"),
+    ("config.settings",),
+    ("loop",),
+    ("stack", "cli"),
+    ("assets", "resources", "ops", "sensors", "definitions"),
+    ("lab",),
+]
+
+
+def _floor(module: str) -> int | None:
+    rel = module.removeprefix("prodrl_pipelines.")
+    best = None
+    for i, names in enumerate(FLOORS):
+        for name in names:
+            if (rel == name or rel.startswith(name + ".")) and (best is None or len(name) > len(best[1])):
+                best = (i, name)
+    return best[0] if best else None
+
+
+def test_lower_floors_never_import_upper_ones():
+    bad = {}
+    for m, deps in _import_graph().items():
+        fm = _floor(m)
+        if fm is None:
+            continue
+        up = sorted(d for d in deps if (_floor(d) or 0) > fm)
+        if up:
+            bad[m] = up
+    assert not bad, f"modules importing a floor above their own: {bad}"
+
+
+def test_no_private_names_cross_modules():
+    bad = {}
+    for rel, imps in _modules():
+        private = sorted(i for i in imps if i.startswith("prodrl_pipelines.")
+                         and i.rpartition(".")[2].startswith("_") and not i.rpartition(".")[2].startswith("__"))
+        if private:
+            bad[str(rel)] = private
+    assert not bad, f"private names imported across modules: {bad}"

@@ -24,7 +24,7 @@ from dagster_graphql import DagsterGraphQLClient
 from openai import OpenAI
 
 from prodrl_pipelines.lab.tasks import ARITHMETIC
-from prodrl_pipelines.preflight import libpq_dsn
+from prodrl_pipelines.config.preflight import libpq_dsn
 
 from conftest import PG_URL, REPO
 

@@ -64,7 +64,6 @@ def error_bound(w, q):
 # ------------------------------------------------------------------------------ the quantizer
 
 def test_fp4_rounding_ties_to_even_and_signed_zero():
-    g1 = torch.tensor([1.0])
     x = torch.tensor([0.0, 0.25, 0.2500001, 0.75, 0.7499999, 1.25, 1.2500001, 1.75, 2.5, 2.5000002, 3.5, 5.0,
                       5.0000005, 6.0, 7.0, -0.25, -0.0, -1.75])
     want = [0, 0, 1, 2, 1, 2, 3, 4, 4, 5, 6, 6, 7, 7, 7, 8, 0, 8 | 4]
@@ -391,7 +390,7 @@ def test_incomplete_export_and_nonfinite_scales_are_caught(w4a16, tmp_path):
 def test_export_scheme_setting_is_validated():
     from pydantic import ValidationError
 
-    from prodrl_pipelines.settings import DeploySettings
+    from prodrl_pipelines.config.settings import DeploySettings
 
     assert DeploySettings().export_scheme == "nvfp4-w4a16"
     with pytest.raises(ValidationError, match="export_scheme"):

@@ -19,11 +19,12 @@ import pytest
 from dagster import build_sensor_context
 from openai import OpenAI
 
-from prodrl_pipelines import monitoring, rounds
+from prodrl_pipelines.loop import monitoring
+from prodrl_pipelines.loop import services
 from prodrl_pipelines.definitions import build_definitions
-from prodrl_pipelines.resources.settings import ProdRLSettings, make_resources, services
+from prodrl_pipelines.resources.settings import ProdRLSettings, make_resources, open_services
 from prodrl_pipelines.sensors import data_volume_sensor
-from prodrl_pipelines.stack.processes import pick_port
+from prodrl_pipelines.deploy_targets.processes import pick_port
 from prodrl_pipelines.stack.serving import LiveServing
 
 from own_model import build_model, write_user_package
@@ -71,8 +72,8 @@ def test_two_rounds_of_someone_elses_model(tmp_path, pg_instance, monkeypatch):
     assert boot.success
     meta = boot.asset_materializations_for_node("base_policy")[0].metadata
     assert meta["source"].value == "directory" and meta["reward_errors"].value == 1
-    svc = services(res["settings"], res["store"])
-    base_eval = svc.registry.eval("round-000000")
+    svc = open_services(res["settings"], res["store"])
+    base_eval = svc.ledger.eval("round-000000")
     assert base_eval["num_tasks"] == 10 and "grader cannot parse q3" in base_eval["first_reward_error"]
     assert base_eval["task_ids"] == [f"q{i}" for i in range(10)]
     assert json.loads((home / "checkpoints" / "round-000000" / "config.json").read_text())["model_type"] == "qwen3"
@@ -93,24 +94,24 @@ def test_two_rounds_of_someone_elses_model(tmp_path, pg_instance, monkeypatch):
             assert key == f"round-{k:06d}"
             out = defs.resolve_job_def("prod_rl_round").execute_in_process(instance=pg_instance, partition_key=key)
             assert out.success
-            assert svc.registry.decision(key)["deployed"]
+            assert svc.ledger.decision(key)["deployed"]
             ev = out.asset_materializations_for_node("heldout_eval")[0].metadata
             assert ev["suite"].value.endswith("heldout.jsonl") and ev["reward_errors"].value == 1
         # live monitoring through the serving endpoint: what is really served, checked to be the live version
         serving.sync()
-        via = services(ProdRLSettings(**{**fields, "eval_live_endpoint": serving.serve_url}), res["store"])
+        via = open_services(ProdRLSettings(**{**fields, "eval_live_endpoint": serving.serve_url}), res["store"])
         live = monitoring.evaluate_live(via, 0)
         assert (live["policy_version"], live["engine"], live["num_tasks"]) == ("round-000002", serving.serve_url, 10)
         assert live["reward_errors"] == 1
-        stale = services(ProdRLSettings(**{**fields, "eval_live_endpoint": serving.serve_url}), res["store"])
-        stale.registry.deploy(svc.registry.live().__class__(**{**vars(svc.registry.live()), "policy_version": "round-000001"}))
-        with pytest.raises(rounds.RoundError, match="serves 'round-000002', but the live version is 'round-000001'"):
+        stale = open_services(ProdRLSettings(**{**fields, "eval_live_endpoint": serving.serve_url}), res["store"])
+        stale.ledger.deploy(svc.ledger.live().__class__(**{**vars(svc.ledger.live()), "policy_version": "round-000001"}))
+        with pytest.raises(services.RoundError, match="serves 'round-000002', but the live version is 'round-000001'"):
             monitoring.evaluate_live(stale, 1)
-        stale.registry.deploy(svc.registry.live().__class__(**{**vars(svc.registry.live()), "policy_version": "round-000002"}))
+        stale.ledger.deploy(svc.ledger.live().__class__(**{**vars(svc.ledger.live()), "policy_version": "round-000002"}))
     finally:
         serving.stop()
     assert served == ["round-000000", "round-000001"]  # round 2 trained on traffic from round 1's export
-    assert svc.registry.live().policy_version == "round-000002"
+    assert svc.ledger.live().policy_version == "round-000002"
     calls = svc.store.read_calls(columns=["policy_version", "prompt_text"])
     assert set(calls.column("policy_version").to_pylist()) == {"round-000000", "round-000001"}
     assert all(t.startswith("<|user|>") for t in calls.column("prompt_text").to_pylist())  # their template

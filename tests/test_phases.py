@@ -4,7 +4,7 @@ import math
 
 import numpy as np
 
-from prodrl_pipelines.phases import PhaseMeter
+from prodrl_pipelines.loop.phases import PhaseMeter
 
 
 def test_each_phase_reports_its_own_peak_memory():

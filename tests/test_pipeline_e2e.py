@@ -4,8 +4,7 @@ import json
 
 import numpy as np
 import pytest
-import torch
-from dagster import AssetCheckKey, AssetKey, build_sensor_context, materialize
+from dagster import AssetKey, build_sensor_context, materialize
 from safetensors.torch import load_file, save_file
 
 from prodrl_pipelines.assets.gate import deployment_gate
@@ -14,9 +13,9 @@ from prodrl_pipelines.assets.round import (
 )
 from prodrl_pipelines.definitions import build_definitions
 from prodrl_pipelines.lab.traffic import simulate_traffic
-from prodrl_pipelines.resources.settings import make_resources, services
+from prodrl_pipelines.resources.settings import make_resources, open_services
 from prodrl_pipelines.sensors import data_volume_sensor
-from prodrl_pipelines.tracking import CHALLENGER, CHAMPION
+from prodrl_pipelines.loop.lineage import CHALLENGER, CHAMPION
 
 TINY = {"lab_size": "tiny", "lab_sft_steps": 30, "steps_per_round": 2, "batch_size": 4,
         "heldout_size": 12, "max_tokens": 6, "gate_tolerance": 0.5}
@@ -40,7 +39,7 @@ def test_two_rounds_on_postgres(tmp_path, pg_instance):
     assert type(instance.run_storage).__name__ == "PostgresRunStorage"
     res = make_resources({**TINY, "home": str(tmp_path / "home")})
     defs = build_definitions(res)
-    svc = services(res["settings"], res["store"], res["mlflow"])
+    svc = open_services(res["settings"], res["store"], res["mlflow"])
 
     # Before bootstrap the sensor explains why it waits.
     assert "no live deployment" in tick(instance, defs, res).skip_message
@@ -68,9 +67,9 @@ def test_two_rounds_on_postgres(tmp_path, pg_instance):
                     "heldout_eval", "deployment"}
     rec = instance.get_latest_materialization_event(AssetKey("recorded_trajectories")).asset_materialization
     assert rec.partition == "round-000001" and rec.metadata["num_trajectories"].value == 8
-    assert svc.registry.live().policy_version == "round-000001"
+    assert svc.ledger.live().policy_version == "round-000001"
     assert lineage.alias_version(CHAMPION) == lineage.alias_version(CHALLENGER) == "2"
-    summary = svc.registry.round_summary("round-000001")
+    summary = svc.ledger.round_summary("round-000001")
     assert summary["gate_passed"] and summary["deployed"] and np.isfinite(summary["mismatch_abs_logp"])
     steps = json.loads(svc.blobs.get_bytes("rounds/round-000001/train_steps.json"))
     assert len(steps) == 2
@@ -105,9 +104,9 @@ def test_two_rounds_on_postgres(tmp_path, pg_instance):
     assert "deployment" not in {e.event_specific_data.materialization.asset_key.path[-1]
                                 for e in second.get_asset_materialization_events()}
     # Live deployment and champion untouched; no candidate registered; the round is decided (rejected).
-    assert svc.registry.live().policy_version == "round-000001"
+    assert svc.ledger.live().policy_version == "round-000001"
     assert lineage.alias_version(CHAMPION) == lineage.alias_version(CHALLENGER) == "2"
-    decision = svc.registry.decision("round-000002")
+    decision = svc.ledger.decision("round-000002")
     assert decision["deployed"] is False and not decision["passed"] and name in decision["reasons"][0]
 
     # Scheduled evaluation of the live deployment: one point of the time series, in Dagster and MLflow.
@@ -130,7 +129,7 @@ def test_two_rounds_on_postgres(tmp_path, pg_instance):
     req = request_round(instance, defs, res)
     assert req.partition_key == "round-000003"
     materialize(ROUND_ASSETS[:3], instance=instance, partition_key="round-000003", resources=res)
-    assert svc.registry.round_summary("round-000003")["trained_from"] == "round-000001"
+    assert svc.ledger.round_summary("round-000003")["trained_from"] == "round-000001"
 
     # ... and its deploy fails (the deploy target's command exits 1): the asset fails with the
     # command's stderr, the live version and champion stay, the model version carries the reason.
@@ -140,11 +139,11 @@ def test_two_rounds_on_postgres(tmp_path, pg_instance):
                         instance=instance, partition_key="round-000003", resources=failing, raise_on_error=False)
     assert [e.step_key for e in third.get_step_failure_events()] == ["deployment"]
     assert "cluster unreachable" in third.get_step_failure_events()[0].event_specific_data.error.to_string()
-    assert svc.registry.live().policy_version == "round-000001"
+    assert svc.ledger.live().policy_version == "round-000001"
     assert lineage.alias_version(CHAMPION) == "2"
     cand = lineage.alias_version(CHALLENGER)
     assert cand != "2" and "cluster unreachable" in lineage.client.get_model_version(lineage.model_name, cand).tags["deploy_failed"]
-    decision = svc.registry.decision("round-000003")
+    decision = svc.ledger.decision("round-000003")
     assert decision["passed"] and decision["deployed"] is False and "cluster unreachable" in decision["deploy_failed"]
 
 
@@ -161,7 +160,7 @@ def test_round_without_enough_data_names_the_setting(tmp_path, pg_instance):
     res = make_resources({**TINY, "home": str(tmp_path / "home")})
     defs = build_definitions(res)
     assert defs.resolve_job_def("bootstrap").execute_in_process(instance=pg_instance).success
-    svc = services(res["settings"], res["store"])
+    svc = open_services(res["settings"], res["store"])
     simulate_traffic(svc, 3)
     pg_instance.add_dynamic_partitions("rounds", ["round-000001"])
     out = materialize([recorded_trajectories], instance=pg_instance, partition_key="round-000001",
@@ -172,11 +171,11 @@ def test_round_without_enough_data_names_the_setting(tmp_path, pg_instance):
 
 
 def test_ref_is_without_deployed_export_fails_before_data(tmp_path):
-    from prodrl_pipelines.deployment import LiveDeployment
-    from prodrl_pipelines.rounds import RoundError, preflight
+    from prodrl_pipelines.loop.ledger import LiveDeployment
+    from prodrl_pipelines.loop.services import RoundError, preflight
 
     res = make_resources({"home": str(tmp_path), "correction": "ref_is"})
-    svc = services(res["settings"], res["store"])
+    svc = open_services(res["settings"], res["store"])
     live = LiveDeployment("round-000000", str(tmp_path / "ckpt"), str(tmp_path / "no-export"))
     with pytest.raises(RoundError, match="correction='ref_is' needs the deployed export"):
         preflight(svc, live)
@@ -196,7 +195,7 @@ def test_one_round_at_a_time(tmp_path, pg_instance):
     res = make_resources({**TINY, "home": str(tmp_path / "home")})
     defs = build_definitions(res)
     assert defs.resolve_job_def("bootstrap").execute_in_process(instance=pg_instance).success
-    simulate_traffic(services(res["settings"], res["store"]), 8)
+    simulate_traffic(open_services(res["settings"], res["store"]), 8)
     run = DagsterRun(job_name="prod_rl_round", run_id=make_new_run_id(), status=DagsterRunStatus.STARTED,
                      tags={"prodrl/round": "train"})
     pg_instance.add_run(run)

@@ -11,8 +11,8 @@ from safetensors.torch import load_file, save_file
 
 from prodrl_pipelines.engines.types import CallRecord
 from prodrl_pipelines.evaluation import SuiteError, load_suite, play_episodes, stop_token_ids
-from prodrl_pipelines.model_source import ModelSourceError, import_base_model, validate_model_dir
-from prodrl_pipelines.settings import Settings, SettingsFileError, load_settings_file
+from prodrl_pipelines.loop.model_source import ModelSourceError, import_base_model, validate_model_dir
+from prodrl_pipelines.config.settings import Settings, SettingsFileError, load_settings_file
 
 from own_model import build_model, write_user_package
 

@@ -6,7 +6,7 @@ import sys
 
 import pytest
 
-from prodrl_pipelines.preflight import PreflightError, check_postgres, redact
+from prodrl_pipelines.config.preflight import PreflightError, check_postgres, redact
 
 
 def test_redacts_password():

@@ -36,7 +36,7 @@ from prodrl_pipelines.lab.episodes import render_prompt
 from prodrl_pipelines.recorder.ingest import SKIPPED_PREFIX, Ingestor
 from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
 from prodrl_pipelines.recorder.wal import WriteAheadLog, encode_entry
-from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
+from prodrl_pipelines.storage.blobstore import LocalBlobStore
 from prodrl_pipelines.trajectories.store import TrajectoryStore
 from tests.helpers import wait_healthy
 
@@ -535,7 +535,7 @@ def replay_blobs(request, tmp_path):
     """The store the recorder writes to: a local directory or an S3 bucket (moto)."""
     if request.param == "local":
         return LocalBlobStore(tmp_path / "store")
-    from prodrl_pipelines.trajectories.s3 import S3BlobStore
+    from prodrl_pipelines.storage.s3 import S3BlobStore
 
     return S3BlobStore(request.getfixturevalue("bucket"), "prod",
                        endpoint_url=request.getfixturevalue("s3_endpoint"), region="us-east-1")
@@ -738,7 +738,7 @@ def test_two_replicas_on_one_s3_store_sigkill_under_load_store_every_call_once(f
     """Two recorders (one per serving replica, each its own WAL) append to one S3 store at once, under
     load from 8 clients (a trajectory stays on its replica); both are killed -9, restarted, and every
     acknowledged call and reward is in the store exactly once."""
-    from prodrl_pipelines.trajectories.s3 import S3BlobStore
+    from prodrl_pipelines.storage.s3 import S3BlobStore
 
     ports = [_free_port(), _free_port()]
     wals = [tmp_path / "wal-a", tmp_path / "wal-b"]

@@ -21,9 +21,8 @@ from pathlib import Path
 
 import aiohttp
 import httpx
-import pytest
 
-from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
+from prodrl_pipelines.storage.blobstore import LocalBlobStore
 from prodrl_pipelines.trajectories.store import TrajectoryStore
 from tests.helpers import wait_healthy
 

@@ -34,7 +34,7 @@ def test_a_trajectory_spread_over_two_replicas_is_numbered_once(fake, start_reco
     assert fb.status_code == 200, fb.text
     for r in (a, b, fresh):
         r.stop()  # stopping flushes what each replica committed
-    from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
+    from prodrl_pipelines.storage.blobstore import LocalBlobStore
     from prodrl_pipelines.trajectories.store import TrajectoryStore
 
     calls = TrajectoryStore(LocalBlobStore(store)).read_calls()

@@ -46,7 +46,7 @@ from prodrl_pipelines.engines.openai_protocol import (
 from prodrl_pipelines.engines.server import BackgroundServer
 from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
 from prodrl_pipelines.recorder.ingest import SKIPPED_PREFIX
-from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
+from prodrl_pipelines.storage.blobstore import LocalBlobStore
 from prodrl_pipelines.trajectories.store import TrajectoryStore
 from tests.test_recorder import (  # noqa: F401 - fixtures
     AUTH,

@@ -16,7 +16,7 @@ from starlette.routing import Route
 from prodrl_pipelines.engines.server import BackgroundServer
 from prodrl_pipelines.recorder.ingest import Ingestor
 from prodrl_pipelines.recorder.wal import WriteAheadLog, encode_entry
-from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
+from prodrl_pipelines.storage.blobstore import LocalBlobStore
 from prodrl_pipelines.trajectories.store import MAX_NAME_BYTES, TrajectoryStore
 from tests.test_recorder import AUTH, _call_row, direct, fake, serving, start_recorder, upstream  # noqa: F401 - fixtures
 

@@ -21,7 +21,7 @@ from prodrl_pipelines.recorder.ingest import Ingestor
 from prodrl_pipelines.recorder.service import RecorderConfig
 from prodrl_pipelines.recorder.tenants import Tenants, TokensFileError
 from prodrl_pipelines.recorder.wal import WriteAheadLog, encode_entry
-from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
+from prodrl_pipelines.storage.blobstore import LocalBlobStore
 from prodrl_pipelines.trajectories.store import TrajectoryStore
 from tests.test_recorder import AUTH, REPO, _call_row, fake, serving, start_recorder  # noqa: F401 - fixtures
 

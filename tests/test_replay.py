@@ -14,8 +14,9 @@ import numpy as np
 import pyarrow as pa
 import pytest
 
-from prodrl_pipelines.lab.tokenizer import CHAT_TEMPLATE, IM_END, build_tokenizer
-from prodrl_pipelines.rl.batch import pack_minibatch, trajectories_from_table
+from prodrl_pipelines.lab.tokenizer import CHAT_TEMPLATE, build_tokenizer
+from prodrl_pipelines.rl.batch import pack_minibatch
+from prodrl_pipelines.rl.trajectory import trajectories_from_table
 from prodrl_pipelines.trajectories.retokenize import FILLED_COLUMN, differing_tokens, parse_chatml, retokenize_calls
 from prodrl_pipelines.trajectories.schema import CALL_SCHEMA, UNTRAINED_COLUMN
 
@@ -268,7 +269,7 @@ def lab_base(tmp_path_factory):
 
 @pytest.fixture(scope="module")
 def lab_batch(tok, lab_base):
-    from prodrl_pipelines.deployment import BASE_VERSION
+    from prodrl_pipelines.loop.round_state import BASE_VERSION
     from prodrl_pipelines.engines.local import LocalEngine
     from prodrl_pipelines.engines.types import SamplingParams
     from prodrl_pipelines.lab import arithmetic
@@ -316,25 +317,28 @@ def _differs(tok, rows):
 
 
 def test_select_data_retokenized(tok, lab_base, lab_batch, tmp_path):
-    """rounds.select_data with replay=retokenized writes the rebuilt dataset and reports the counts."""
-    from prodrl_pipelines import rounds
-    from prodrl_pipelines.deployment import BASE_VERSION, LiveDeployment
+    """data.select_data with replay=retokenized writes the rebuilt dataset and reports the counts."""
+    from prodrl_pipelines.loop import data
+    from prodrl_pipelines.loop import services
+    from prodrl_pipelines.storage import documents
+    from prodrl_pipelines.loop.round_state import BASE_VERSION
+    from prodrl_pipelines.loop.ledger import LiveDeployment
     from prodrl_pipelines.rl.config import Recipe
-    from prodrl_pipelines.settings import Settings
-    from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
+    from prodrl_pipelines.config.settings import Settings
+    from prodrl_pipelines.storage.blobstore import LocalBlobStore
 
     ckpt = lab_base
     blobs = LocalBlobStore(tmp_path / "store")
     out = {}
     for replay in ("recorded", "retokenized"):
         settings = Settings(home=str(tmp_path / "home"), recipe=Recipe(steps_per_round=4, batch_size=2, replay=replay))
-        svc = rounds.Services(settings=settings, blobs=blobs)
+        svc = services.Services(settings=settings, blobs=blobs)
         if replay == "recorded":
-            svc.registry.deploy(LiveDeployment(BASE_VERSION, str(ckpt), str(tmp_path / "export")))
+            svc.ledger.deploy(LiveDeployment(BASE_VERSION, str(ckpt), str(tmp_path / "export")))
             svc.store.write_calls(lab_batch.calls_table())
             svc.store.write_rewards(lab_batch.rewards_table())
-        stats = rounds.select_data(svc, "round-000001")  # same round twice: idempotent re-selection
-        out[replay] = (stats, rounds._get_table(blobs, "rounds/round-000001/dataset.parquet"))
+        stats = data.select_data(svc, "round-000001")  # same round twice: idempotent re-selection
+        out[replay] = (stats, documents.get_table(blobs, "rounds/round-000001/dataset.parquet"))
     rec_stats, rec_ds = out["recorded"]
     ret_stats, ret_ds = out["retokenized"]
     assert rec_stats["replay"] == "recorded" and not any(k.startswith("retokenized_") for k in rec_stats)

@@ -17,16 +17,18 @@ from dagster import AssetKey, RunsFilter, build_sensor_context, materialize
 from mlflow.tracking import MlflowClient
 from safetensors.torch import load_file, save_file
 
-from prodrl_pipelines import environment, review
+from prodrl_pipelines.config import environment
+from prodrl_pipelines.loop import review
+from prodrl_pipelines.loop import round_state
 from prodrl_pipelines.assets.gate import deployment_gate
 from prodrl_pipelines.assets.round import (
     deployment, exported_policy, heldout_eval, recorded_trajectories, trained_checkpoint, training_batch,
 )
 from prodrl_pipelines.definitions import build_definitions
 from prodrl_pipelines.lab.traffic import simulate_traffic
-from prodrl_pipelines.resources.settings import MlflowResource, make_resources, services
+from prodrl_pipelines.resources.settings import MlflowResource, make_resources, open_services
 from prodrl_pipelines.sensors import IN_FLIGHT, data_volume_sensor, registry_sensor
-from prodrl_pipelines.tracking import CHALLENGER, CHAMPION
+from prodrl_pipelines.loop.lineage import CHALLENGER, CHAMPION
 
 from conftest import REPO
 
@@ -64,7 +66,7 @@ def history(svc, client: MlflowClient, rkeys: list[str]) -> dict:
         if mv.tags.get("prodrl.round") in rkeys:
             out[f"version {mv.version}"] = (sorted(mv.tags.items()), mv.description, sorted(mv.aliases))
     for r in rkeys:
-        run = client.get_run(svc.registry.round_summary(r)["mlflow_run_id"])
+        run = client.get_run(svc.ledger.round_summary(r)["mlflow_run_id"])
         out[f"run {r}"] = (run.info.status, run.info.end_time, sorted(run.data.tags.items()),
                            sorted(run.data.metrics.items()))
         with tempfile.TemporaryDirectory() as d:
@@ -76,7 +78,7 @@ def history(svc, client: MlflowClient, rkeys: list[str]) -> dict:
 def prodrl(capsys, settings_file: Path, *args: str) -> tuple[int, str, str]:
     """`prodrl ARGS --settings FILE` in this process (the environment carries the stores and the
     tracking server, as in a shell); returns (exit status, stdout, stderr)."""
-    from prodrl_pipelines import cli
+    from prodrl_pipelines.cli import main as cli
 
     capsys.readouterr()
     try:
@@ -107,7 +109,7 @@ def test_review_through_the_daemon(tmp_path, pg_instance, mlflow_server, s3_endp
         monkeypatch.setenv(k, env[k])  # the reviewer's shell: `prodrl review` finds the same stores
     res = make_resources(settings, tracking_uri=mlflow_server, s3=stores)
     defs = build_definitions(res)
-    svc = services(res["settings"], res["store"], res["mlflow"])
+    svc = open_services(res["settings"], res["store"], res["mlflow"])
     client = MlflowClient(mlflow_server)
     assert defs.resolve_job_def("bootstrap").execute_in_process(instance=pg_instance).success
     assert svc.lineage.alias_version(CHAMPION) == "1"
@@ -120,16 +122,16 @@ def test_review_through_the_daemon(tmp_path, pg_instance, mlflow_server, s3_endp
     def state(rkey: str) -> str | None:
         """The round's state once no run is in flight (a pending round's run ends after its gate)."""
         busy = pg_instance.get_run_records(RunsFilter(statuses=IN_FLIGHT), limit=1)
-        return None if busy else review.round_state(svc.registry.decision(rkey))
+        return None if busy else round_state.round_state(svc.ledger.decision(rkey))
     try:
         # --- round 1 passes its gate and waits for review: nothing deployed
         simulate_traffic(svc, 8)
-        wait_for(lambda: state("round-000001") == review.PENDING_REVIEW, "round 1 to await review", log, client)
+        wait_for(lambda: state("round-000001") == round_state.PENDING_REVIEW, "round 1 to await review", log, client)
         mv = client.get_model_version(MODEL, "2")
         assert (mv.tags["gate"], mv.tags["review"], mv.tags["deployed"]) == ("passed", "pending", "false")
         assert "round-000001: held-out reward" in mv.description and "awaiting review" in mv.description
         assert svc.lineage.alias_version(CHALLENGER) == "2" and svc.lineage.alias_version(CHAMPION) == "1"
-        assert svc.registry.live().policy_version == "round-000000"
+        assert svc.ledger.live().policy_version == "round-000000"
         skip = data_volume_sensor(build_sensor_context(instance=pg_instance, definitions=defs, resources=res))
         assert "round-000001 awaits review: approve model version 2" in skip.skip_message
         assert pg_instance.get_latest_materialization_event(AssetKey("deployment")) is None
@@ -137,9 +139,9 @@ def test_review_through_the_daemon(tmp_path, pg_instance, mlflow_server, s3_endp
         # --- a reviewer in the MLflow UI: says who they are, then moves champion to it -> deployed
         client.set_model_version_tag(MODEL, "2", "review_by", "ann")
         client.set_registered_model_alias(MODEL, CHAMPION, "2")
-        wait_for(lambda: state("round-000001") == review.DEPLOYED, "the approval to deploy round 1", log, client)
-        assert svc.registry.live().policy_version == "round-000001"
-        d = svc.registry.decision("round-000001")
+        wait_for(lambda: state("round-000001") == round_state.DEPLOYED, "the approval to deploy round 1", log, client)
+        assert svc.ledger.live().policy_version == "round-000001"
+        d = svc.ledger.decision("round-000001")
         assert (d["review"], d["decided_by"]) == ("approved", "ann") and d["decided_at"]
         mv = client.get_model_version(MODEL, "2")
         assert (mv.tags["review"], mv.tags["deployed"], mv.tags["decided_by"]) == ("approved", "true", "ann")
@@ -149,14 +151,14 @@ def test_review_through_the_daemon(tmp_path, pg_instance, mlflow_server, s3_endp
 
         # --- round 2, on traffic from the newly deployed round 1, is rejected with the CLI
         simulate_traffic(svc, 8)
-        wait_for(lambda: state("round-000002") == review.PENDING_REVIEW, "round 2 to await review", log, client)
-        assert svc.registry.round_summary("round-000002")["trained_from"] == "round-000001"
+        wait_for(lambda: state("round-000002") == round_state.PENDING_REVIEW, "round 2 to await review", log, client)
+        assert svc.ledger.round_summary("round-000002")["trained_from"] == "round-000001"
         rc, _, err = prodrl(capsys, settings_file, "review", "reject", "3", "--reason", "answers too short", "--by", "bob")
         assert rc == 0, err
-        wait_for(lambda: state("round-000002") == review.REJECTED, "the rejection of round 2", log, client)
-        d = svc.registry.decision("round-000002")
+        wait_for(lambda: state("round-000002") == round_state.REJECTED, "the rejection of round 2", log, client)
+        d = svc.ledger.decision("round-000002")
         assert (d["decided_by"], d["review_reason"], d["deployed"]) == ("bob", "answers too short", False)
-        assert svc.registry.live().policy_version == "round-000001"
+        assert svc.ledger.live().policy_version == "round-000001"
         rc, _, err = prodrl(capsys, settings_file, "review", "approve", "3", "--by", "bob")  # two decisions, one round
         assert rc == 1 and "not awaiting review: rejected by bob" in err
 
@@ -168,7 +170,7 @@ def test_review_through_the_daemon(tmp_path, pg_instance, mlflow_server, s3_endp
         client.set_registered_model_alias(MODEL, CHAMPION, "3")  # "roll back" to a version never deployed
         wait_for(lambda: "never deployed" in client.get_model_version(MODEL, "3").tags["review_refused"],
                  "the refused rollback", log, client)
-        assert svc.lineage.alias_version(CHAMPION) == "2" and svc.registry.live().policy_version == "round-000001"
+        assert svc.lineage.alias_version(CHAMPION) == "2" and svc.ledger.live().policy_version == "round-000001"
 
         # --- roll back to the base policy with the CLI: deployed again, recorded as a rollback
         rc, _, err = prodrl(capsys, settings_file, "review", "rollback", "3", "--by", "carol")
@@ -177,17 +179,17 @@ def test_review_through_the_daemon(tmp_path, pg_instance, mlflow_server, s3_endp
         assert rc == 0, err
         def rolled_back() -> bool:  # the live pointer moves first; the registry tags and the materialisation follow
             ev = pg_instance.get_latest_materialization_event(AssetKey("deployment"))
-            return (svc.registry.live().policy_version == "round-000000"
+            return (svc.ledger.live().policy_version == "round-000000"
                     and "rollback.1" in client.get_model_version(MODEL, "1").tags
                     and ev is not None and ev.asset_materialization.partition == "round-000000")
 
         wait_for(rolled_back, "the rollback", log, client)
-        live = svc.registry.live()
+        live = svc.ledger.live()
         assert (live.kind, live.decided_by, live.model_version) == ("rollback", "carol", "1")
-        events = svc.registry.events()
+        events = svc.ledger.events()
         assert [(e["policy_version"], e["kind"]) for e in events] == [
             ("round-000000", "deploy"), ("round-000001", "deploy"), ("round-000000", "rollback")]
-        assert svc.registry.version_order() == ["round-000001", "round-000000"]
+        assert svc.ledger.version_order() == ["round-000001", "round-000000"]
         mv = client.get_model_version(MODEL, "1")
         assert json.loads(mv.tags["rollback.1"])["from"] == "round-000001"
         mat = pg_instance.get_latest_materialization_event(AssetKey("deployment")).asset_materialization
@@ -211,8 +213,8 @@ def test_review_through_the_daemon(tmp_path, pg_instance, mlflow_server, s3_endp
     assert tick.run_requests[0].partition_key == "round-000003"
     assert defs.resolve_job_def("prod_rl_round").execute_in_process(
         instance=pg_instance, partition_key="round-000003", tags=tick.run_requests[0].tags).success
-    assert state("round-000003") == review.PENDING_REVIEW
-    assert svc.registry.round_summary("round-000003")["trained_from"] == "round-000000"
+    assert state("round-000003") == round_state.PENDING_REVIEW
+    assert svc.ledger.round_summary("round-000003")["trained_from"] == "round-000000"
     rc, out, err = prodrl(capsys, settings_file, "review", "list", "--json")
     assert rc == 0, err
     rows = json.loads(out)
@@ -226,7 +228,7 @@ def test_review_through_the_daemon(tmp_path, pg_instance, mlflow_server, s3_endp
     assert (req.tags["prodrl/review-action"], req.tags["prodrl/review-by"]) == ("approve", "dan")
     assert defs.resolve_job_def("registry_decision").execute_in_process(
         instance=pg_instance, partition_key=req.partition_key, tags=req.tags).success
-    assert state("round-000003") == review.DEPLOYED and svc.registry.live().policy_version == "round-000003"
+    assert state("round-000003") == round_state.DEPLOYED and svc.ledger.live().policy_version == "round-000003"
     assert svc.lineage.alias_version(CHAMPION) == "4"
     consistent(client)
 
@@ -262,7 +264,7 @@ def test_refused_contradictions_in_one_tick(tmp_path, pg_instance, mlflow_server
                          s3=s3_stores(s3_endpoint, bucket))
     res["mlflow"] = MlflowResource(tracking_uri=mlflow_server, experiment="refusals", model_name="refusals-policy")
     defs = build_definitions(res)
-    svc = services(res["settings"], res["store"], res["mlflow"])
+    svc = open_services(res["settings"], res["store"], res["mlflow"])
     lin = svc.lineage
     assert defs.resolve_job_def("bootstrap").execute_in_process(instance=pg_instance).success
 
@@ -281,7 +283,7 @@ def test_refused_contradictions_in_one_tick(tmp_path, pg_instance, mlflow_server
     out = materialize([*ROUND_ASSETS, deployment_gate], selection=[heldout_eval, deployment_gate, deployment],
                       instance=pg_instance, partition_key="round-000001", resources=res, raise_on_error=False)
     assert not out.success
-    assert review.round_state(svc.registry.decision("round-000001")) == review.GATE_FAILED
+    assert round_state.round_state(svc.ledger.decision("round-000001")) == round_state.GATE_FAILED
     assert lin.version(failed_version).tags["gate"] == "failed"
     lin.tag_version(failed_version, {"review": "approved"})  # approve a version whose gate failed
     msg = tick().skip_message
@@ -295,7 +297,7 @@ def test_refused_contradictions_in_one_tick(tmp_path, pg_instance, mlflow_server
     out = materialize([*ROUND_ASSETS, deployment_gate], instance=pg_instance, partition_key="round-000002",
                       resources=res)
     assert out.success and not out.asset_materializations_for_node("deployment")
-    assert review.round_state(svc.registry.decision("round-000002")) == review.PENDING_REVIEW
+    assert round_state.round_state(svc.ledger.decision("round-000002")) == round_state.PENDING_REVIEW
     pending = lin.alias_version(CHALLENGER)
     assert "no pending decision" in tick().skip_message
 
@@ -317,8 +319,8 @@ def test_refused_contradictions_in_one_tick(tmp_path, pg_instance, mlflow_server
     assert "registry unchanged" in registry_sensor(build_sensor_context(
         instance=pg_instance, definitions=defs, resources=res, cursor=ctx.cursor)).skip_message
     # nothing of this touched the live deployment
-    assert svc.registry.live().policy_version == "round-000000"
-    assert [e["kind"] for e in svc.registry.events()] == ["deploy"]
+    assert svc.ledger.live().policy_version == "round-000000"
+    assert [e["kind"] for e in svc.ledger.events()] == ["deploy"]
 
     def run(req, resources):
         return build_definitions(resources).resolve_job_def("registry_decision").execute_in_process(
@@ -327,7 +329,7 @@ def test_refused_contradictions_in_one_tick(tmp_path, pg_instance, mlflow_server
     # approve in the UI way, deployed; then a rollback to the base whose deploy fails: champion comes back
     lin.promote(pending)
     assert run(tick().run_requests[0], res).success
-    assert svc.registry.live().policy_version == "round-000002"
+    assert svc.ledger.live().policy_version == "round-000002"
     lin.promote("1")
     result = tick()
     for add in result.dynamic_partitions_requests:  # as the daemon applies a sensor's result
@@ -340,31 +342,31 @@ def test_refused_contradictions_in_one_tick(tmp_path, pg_instance, mlflow_server
         s3=s3_stores(s3_endpoint, bucket))["settings"]}
     out = run(req, failing)
     assert not out.success and "no capacity" in out.get_step_failure_events()[0].event_specific_data.error.to_string()
-    assert svc.registry.live().policy_version == "round-000002" and lin.alias_version(CHAMPION) == pending
+    assert svc.ledger.live().policy_version == "round-000002" and lin.alias_version(CHAMPION) == pending
     assert "no pending decision" in tick().skip_message  # nothing asked for any more
     lin.promote("1")  # the reviewer tries again: a new request, not the failed run's key
     again = tick().run_requests[0]
     assert again.run_key != req.run_key and run(again, res).success
-    assert (svc.registry.live().policy_version, svc.registry.live().kind) == ("round-000000", "rollback")
+    assert (svc.ledger.live().policy_version, svc.ledger.live().kind) == ("round-000000", "rollback")
 
 
 def test_round_states_and_tag_consistency():
     d = {"passed": True, "deployed": False, "review": "pending"}
-    assert review.round_state(None) == review.RUNNING
-    assert review.round_state({"passed": False}) == review.GATE_FAILED
-    assert review.round_state(d) == review.PENDING_REVIEW
-    assert review.round_state({**d, "review": "rejected"}) == review.REJECTED
-    assert review.round_state({**d, "review": "none"}) == review.AWAITING_DEPLOY
-    assert review.round_state({**d, "deployed": True, "review": "approved"}) == review.DEPLOYED
-    assert review.round_state({**d, "review": "approved", "deploy_failed": "probe"}) == review.DEPLOY_FAILED
-    for state in (review.RUNNING, review.GATE_FAILED, review.PENDING_REVIEW, review.REJECTED,
-                  review.AWAITING_DEPLOY, review.DEPLOYED, review.DEPLOY_FAILED):
-        dec = {**d, "review": {review.REJECTED: "rejected", review.DEPLOYED: "approved",
-                               review.AWAITING_DEPLOY: "none"}.get(state, "pending")}
+    assert round_state.round_state(None) == round_state.RUNNING
+    assert round_state.round_state({"passed": False}) == round_state.GATE_FAILED
+    assert round_state.round_state(d) == round_state.PENDING_REVIEW
+    assert round_state.round_state({**d, "review": "rejected"}) == round_state.REJECTED
+    assert round_state.round_state({**d, "review": "none"}) == round_state.AWAITING_DEPLOY
+    assert round_state.round_state({**d, "deployed": True, "review": "approved"}) == round_state.DEPLOYED
+    assert round_state.round_state({**d, "review": "approved", "deploy_failed": "probe"}) == round_state.DEPLOY_FAILED
+    for state in (round_state.RUNNING, round_state.GATE_FAILED, round_state.PENDING_REVIEW, round_state.REJECTED,
+                  round_state.AWAITING_DEPLOY, round_state.DEPLOYED, round_state.DEPLOY_FAILED):
+        dec = {**d, "review": {round_state.REJECTED: "rejected", round_state.DEPLOYED: "approved",
+                               round_state.AWAITING_DEPLOY: "none"}.get(state, "pending")}
         tags = review.state_tags(state, dec)
         assert list(tags) == ["gate", "review", "deployed"] and not review.tag_problems(tags), (state, tags)
         # every prefix of the write order from the registered state is consistent too
-        cur = review.state_tags(review.RUNNING)
+        cur = review.state_tags(round_state.RUNNING)
         for k, v in tags.items():
             cur = {**cur, k: v}
             assert not review.tag_problems(cur), (state, cur)
@@ -374,7 +376,7 @@ def test_round_states_and_tag_consistency():
 
 
 def test_live_reward_alert_threshold():
-    from prodrl_pipelines.monitoring import alert
+    from prodrl_pipelines.loop.monitoring import alert
 
     point = {"policy_version": "round-000003", "deployed_reward": 0.60, "tolerance": 0.05}
     assert alert({**point, "heldout_reward": 0.56})[0]  # within the tolerance

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from prodrl_pipelines.rl.advantages import BaselineState, compute_advantages
-from prodrl_pipelines.rl.batch import Call, Trajectory, pack_minibatch
+from prodrl_pipelines.rl.trajectory import Call, Trajectory
+from prodrl_pipelines.rl.batch import pack_minibatch
 from prodrl_pipelines.rl.checkpoint import TrainerState, load_policy, load_trainer_state, save_checkpoint
 from prodrl_pipelines.rl.config import Recipe
 from prodrl_pipelines.rl.logprobs import token_logprobs
@@ -289,7 +290,7 @@ def test_sampled_score_centering_uses_recorded_extra_draw():
 def test_settings_reject_nonsense_combinations():
     from pydantic import ValidationError
 
-    from prodrl_pipelines.settings import DeploySettings, Settings
+    from prodrl_pipelines.config.settings import DeploySettings, Settings
 
     with pytest.raises(ValidationError, match="record_extra_draw"):
         Settings(recipe=Recipe(correction="score_centering_sampled"))

@@ -14,20 +14,20 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import numpy as np
-import pyarrow as pa
 import pytest
 
 boto3 = pytest.importorskip("boto3")
 
-from prodrl_pipelines.checkpoints import (  # noqa: E402
+from prodrl_pipelines.storage import documents
+from prodrl_pipelines.storage.checkpoints import (  # noqa: E402
     MANIFEST_NAME,
     CheckpointIntegrityError,
     CheckpointNotFoundError,
     LocalCheckpointStore,
     S3CheckpointStore,
 )
-from prodrl_pipelines.trajectories.blobstore import BlobNotFoundError, LocalBlobStore  # noqa: E402
-from prodrl_pipelines.trajectories.s3 import S3BlobStore, S3BlobStoreError  # noqa: E402
+from prodrl_pipelines.storage.blobstore import BlobNotFoundError, LocalBlobStore  # noqa: E402
+from prodrl_pipelines.storage.s3 import S3BlobStore, S3BlobStoreError  # noqa: E402
 from prodrl_pipelines.trajectories.store import TrajectoryStore  # noqa: E402
 from helpers import make_reward, make_trajectory  # noqa: E402
 
@@ -251,7 +251,7 @@ def test_trajectory_store_roundtrip_identical_to_local(s3_endpoint, bucket, tmp_
     for store in (TrajectoryStore(LocalBlobStore(tmp_path / "local")), TrajectoryStore(_store(s3_endpoint, bucket))):
         store.write_calls(rows + bad)
         store.write_rewards(rewards)
-        store.put_json("rounds/round-000001/doc.json", {"a": 1, "b": [1.5, None]})
+        documents.put_json(store.blobs, "rounds/round-000001/doc.json", {"a": 1, "b": [1.5, None]})
         sel = select_round_dataset(store, "round-000001", live_version="v0", version_order=["v0", "v/1"],
                                    max_policy_lag=0, n_required=4, vocab_size=50, seed=0)
         results.append({
@@ -259,7 +259,7 @@ def test_trajectory_store_roundtrip_identical_to_local(s3_endpoint, bucket, tmp_
             "calls": store.read_calls().sort_by([("trajectory_id", "ascending"), ("call_index", "ascending")]),
             "calls_all": store.read_calls(dedupe=False).num_rows,
             "rewards": store.read_rewards().sort_by("trajectory_id"),
-            "doc": store.get_json("rounds/round-000001/doc.json"),
+            "doc": documents.get_json(store.blobs, "rounds/round-000001/doc.json"),
             "dataset": sel.dataset.sort_by([("trajectory_id", "ascending"), ("call_index", "ascending")]),
             "quarantined": dict(sel.quarantine_counts),
             "ledger": store.read_ledger("round-000001").sort_by("trajectory_id"),
@@ -345,16 +345,18 @@ def test_settings_validation_and_pickling(s3_endpoint, bucket):
     assert s2.get_bytes("k") == b"v"
 
 
-def test_store_resource_builds_local_or_s3(s3_endpoint, bucket, tmp_path):
+def test_store_location_opens_local_or_s3(s3_endpoint, bucket, tmp_path):
+    from prodrl_pipelines.config.settings import Settings
     from prodrl_pipelines.resources.settings import StoreResource
-    from prodrl_pipelines.settings import Settings
+    from prodrl_pipelines.storage.locations import StoreLocation
 
     settings = Settings(home=str(tmp_path / "home"))
-    local = StoreResource()
+    assert StoreResource(s3_bucket=bucket, s3_prefix="x").location() == StoreLocation(s3_bucket=bucket, s3_prefix="x")
+    local = StoreLocation()
     assert isinstance(local.blobs(settings), LocalBlobStore)
     assert local.checkpoint_store(settings).root == settings.checkpoints_root
     assert local.checkpoint_store(settings, "exports").root == settings.exports_root
-    remote = StoreResource(s3_bucket=bucket, s3_prefix="team/prodrl", s3_endpoint_url=s3_endpoint)
+    remote = StoreLocation(s3_bucket=bucket, s3_prefix="team/prodrl", s3_endpoint_url=s3_endpoint)
     blobs = remote.blobs(settings)
     assert isinstance(blobs, S3BlobStore) and blobs.bucket == bucket and blobs.prefix == "team/prodrl"
     blobs.put_bytes("deploy/live.json", b"{}")
@@ -477,7 +479,7 @@ def test_blob_checkpoint_store_on_local_blobs(tmp_path):
 
 
 def test_local_checkpoint_store(tmp_path, monkeypatch):
-    import prodrl_pipelines.checkpoints as C
+    import prodrl_pipelines.storage.checkpoints as C
 
     store = LocalCheckpointStore(tmp_path / "checkpoints")
     # in place: what save_checkpoint wrote becomes visible once the manifest is there

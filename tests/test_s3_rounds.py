@@ -6,11 +6,17 @@ import shutil
 
 import pytest
 
-from prodrl_pipelines import bootstrap
-from prodrl_pipelines import promotion, rounds
-from prodrl_pipelines.checkpoints import S3CheckpointStore
+from prodrl_pipelines.loop import bootstrap
+from prodrl_pipelines.loop import promotion
+from prodrl_pipelines.loop import data
+from prodrl_pipelines.loop import evaluate
+from prodrl_pipelines.loop import export
+from prodrl_pipelines.loop import gate
+from prodrl_pipelines.loop import services
+from prodrl_pipelines.loop import train
+from prodrl_pipelines.storage.checkpoints import S3CheckpointStore
 from prodrl_pipelines.lab.traffic import simulate_traffic
-from prodrl_pipelines.resources.settings import make_resources, services
+from prodrl_pipelines.resources.settings import make_resources, open_services
 
 TINY = {"lab_size": "tiny", "lab_sft_steps": 30, "steps_per_round": 2, "batch_size": 4,
         "heldout_size": 12, "max_tokens": 6, "gate_tolerance": 1.0}
@@ -27,33 +33,33 @@ def test_round_steps_run_on_fresh_machines_from_the_s3_stores(tmp_path, s3_endpo
     res = make_resources({**TINY, "home": str(home)},
                          s3={"s3_bucket": bucket, "s3_prefix": "prodrl", "s3_endpoint_url": s3_endpoint,
                              "s3_region": "us-east-1"})
-    svc = services(res["settings"], res["store"])
+    svc = open_services(res["settings"], res["store"])
     assert isinstance(svc.checkpoints_store, S3CheckpointStore) and svc.checkpoints_store.prefix == "checkpoints"
 
     boot = bootstrap.bootstrap_base_policy(svc, progress=False)
-    rounds.publish_export(svc, "round-000000", boot["export"]["export_dir"])  # as the base_policy asset does
+    services.publish_export(svc, "round-000000", boot["export"]["export_dir"])  # as the base_policy asset does
     assert svc.checkpoints_store.names() == ["round-000000"]
     simulate_traffic(svc, 8)
 
     rkey = "round-000001"
     _fresh_machine(home)
-    rounds.select_data(svc, rkey)  # needs only the live config (vocab size): fetched
+    data.select_data(svc, rkey)  # needs only the live config (vocab size): fetched
     assert (home / "checkpoints" / "round-000000" / "config.json").is_file()
-    rounds.build_batch(svc, rkey)
+    data.build_batch(svc, rkey)
     _fresh_machine(home)
-    stats = rounds.train(svc, rkey, progress=False)
+    stats = train.train(svc, rkey, progress=False)
     assert svc.checkpoints_store.names() == ["round-000000", rkey]  # published after saving
     manifest = svc.checkpoints_store.manifest(rkey)
     assert {"config.json", "model.safetensors"} <= {f["path"] for f in manifest["files"]}
 
     _fresh_machine(home)  # the export step runs elsewhere: it fetches the trained checkpoint
-    exp = rounds.export(svc, rkey)
-    rounds.publish_export(svc, rkey, exp["export_dir"])  # as the exported_policy asset does
+    exp = export.export(svc, rkey)
+    services.publish_export(svc, rkey, exp["export_dir"])  # as the exported_policy asset does
     _fresh_machine(home)  # evaluation elsewhere: candidate and live exports both fetched
-    ev = rounds.evaluate(svc, rkey)
+    ev = evaluate.evaluate(svc, rkey)
     assert ev["candidate"] is not None and not ev["smoke_error"]
     _fresh_machine(home)
-    assert rounds.gate(svc, rkey)[0].passed
+    assert gate.gate(svc, rkey)[0].passed
     promotion.deploy(svc, rkey)
 
     _fresh_machine(home)  # the next round's machine finds the new live policy in the stores
@@ -66,13 +72,13 @@ def test_round_steps_run_on_fresh_machines_from_the_s3_stores(tmp_path, s3_endpo
     # a version that was never published is reported where it was expected, naming the store
     svc.blobs.delete(f"checkpoints/{rkey}/checkpoint_manifest.json")
     _fresh_machine(home)
-    with pytest.raises(rounds.RoundError, match=r"live checkpoint round-000001 is missing at .* and in"):
+    with pytest.raises(services.RoundError, match=r"live checkpoint round-000001 is missing at .* and in"):
         svc.live()
 
 
 def test_torchrun_workers_rebuild_the_same_stores(monkeypatch, tmp_path):
     from prodrl_pipelines.ops.train_worker import _services
-    from prodrl_pipelines import environment
+    from prodrl_pipelines.config import environment
 
     fields = {"root": "", "s3_bucket": "b", "s3_prefix": "team/p", "s3_endpoint_url": "http://127.0.0.1:9",
               "s3_region": "us-east-1"}

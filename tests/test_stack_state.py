@@ -8,7 +8,7 @@ import boto3
 import psycopg2
 import pytest
 
-from prodrl_pipelines.preflight import PreflightError, libpq_dsn
+from prodrl_pipelines.config.preflight import PreflightError, libpq_dsn
 from prodrl_pipelines.stack import s3_snapshot
 from prodrl_pipelines.stack.postgres import drop_schemas, known_revisions, prepare_schemas
 

@@ -11,8 +11,9 @@ import pyarrow.dataset as ds
 import pytest
 from helpers import T0, make_call, make_reward, make_trajectory
 
-from prodrl_pipelines.trajectories import blobstore as blobstore_mod
-from prodrl_pipelines.trajectories.blobstore import BlobNotFoundError, LocalBlobStore
+from prodrl_pipelines.storage import documents
+from prodrl_pipelines.storage import blobstore as blobstore_mod
+from prodrl_pipelines.storage.blobstore import BlobNotFoundError, LocalBlobStore
 from prodrl_pipelines.trajectories.schema import CALL_SCHEMA, QUARANTINE_SCHEMA, REWARD_SCHEMA
 from prodrl_pipelines.trajectories.store import SchemaMismatchError, TrajectoryStore, uuid7
 
@@ -238,12 +239,12 @@ def test_ledger_idempotent_and_used_ids(store, blobs):
     assert store.used_trajectory_ids(exclude_round="round-000002") == {"a"}
 
 
-def test_json_helpers(store):
+def test_json_documents(store):
     doc = {"round": "round-000003", "decision": "promote", "metrics": {"acc": 0.5, "n": 3, "loss": None}}
-    store.put_json("rounds/round-000003/decision.json", doc)
-    assert store.get_json("rounds/round-000003/decision.json") == doc
+    documents.put_json(store.blobs, "rounds/round-000003/decision.json", doc)
+    assert documents.get_json(store.blobs, "rounds/round-000003/decision.json") == doc
     with pytest.raises(KeyError, match="evals/none.json"):
-        store.get_json("evals/none.json")
+        documents.get_json(store.blobs, "evals/none.json")
 
 
 def test_uuid7_is_time_ordered():
@@ -252,6 +253,6 @@ def test_uuid7_is_time_ordered():
     assert all(i[14] == "7" for i in ids)
 
 
-def test_json_nan_round_trips(store):
-    store.put_json("evals/e.json", {"loss": math.nan})
-    assert math.isnan(store.get_json("evals/e.json")["loss"])
+def test_json_documents_keep_nan(store):
+    documents.put_json(store.blobs, "evals/e.json", {"loss": math.nan})
+    assert math.isnan(documents.get_json(store.blobs, "evals/e.json")["loss"])

@@ -15,10 +15,11 @@ import pytest
 from helpers import T0, VOCAB, make_call, make_reward, make_trajectory
 
 from prodrl_pipelines.trajectories import maintenance
-from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
+from prodrl_pipelines.storage.blobstore import LocalBlobStore
 from prodrl_pipelines.trajectories.eligibility import STATE_KEY, EligibilityTracker
 from prodrl_pipelines.trajectories.migrate import migrate
-from prodrl_pipelines.trajectories.selection import policy_window, select_round_dataset
+from prodrl_pipelines.trajectories.rows import policy_window
+from prodrl_pipelines.trajectories.selection import select_round_dataset
 from prodrl_pipelines.trajectories.store import TrajectoryStore
 from prodrl_pipelines.trajectories.tables import TableError
 from prodrl_pipelines.trajectories.validation import _validate
@@ -238,7 +239,7 @@ def test_concurrent_appends_from_processes_all_land_once(tmp_path):
 
 
 def test_prodrl_data_cli(tmp_path, capsys, monkeypatch):
-    from prodrl_pipelines.cli import main
+    from prodrl_pipelines.cli.main import main
 
     settings = tmp_path / "s.json"
     settings.write_text(json.dumps({"home": str(tmp_path / "home")}))

@@ -9,7 +9,8 @@ import pytest
 import torch
 
 from prodrl_pipelines.engines.sampling import processed_logprobs
-from prodrl_pipelines.rl.batch import Call, Trajectory, pack_minibatch, trajectories_from_table
+from prodrl_pipelines.rl.trajectory import Call, Trajectory
+from prodrl_pipelines.rl.batch import pack_minibatch
 from prodrl_pipelines.rl.trainer import support_renormalised
 
 V, K = 64, 6

@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from prodrl_pipelines.rl.batch import Call, Trajectory, pack_minibatch, pack_sequences
+from prodrl_pipelines.rl.trajectory import Call, Trajectory
+from prodrl_pipelines.rl.batch import pack_minibatch, pack_sequences
 from prodrl_pipelines.rl.checkpoint import TrainerState
 from prodrl_pipelines.rl.config import Recipe
 from prodrl_pipelines.rl.logprobs import policy_logprobs

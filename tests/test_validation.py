@@ -10,14 +10,10 @@ import pyarrow as pa
 import pytest
 from helpers import VOCAB, make_call, make_reward, make_trajectory
 
-from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
+from prodrl_pipelines.storage.blobstore import LocalBlobStore
 from prodrl_pipelines.trajectories.schema import CALL_SCHEMA, QUARANTINE_SCHEMA, REWARD_SCHEMA
-from prodrl_pipelines.trajectories.selection import (
-    InsufficientDataError,
-    count_eligible,
-    policy_window,
-    select_round_dataset,
-)
+from prodrl_pipelines.trajectories.selection import InsufficientDataError, count_eligible, select_round_dataset
+from prodrl_pipelines.trajectories.rows import policy_window
 from prodrl_pipelines.trajectories.store import TrajectoryStore
 from prodrl_pipelines.trajectories.validation import REASONS, VALID_SCHEMA, validate_trajectories
 

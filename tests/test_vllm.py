@@ -21,7 +21,7 @@ from prodrl_pipelines.deploy_targets.servers import VLLMRestartTarget, pid_alive
 from prodrl_pipelines.engines.local import LocalEngine
 from prodrl_pipelines.engines.types import SamplingParams
 from prodrl_pipelines.engines.vllm_client import VLLMClient
-from prodrl_pipelines.settings import Settings
+from prodrl_pipelines.config.settings import Settings
 from tests.vllm_support import SERVER_ARGS, vllm_python
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -176,7 +176,7 @@ def test_every_export_scheme_serves_on_vllm_through_the_restart_target(vllm_expo
     call fails and each is tagged with the version that served it (checked against the weights)."""
     from prodrl_pipelines.engines.server import BackgroundServer
     from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
-    from prodrl_pipelines.stack.processes import pick_port
+    from prodrl_pipelines.deploy_targets.processes import pick_port
 
     settings, target = _scheme_target(tmp_path, pick_port())
     params = SamplingParams(max_tokens=8, num_top_logprobs=8)

@@ -13,11 +13,11 @@ from pathlib import Path
 
 import pytest
 
-from prodrl_pipelines import environment
+from prodrl_pipelines.config import environment
 from prodrl_pipelines.deploy_targets.base import DeployError, wait_healthy
 from prodrl_pipelines.deploy_targets.servers import stop_process_group
 from prodrl_pipelines.engines.vllm_client import vllm_serve_command, vllm_serve_env
-from prodrl_pipelines.stack.processes import pick_port, tail
+from prodrl_pipelines.deploy_targets.processes import pick_port, tail
 
 # small, so start-up and the KV cache stay cheap on 2 cores; eager: no torch.compile warm-up (start-up
 # 22 s instead of 42 s measured here)

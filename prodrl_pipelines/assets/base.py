@@ -2,8 +2,8 @@
 
 from dagster import AssetExecutionContext, MaterializeResult, MetadataValue, asset, define_asset_job
 
-from prodrl_pipelines import bootstrap
-from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, StoreResource, services
+from prodrl_pipelines.loop import bootstrap
+from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, StoreResource, open_services
 
 
 @asset(group_name="base", kinds={"pytorch"})
@@ -12,7 +12,7 @@ def base_policy(context: AssetExecutionContext, settings: ProdRLSettings, store:
     """round-000000: the base model (a Hugging Face directory, an s3:// URI, or a registered source such
     as the lab's toy model) imported and checked, exported with `export_scheme`, evaluated on the
     held-out suite, deployed and registered as `champion`."""
-    svc = services(settings, store, mlflow)
+    svc = open_services(settings, store, mlflow)
     stats = bootstrap.bootstrap(svc)
     return MaterializeResult(metadata={
         "base_model": stats["base_model"], "heldout_reward": stats["heldout_reward"],

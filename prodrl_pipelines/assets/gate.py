@@ -3,12 +3,13 @@
 
 from dagster import AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeverity, MetadataValue, asset_check
 
-from prodrl_pipelines import rounds
+from prodrl_pipelines.loop import gate
 from prodrl_pipelines.assets.partitions import rounds_partitions
 from prodrl_pipelines.assets.round import heldout_eval
-from prodrl_pipelines.plots import markdown_image, reward_curve_png
-from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, StoreResource, services
-from prodrl_pipelines.review import describe_decision, state_tags, round_state, version_description
+from prodrl_pipelines.loop.plots import markdown_image, reward_curve_png
+from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, StoreResource, open_services
+from prodrl_pipelines.loop.round_state import describe_decision, round_state
+from prodrl_pipelines.loop.review import state_tags, version_description
 
 
 @asset_check(asset=heldout_eval, blocking=True, partitions_def=rounds_partitions,
@@ -16,11 +17,11 @@ from prodrl_pipelines.review import describe_decision, state_tags, round_state, 
                          "live policy's beyond the tolerance (paired lower confidence bound).")
 def deployment_gate(context: AssetCheckExecutionContext, settings: ProdRLSettings, store: StoreResource,
                     mlflow: MlflowResource) -> AssetCheckResult:
-    svc = services(settings, store, mlflow)
+    svc = open_services(settings, store, mlflow)
     rkey = context.partition_key
-    d, reproduced = rounds.gate(svc, rkey)
-    decision = svc.registry.decision(rkey)
-    version = svc.registry.round_summary(rkey).get("model_version")
+    d, reproduced = gate.gate(svc, rkey)
+    decision = svc.ledger.decision(rkey)
+    version = svc.ledger.round_summary(rkey).get("model_version")
     run_id = svc.lineage.round_run(rkey)
     extra = {}
     if not reproduced:  # the first decision: registry, run and plot written once, never again
@@ -31,7 +32,7 @@ def deployment_gate(context: AssetCheckExecutionContext, settings: ProdRLSetting
                                               "heldout_reward": f"{d.candidate_mean:.4f}", "round": rkey})
             svc.lineage.describe_version(version, version_description(rkey, decision))
         svc.lineage.set_tags(run_id, {"gate": "passed" if d.passed else "failed", "review": decision.get("review", "none")})
-        hist = [h for h in svc.registry.round_summaries() if "heldout_reward" in h]
+        hist = [h for h in svc.ledger.round_summaries() if "heldout_reward" in h]
         png = reward_curve_png([h["round"] for h in hist], [h["heldout_reward"] for h in hist],
                                [h.get("heldout_reward_ci", 0.0) for h in hist],
                                [bool(h.get("gate_passed", h.get("deployed"))) for h in hist])

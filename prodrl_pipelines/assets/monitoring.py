@@ -8,8 +8,8 @@ from dagster import (
     ScheduleDefinition, asset, define_asset_job,
 )
 
-from prodrl_pipelines import monitoring
-from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, StoreResource, services
+from prodrl_pipelines.loop import monitoring
+from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, StoreResource, open_services
 
 MONITORING_RUN = "live-monitoring"
 ALERT_CHECK = "live_reward_alert"
@@ -21,7 +21,7 @@ def live_heldout_eval(context: AssetExecutionContext, settings: ProdRLSettings, 
                       mlflow: MlflowResource):
     """Held-out reward of whatever serves right now, through the serving endpoint, a fresh sample each
     time; each materialisation is one point (MLflow run `live-monitoring`: step = evaluation index)."""
-    svc = services(settings, store, mlflow)
+    svc = open_services(settings, store, mlflow)
     run_id = svc.lineage.round_run(MONITORING_RUN)
     index = svc.lineage.metric_points(run_id, "live_heldout_reward")
     res = monitoring.evaluate_live(svc, index)

@@ -5,7 +5,7 @@ import inspect
 
 from dagster import Backoff, DynamicPartitionsDefinition, Failure, RetryPolicy, asset
 
-from prodrl_pipelines.rounds import RoundError
+from prodrl_pipelines.loop.services import RoundError
 
 # One partition per prod-RL round: round-000001, round-000002, ... (round-000000 is the base policy).
 rounds_partitions = DynamicPartitionsDefinition(name="rounds")

@@ -5,13 +5,20 @@ import json
 
 from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataValue, PipesSubprocessClient
 
-from prodrl_pipelines import promotion, rounds
+from prodrl_pipelines.loop import promotion
+from prodrl_pipelines.loop import data
+from prodrl_pipelines.loop import evaluate
+from prodrl_pipelines.loop import export
+from prodrl_pipelines.loop import gate
+from prodrl_pipelines.loop import services
+from prodrl_pipelines.loop import train
 from prodrl_pipelines.assets.partitions import ACTION_TAG, AT_TAG, BY_TAG, MODEL_VERSION_TAG, round_asset
-from prodrl_pipelines.review import RUNNING, state_tags, version_description
+from prodrl_pipelines.loop.round_state import RUNNING
+from prodrl_pipelines.loop.review import state_tags, version_description
 from prodrl_pipelines.ops.training import train_op
-from prodrl_pipelines.phases import PhaseMeter
-from prodrl_pipelines.plots import markdown_image, mismatch_history_png
-from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, StoreResource, services
+from prodrl_pipelines.loop.phases import PhaseMeter
+from prodrl_pipelines.loop.plots import markdown_image, mismatch_history_png
+from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, StoreResource, open_services
 
 
 
@@ -19,7 +26,7 @@ from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, 
 def recorded_trajectories(context: AssetExecutionContext, settings: ProdRLSettings, store: StoreResource) -> MaterializeResult:
     """S*B valid, rewarded trajectories from the live policy (within max_policy_lag), each used once;
     bad records are quarantined and counted."""
-    stats = rounds.select_data(services(settings, store), context.partition_key)
+    stats = data.select_data(open_services(settings, store), context.partition_key)
     return MaterializeResult(metadata={
         "num_trajectories": stats["num_trajectories"], "num_calls": stats["num_calls"],
         "generated_tokens": stats["generated_tokens"], "eligible": stats["eligible"],
@@ -35,7 +42,7 @@ def recorded_trajectories(context: AssetExecutionContext, settings: ProdRLSettin
 @round_asset(deps=[recorded_trajectories])
 def training_batch(context: AssetExecutionContext, settings: ProdRLSettings, store: StoreResource) -> MaterializeResult:
     """Advantages (recipe baseline) and the S minibatches of B trajectories."""
-    stats = rounds.build_batch(services(settings, store), context.partition_key)
+    stats = data.build_batch(open_services(settings, store), context.partition_key)
     return MaterializeResult(metadata=stats)
 
 
@@ -44,7 +51,7 @@ def trained_checkpoint(context: AssetExecutionContext, settings: ProdRLSettings,
                        mlflow: MlflowResource, pipes: PipesSubprocessClient) -> MaterializeResult:
     """theta_{k+1}: S Adam steps from the live checkpoint theta_k (Adam state carried over);
     in-process, or `torchrun` with `train_processes` ranks through Dagster Pipes."""
-    svc = services(settings, store, mlflow)
+    svc = open_services(settings, store, mlflow)
     rkey = context.partition_key
     run_id = svc.lineage.round_run(rkey, params={**svc.settings.recipe.model_dump(), **svc.settings.deploy.model_dump()})
 
@@ -54,7 +61,7 @@ def trained_checkpoint(context: AssetExecutionContext, settings: ProdRLSettings,
     stats = train_op(context, svc, rkey, settings.train_processes, settings.fields(),
                      {k: getattr(store, k) for k in type(store).model_fields}, pipes, on_step)
     steps = [m for m in stats.pop("steps") if not m.get("skipped")]
-    history, starts = rounds.training_history(svc)
+    history, starts = train.training_history(svc)
     png = mismatch_history_png(history, starts)
     svc.lineage.log_bytes(run_id, png, "mismatch.png", "plots")
     svc.lineage.log_metrics(run_id, {"round_mismatch_abs_logp": stats["mismatch_abs_logp"],
@@ -77,18 +84,18 @@ def exported_policy(context: AssetExecutionContext, settings: ProdRLSettings, st
 
     from prodrl_pipelines.quant.export import layer_error_markdown, layer_error_png
 
-    svc = services(settings, store, mlflow)
+    svc = open_services(settings, store, mlflow)
     rkey = context.partition_key
-    stats = rounds.export(svc, rkey)
+    stats = export.export(svc, rkey)
     run_id = svc.lineage.round_run(rkey)
     png = layer_error_png(stats["layers"])
     svc.lineage.log_bytes(run_id, png, "export_layer_error.png", "plots")
     svc.lineage.log_metrics(run_id, {"export_compression_ratio": stats["compression_ratio"],
                                      "export_max_rel_fro_error": stats["max_rel_fro_error"], **stats["phases"]}, 0)
-    version = svc.lineage.register_candidate(rounds.publish_export(svc, rkey, Path(stats["export_dir"])), run_id, rkey,
+    version = svc.lineage.register_candidate(services.publish_export(svc, rkey, Path(stats["export_dir"])), run_id, rkey,
                                              {**state_tags(RUNNING), "format": stats["format"],
                                               "scheme": stats["scheme"]})
-    svc.registry.update_round(rkey, model_version=version, mlflow_run_id=run_id)
+    svc.ledger.update_round(rkey, model_version=version, mlflow_run_id=run_id)
     smoke = stats["smoke"]
     smoke_md = "\n".join(f"- `{x['prompt'][-60:]!r}` -> `{x['output']!r}` (mean log mu {x['mean_logprob']:.3f})"
                          for x in smoke["samples"]) or f"smoke generation failed: {smoke['error']}"
@@ -110,11 +117,11 @@ def heldout_eval(context: AssetExecutionContext, settings: ProdRLSettings, store
                  mlflow: MlflowResource) -> MaterializeResult:
     """Held-out reward of the candidate export and of the live deployment on the same tasks. Once the
     round's gate has decided, re-running it reproduces the recorded evaluation (nothing is re-judged)."""
-    svc = services(settings, store, mlflow)
+    svc = open_services(settings, store, mlflow)
     rkey = context.partition_key
     meter = PhaseMeter()
     with meter.phase("evaluate"):
-        res = rounds.evaluate(svc, rkey)
+        res = evaluate.evaluate(svc, rkey)
     run_id = svc.lineage.round_run(rkey)
     cand = res["candidate"]
     if cand is not None and not res["reproduced"]:
@@ -128,7 +135,7 @@ def heldout_eval(context: AssetExecutionContext, settings: ProdRLSettings, store
         "suite": svc.suite.name, "reward_errors": cand.get("reward_errors", 0) if cand else 0,
         "first_reward_error": (cand.get("first_reward_error") or "none") if cand else "none",
         # the paired test the gate applies next (it also checks the weights)
-        "verdict": rounds.heldout_verdict(svc, res).summary(), "reproduced": res["reproduced"],
+        "verdict": gate.heldout_verdict(svc, res).summary(), "reproduced": res["reproduced"],
         "mlflow_run": MetadataValue.url(svc.lineage.run_url(run_id)), **meter.metadata(),
     })
 
@@ -142,12 +149,12 @@ def deployment(context: AssetExecutionContext, settings: ProdRLSettings, store: 
     approval or rollback. A failed probe rolls back (the previous version keeps serving), tags the
     model version and fails this asset. The latest materialisation is the "currently live" marker."""
     from prodrl_pipelines.deploy_targets.rollout import DeployRejected
-    from prodrl_pipelines.review import describe_decision
+    from prodrl_pipelines.loop.round_state import describe_decision
 
-    svc = services(settings, store, mlflow)
+    svc = open_services(settings, store, mlflow)
     rkey = context.partition_key
     tags = context.run.tags
-    version = tags.get(MODEL_VERSION_TAG) or svc.registry.round_summary(rkey).get("model_version")
+    version = tags.get(MODEL_VERSION_TAG) or svc.ledger.round_summary(rkey).get("model_version")
     request = (promotion.DeployRequest(tags[ACTION_TAG], tags.get(BY_TAG, ""), tags.get(AT_TAG, ""))
                if ACTION_TAG in tags else None)
     try:
@@ -162,19 +169,19 @@ def deployment(context: AssetExecutionContext, settings: ProdRLSettings, store: 
                 svc.lineage.tag_version(version, {**({"review": "approved"} if request else {}), **failed})
             svc.lineage.set_tags(run_id, failed)
             svc.lineage.finish(run_id)
-        live = svc.registry.live()
+        live = svc.ledger.live()
         if live is not None and live.model_version:  # champion names what serves
             svc.lineage.promote(live.model_version)
         raise Failure(description=f"{rkey} was not deployed: {e}",
                       metadata={"reason": e.reason, "rolled_back": e.rollback, **probe}) from e
     except Exception:
         if request is not None and request.kind == "rollback":  # champion names what serves, not the request
-            live = svc.registry.live()
+            live = svc.ledger.live()
             if live is not None and live.model_version:
                 svc.lineage.promote(live.model_version)
         raise
     if out.kind == "awaiting_review":
-        context.log.info(f"{rkey} awaits review: {describe_decision(svc.registry.decision(rkey))}; model version "
+        context.log.info(f"{rkey} awaits review: {describe_decision(svc.ledger.decision(rkey))}; model version "
                          f"{version} is `challenger` with review=pending (approve: move `champion` to it or "
                          f"`prodrl review approve {version}`)")
         return
@@ -187,11 +194,11 @@ def deployment(context: AssetExecutionContext, settings: ProdRLSettings, store: 
             svc.lineage.tag_version(version, {**({"review": "approved"} if request else {}), "deployed": "true",
                                               "deploy_target": meta["target"], "decided_by": dep.decided_by})
             svc.lineage.promote(version)
-            svc.lineage.describe_version(version, version_description(rkey, svc.registry.decision(rkey)))
+            svc.lineage.describe_version(version, version_description(rkey, svc.ledger.decision(rkey)))
         svc.lineage.set_tags(run_id, {"deployed": "true", "decided_by": dep.decided_by})
         svc.lineage.finish(run_id)
     elif out.kind == "rolled_back":
-        events = svc.registry.events()
+        events = svc.ledger.events()
         n = sum(1 for e in events if e["kind"] == "rollback")
         if version:  # an event beside the version's history, never over it
             svc.lineage.tag_version(version, {f"rollback.{n}": json.dumps(

@@ -2,8 +2,8 @@
 
 from dagster import AssetExecutionContext, Config, MaterializeResult, MetadataValue, ScheduleDefinition, asset, define_asset_job
 
-from prodrl_pipelines import rounds
-from prodrl_pipelines.resources.settings import ProdRLSettings, StoreResource, services
+from prodrl_pipelines.loop import data
+from prodrl_pipelines.resources.settings import ProdRLSettings, StoreResource, open_services
 from prodrl_pipelines.trajectories import maintenance
 
 
@@ -16,9 +16,9 @@ class MaintenanceConfig(Config):
 def store_compaction(context: AssetExecutionContext, config: MaintenanceConfig, settings: ProdRLSettings,
                      store: StoreResource):
     """Small files of every table compacted, then a vacuum that keeps what rounds in flight pinned."""
-    svc = services(settings, store)
+    svc = open_services(settings, store)
     compacted = maintenance.compact(svc.store)
-    vacuumed = maintenance.vacuum(svc.store, config.retention_hours, rounds.in_flight_pins(svc)) if config.vacuum else {}
+    vacuumed = maintenance.vacuum(svc.store, config.retention_hours, data.in_flight_pins(svc)) if config.vacuum else {}
     context.log.info(f"compacted {compacted}; vacuumed {vacuumed}")
     return MaterializeResult(metadata={
         "compacted": MetadataValue.json(compacted), "vacuumed": MetadataValue.json(vacuumed),

@@ -24,6 +24,8 @@ import urllib.request
 from dataclasses import asdict, dataclass, field
 from datetime import datetime, timezone
 from pathlib import Path
+
+from prodrl_pipelines.storage.atomic import write_json_atomic
 from typing import Protocol
 
 
@@ -59,13 +61,7 @@ class DeployTarget(Protocol):
 
 def write_json(path: Path, obj: dict) -> None:
     """Atomically (readers never see half a file), durable before the rename."""
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
-    with open(tmp, "w") as fh:
-        json.dump(obj, fh, indent=2)
-        fh.flush()
-        os.fsync(fh.fileno())
-    os.replace(tmp, path)
+    write_json_atomic(path, obj, indent=2)
 
 
 def read_json(path: Path) -> dict | None:

@@ -48,7 +48,7 @@ class VLLMReloadTarget:
         self.external = settings.deploy.target_endpoint.rstrip("/") or None
         self.restart = VLLMRestartTarget(settings, home, state_name=self.name, dev_mode=True)
         self.endpoints = endpoint_file(home)
-        from prodrl_pipelines import environment
+        from prodrl_pipelines.config import environment
 
         self.api_key = environment.deploy_api_key()
 

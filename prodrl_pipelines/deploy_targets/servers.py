@@ -28,7 +28,7 @@ from prodrl_pipelines.deploy_targets.base import (
     wait_healthy,
     write_json,
 )
-from prodrl_pipelines.stack.processes import tail
+from prodrl_pipelines.deploy_targets.processes import tail
 
 # Requests already accepted by the old server finish before it is stopped (the recorder switched
 # to the new one when the endpoint file changed).
@@ -237,6 +237,6 @@ def core_half(slot: int) -> str:
 
 def vllm_python(deploy) -> str | None:
     """The interpreter of vLLM's environment: ``deploy.vllm_python``, else ``environment.vllm_python()``."""
-    from prodrl_pipelines import environment
+    from prodrl_pipelines.config import environment
 
     return deploy.vllm_python or environment.vllm_python()

@@ -268,7 +268,8 @@ class LocalEngine:
         the trainer packs its sequences (``rl.batch.pack_sequences``: restarting position ids,
         attention never crossing a pair), so every log-prob of a round is computed one way.
         """
-        from prodrl_pipelines.rl.batch import Call, pack_sequences
+        from prodrl_pipelines.rl.trajectory import Call
+        from prodrl_pipelines.rl.batch import pack_sequences
         from prodrl_pipelines.rl.logprobs import packed_attention_mask, uses_flash_attention
         from prodrl_pipelines.rl.microbatches import plan_microbatches
         from prodrl_pipelines.rl.sequences import Sequence as TokenSequence, Span

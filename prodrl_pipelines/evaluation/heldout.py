@@ -7,7 +7,7 @@ from pathlib import Path
 import numpy as np
 
 from prodrl_pipelines.evaluation.episodes import play_episodes, stop_token_ids
-from prodrl_pipelines.gate import mean_confidence_interval
+from prodrl_pipelines.evaluation.statistics import mean_confidence_interval
 
 
 def evaluate_policy(settings, suite, export_dir: str | Path, policy_version: str, engine=None) -> dict:

@@ -31,7 +31,7 @@ class JsonlSuite:
     min_max_tokens = 1
 
     def __init__(self, text: str, source: str, reward_fn: Callable[[dict, list[str]], float], reward_name: str):
-        from prodrl_pipelines.evaluation.loading import SuiteError
+        from prodrl_pipelines.evaluation.suite import SuiteError
 
         self.name = source
         self.reward_name = reward_name

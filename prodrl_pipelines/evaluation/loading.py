@@ -17,13 +17,9 @@ import importlib
 from importlib.metadata import entry_points
 from pathlib import Path
 
-from prodrl_pipelines.evaluation.suite import missing_members
+from prodrl_pipelines.evaluation.suite import SuiteError, missing_members
 
 SUITE_GROUP = "prodrl_pipelines.eval_suites"
-
-
-class SuiteError(ValueError):
-    """The evaluation suite cannot be loaded; the message names the setting, file or line at fault."""
 
 
 def registered_sources(group: str = SUITE_GROUP) -> dict:
@@ -50,7 +46,7 @@ def import_object(path: str, setting: str):
 def read_text(uri: str, s3_endpoint_url: str | None = None) -> str:
     """A local file or an ``s3://bucket/key`` object as text."""
     if uri.startswith("s3://"):
-        from prodrl_pipelines.trajectories.s3 import S3BlobStore
+        from prodrl_pipelines.storage.s3 import S3BlobStore
 
         bucket, _, key = uri[len("s3://"):].partition("/")
         if not bucket or not key:

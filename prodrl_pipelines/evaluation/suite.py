@@ -23,6 +23,10 @@ from __future__ import annotations
 from typing import Protocol, runtime_checkable
 
 
+class SuiteError(ValueError):
+    """The evaluation suite cannot be loaded; the message names the setting, file or line at fault."""
+
+
 @runtime_checkable
 class EvalSuite(Protocol):
     name: str

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from prodrl_pipelines.rl.batch import Call, Trajectory
+from prodrl_pipelines.rl.trajectory import Call, Trajectory
 
 
 @dataclass(frozen=True)

@@ -4,7 +4,7 @@
 from dagster import Config, Definitions, OpExecutionContext, job, op
 
 from prodrl_pipelines.lab.traffic import simulate_traffic
-from prodrl_pipelines.resources.settings import ProdRLSettings, StoreResource, services
+from prodrl_pipelines.resources.settings import ProdRLSettings, StoreResource, open_services
 
 
 class TrafficConfig(Config):
@@ -15,7 +15,7 @@ class TrafficConfig(Config):
 def serve_lab_traffic(context: OpExecutionContext, config: TrafficConfig, settings: ProdRLSettings,
                       store: StoreResource) -> None:
     """Send lab tasks through the live deployment and record calls and rewards."""
-    stats = simulate_traffic(services(settings, store), config.episodes)
+    stats = simulate_traffic(open_services(settings, store), config.episodes)
     context.log.info(f"recorded {stats['episodes']} episodes from {stats['policy_version']}, reward {stats['reward_mean']:.3f}")
 
 

@@ -28,7 +28,7 @@ def _use_home(home: Path, settings: dict) -> None:
     """Point Dagster (and a later `dagster dev` in this shell) at ``home``."""
     home = home.resolve()
     home.mkdir(parents=True, exist_ok=True)
-    from prodrl_pipelines import environment
+    from prodrl_pipelines.config import environment
 
     os.environ.update(environment.write(settings={**settings, "home": str(home)}, home=str(home)))
     (home / "settings.json").write_text(json.dumps({**settings, "home": str(home)}, indent=1))
@@ -37,7 +37,7 @@ def _use_home(home: Path, settings: dict) -> None:
     if os.environ.get("PRODRL_DAGSTER_HOME"):  # e.g. this repo, whose dagster.yaml uses PostgreSQL
         os.environ["DAGSTER_HOME"] = str(Path(os.environ["PRODRL_DAGSTER_HOME"]).resolve())
         if os.environ.get("DAGSTER_PG_URL"):
-            from prodrl_pipelines.preflight import check_postgres
+            from prodrl_pipelines.config.preflight import check_postgres
 
             check_postgres(os.environ["DAGSTER_PG_URL"], "DAGSTER_PG_URL")
     else:  # embedded default: SQLite under the run's own DAGSTER_HOME
@@ -51,19 +51,19 @@ def run_loop(home: Path, settings: dict, rounds: int, log=print, instance=None) 
     from dagster import DagsterInstance
 
     from prodrl_pipelines.definitions import build_definitions
-    from prodrl_pipelines.resources.settings import make_resources, services
+    from prodrl_pipelines.resources.settings import make_resources, open_services
 
     res = make_resources({**settings, "home": str(home)})
     defs = build_definitions(res)
     instance = instance or DagsterInstance.get()
-    svc = services(res["settings"], res["store"])
+    svc = open_services(res["settings"], res["store"])
     s = svc.settings
-    if svc.registry.live() is None:
+    if svc.ledger.live() is None:
         t0 = time.time()
         log(f"round 0 from base_model={s.base_model!r} (the lab: tokenizer, model, SFT warm start) ...")
         defs.resolve_job_def("bootstrap").execute_in_process(instance=instance, run_config=QUIET)
         log(f"  base policy ready in {time.time() - t0:.0f}s, held-out reward "
-            f"{svc.registry.round_summary('round-000000').get('heldout_reward', float('nan')):.3f}")
+            f"{svc.ledger.round_summary('round-000000').get('heldout_reward', float('nan')):.3f}")
 
     from prodrl_pipelines.lab.http_traffic import TRAFFIC_ENV, LabDeployment
 
@@ -92,7 +92,7 @@ def run_loop(home: Path, settings: dict, rounds: int, log=print, instance=None) 
 def _run_rounds(defs, instance, res, svc, s, rounds: int, log, via: str, lab_dep) -> list[dict]:
     from dagster import build_sensor_context
 
-    from prodrl_pipelines.deployment import round_index
+    from prodrl_pipelines.loop.round_state import round_index
     from prodrl_pipelines.lab.traffic import simulate_traffic
     from prodrl_pipelines.sensors import data_volume_sensor
 
@@ -100,18 +100,18 @@ def _run_rounds(defs, instance, res, svc, s, rounds: int, log, via: str, lab_dep
         t0 = time.time()
         existing = instance.get_dynamic_partitions("rounds")
         latest = max(existing, key=round_index) if existing else None
-        if latest and svc.registry.decision(latest) is None:
+        if latest and svc.ledger.decision(latest) is None:
             log(f"{latest}: unfinished (crashed or interrupted) -> resuming it")
             run_round(defs, instance, latest, {})
             continue
-        if latest and svc.registry.decision(latest).get("review") == "pending":  # promotion: review
+        if latest and svc.ledger.decision(latest).get("review") == "pending":  # promotion: review
             log(f"{latest}: awaits review in the MLflow registry (`prodrl review list`); the loop waits for it")
             break
         if s.recipe.max_policy_lag >= 1:
             # One-round async (DESIGN.md s.5), played in sequence: the live policy mu_k serves the
             # S*B episodes it collects while round k trains on the oldest eligible data, mu_{k-1}'s,
             # collected during round k-1. Before the first round mu_0 also serves a warm-up batch.
-            live = svc.registry.live().policy_version
+            live = svc.ledger.live().policy_version
             n = s.recipe.trajectories_per_round * (2 if latest is None else 1)
             log(f"async: {live} serves {n} lab episodes while the next round trains ({via})")
             simulate_traffic(svc, n, via=via, deployment=lab_dep)
@@ -122,7 +122,7 @@ def _run_rounds(defs, instance, res, svc, s, rounds: int, log, via: str, lab_dep
             if getattr(result, "run_requests", None):
                 break
             reason = getattr(result, "skip_message", str(result))
-            live = svc.registry.live().policy_version
+            live = svc.ledger.live().policy_version
             log(f"sensor: {reason} -> serving {s.recipe.trajectories_per_round} lab episodes from {live} ({via})")
             simulate_traffic(svc, s.recipe.trajectories_per_round, via=via, deployment=lab_dep)
         else:
@@ -139,12 +139,12 @@ def _run_rounds(defs, instance, res, svc, s, rounds: int, log, via: str, lab_dep
 
 def run_round(defs, instance, key: str, tags: dict) -> dict:
     """Execute the round job for one partition; returns the round's summary once the gate decided."""
-    from prodrl_pipelines.resources.settings import services
+    from prodrl_pipelines.resources.settings import open_services
 
     out = defs.resolve_job_def("prod_rl_round").execute_in_process(
         instance=instance, partition_key=key, raise_on_error=False, tags=tags, run_config=QUIET)
     res = defs.resources
-    summ = services(res["settings"], res["store"]).registry.round_summary(key)
+    summ = open_services(res["settings"], res["store"]).ledger.round_summary(key)
     if "gate_passed" not in summ:
         errors = [f"{e.step_key}: {e.event_specific_data.error.message.strip().splitlines()[-1]}"
                   for e in out.get_step_failure_events()]
@@ -154,7 +154,7 @@ def run_round(defs, instance, key: str, tags: dict) -> dict:
 
 def summary_rows(svc) -> list[dict]:
     rows, live = [], None
-    for h in svc.registry.round_summaries():
+    for h in svc.ledger.round_summaries():
         if h.get("deployed"):
             live = h.get("policy_version", live)
         rows.append({
@@ -223,6 +223,6 @@ def add_lab_commands(sub) -> None:
     d.set_defaults(fn=cmd_demo)
     lab = sub.add_parser("lab", help="laboratory commands (ablate: recipes x seeds -> report)")
     lab_sub = lab.add_subparsers(dest="lab_cmd", required=True)
-    from prodrl_pipelines.lab.ablation import add_ablate_parser
+    from prodrl_pipelines.lab.ablation_cli import add_ablate_parser
 
     add_ablate_parser(lab_sub)  # prodrl lab ablate --config ablations/default.yaml [--quick] [--workers 2]

@@ -44,11 +44,11 @@ from pathlib import Path
 
 import httpx
 
-from prodrl_pipelines import keys
+from prodrl_pipelines.storage import keys
 from prodrl_pipelines.engines.types import CallRecord, SamplingParams
 from prodrl_pipelines.engines.vllm_client import VLLMClient
 from prodrl_pipelines.evaluation.episodes import trajectory_ids
-from prodrl_pipelines.stack.processes import pick_port, tail
+from prodrl_pipelines.deploy_targets.processes import pick_port, tail
 from prodrl_pipelines.stack.serving import recorder_store_args
 from prodrl_pipelines.lab.episodes import assistant_content, run_episodes, stop_token_ids
 from prodrl_pipelines.lab.tasks import ARITHMETIC, get_task
@@ -67,8 +67,8 @@ def _store_args(svc, wal_dir: Path) -> list[str]:
 
 
 def _default_log_dir(svc) -> Path:
-    from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
-    from prodrl_pipelines.trajectories.s3 import S3BlobStore
+    from prodrl_pipelines.storage.blobstore import LocalBlobStore
+    from prodrl_pipelines.storage.s3 import S3BlobStore
 
     if isinstance(svc.blobs, LocalBlobStore):
         return Path(svc.blobs.root).parent / "logs" / "lab_traffic"

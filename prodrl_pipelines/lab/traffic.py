@@ -7,7 +7,7 @@ from __future__ import annotations
 
 import json
 
-from prodrl_pipelines import keys
+from prodrl_pipelines.storage import keys
 from prodrl_pipelines.engines.local import LocalEngine
 from prodrl_pipelines.lab.episodes import run_episodes, stop_token_ids
 from prodrl_pipelines.lab.tasks import get_task

@@ -28,11 +28,9 @@ KILL_AT_STEP_ENV = "PRODRL_TEST_KILL_RANK_AT_STEP"
 
 def _services():
     """The round's settings and stores, from the environment `ops.training.train_op` sets."""
-    from prodrl_pipelines.resources.settings import ProdRLSettings, StoreResource, services
+    from prodrl_pipelines.loop.services import services_from_env
 
-    from prodrl_pipelines import environment
-
-    return services(ProdRLSettings(**environment.read_settings()), StoreResource(**environment.read_store()))
+    return services_from_env()
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -44,7 +42,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     if world > 1:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    from prodrl_pipelines.environment import threads_per_rank
+    from prodrl_pipelines.config.environment import threads_per_rank
 
     torch.set_num_threads(threads_per_rank())
     pipes_ctx = contextlib.nullcontext(None)
@@ -52,7 +50,7 @@ def main(argv: list[str] | None = None) -> int:
         from dagster_pipes import open_dagster_pipes
 
         pipes_ctx = open_dagster_pipes()
-    from prodrl_pipelines.rounds import train
+    from prodrl_pipelines.loop.train import train
 
     # crash tests: the last rank kills itself (SIGKILL) after this global step
     kill_at = int(os.environ.get(KILL_AT_STEP_ENV, "0") or 0)

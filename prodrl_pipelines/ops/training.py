@@ -11,8 +11,9 @@ import sys
 
 from dagster import AssetExecutionContext, PipesSubprocessClient
 
-from prodrl_pipelines import environment, rounds
-from prodrl_pipelines.rounds import Services
+from prodrl_pipelines.config import environment
+from prodrl_pipelines.loop import train
+from prodrl_pipelines.loop.services import Services
 
 
 def _free_port() -> int:
@@ -29,9 +30,9 @@ def torchrun_command(rkey: str, nproc: int, port: int | None = None) -> list[str
 
 def train_op(context: AssetExecutionContext, svc: Services, rkey: str, nproc: int, settings_fields: dict,
              store_fields: dict, pipes: PipesSubprocessClient, on_step) -> dict:
-    """Train the round; returns the stats of `rounds.train` (with per-step metrics under "steps")."""
+    """Train the round; returns the stats of `train.train` (with per-step metrics under "steps")."""
     if nproc <= 1:
-        return rounds.train(svc, rkey, on_step=on_step)
+        return train.train(svc, rkey, on_step=on_step)
     env = {**os.environ, **environment.write(settings=settings_fields, store=store_fields), "PYTHONUNBUFFERED": "1"}
     inv = pipes.run(context=context, command=torchrun_command(rkey, nproc), env=env)
     mat = inv.get_materialize_result()

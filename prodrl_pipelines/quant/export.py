@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from prodrl_pipelines.atomic import atomic_directory
+from prodrl_pipelines.storage.atomic import atomic_directory
 from prodrl_pipelines.quant import nvfp4
 from prodrl_pipelines.quant.nvfp4 import NVFP4Error
 from prodrl_pipelines.quant.safetensors_stream import CheckpointReader, SafetensorsError, ShardedWriter

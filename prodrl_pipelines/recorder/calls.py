@@ -14,7 +14,7 @@ from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 
 from prodrl_pipelines.engines.openai_protocol import ProtocolError, error_body, read_body
-from prodrl_pipelines.preflight import redact
+from prodrl_pipelines.config.preflight import redact
 from prodrl_pipelines.recorder.ingest import Attempt, Stats
 from prodrl_pipelines.recorder.requests import _is_int
 from prodrl_pipelines.recorder.service import _TRAJ_ID

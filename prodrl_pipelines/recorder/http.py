@@ -16,7 +16,7 @@ from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
 
 from prodrl_pipelines.engines.openai_protocol import ProtocolError, error_body
-from prodrl_pipelines.preflight import redact
+from prodrl_pipelines.config.preflight import redact
 from prodrl_pipelines.recorder.answers import Rewriter
 from prodrl_pipelines.recorder.calls import (
     UPSTREAM_SHAPE_ERRORS,

@@ -69,7 +69,7 @@ class PostgresIndexer:
     def __init__(self, url: str) -> None:
         import psycopg2
 
-        from prodrl_pipelines.preflight import libpq_dsn
+        from prodrl_pipelines.config.preflight import libpq_dsn
 
         self.url = url
         try:

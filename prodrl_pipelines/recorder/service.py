@@ -107,7 +107,7 @@ from prodrl_pipelines.engines.openai_protocol import (
 from prodrl_pipelines.recorder.ingest import Attempt, Ingestor, Stats
 from prodrl_pipelines.recorder.requests import Ask, Unrecordable, _is_int
 from prodrl_pipelines.recorder.tenants import Tenants
-from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
+from prodrl_pipelines.storage.blobstore import LocalBlobStore
 from prodrl_pipelines.trajectories.store import TrajectoryStore
 
 __all__ = ["RecorderConfig", "Recorder", "TokenStrings", "TOKEN_ENV"]
@@ -175,7 +175,7 @@ class RecorderConfig:
     def blob_store(self):
         """The ``BlobStore`` the Parquet parts go to (local directory or S3)."""
         if self.s3_bucket:
-            from prodrl_pipelines.trajectories.s3 import S3BlobStore
+            from prodrl_pipelines.storage.s3 import S3BlobStore
 
             return S3BlobStore(self.s3_bucket, self.s3_prefix, endpoint_url=self.s3_endpoint_url or None,
                                region=self.s3_region or None)

@@ -11,7 +11,7 @@ import aiohttp
 from starlette.responses import Response, StreamingResponse
 
 from prodrl_pipelines.engines.openai_protocol import SSE_DONE, error_body, sse
-from prodrl_pipelines.preflight import redact
+from prodrl_pipelines.config.preflight import redact
 from prodrl_pipelines.recorder.answers import Rewriter, StreamAccumulator
 from prodrl_pipelines.recorder.calls import UPSTREAM_SHAPE_ERRORS, Caller, dumps, n_up, upstream_error, upstream_unavailable
 from prodrl_pipelines.recorder.requests import Unrecordable

@@ -28,7 +28,7 @@ from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 
-from prodrl_pipelines.trajectories.blobstore import fsync_dir
+from prodrl_pipelines.storage.atomic import fsync_dir, write_text_atomic
 
 __all__ = ["WriteAheadLog", "SegmentRead", "encode_entry", "decode_payload", "seq_of"]
 
@@ -43,13 +43,7 @@ def seq_of(path: Path) -> int:
 
 
 def _write_durably(path: Path, text: str) -> None:
-    tmp = path.with_name(f".{path.name}.tmp")
-    with os.fdopen(os.open(tmp, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600), "w") as f:  # private, as the log
-        f.write(text)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-    fsync_dir(path.parent)
+    write_text_atomic(path, text, mode=0o600)  # private, as the log
 _HEADER = 18  # 8 hex + space + 8 hex + space
 
 

@@ -7,10 +7,11 @@ from typing import Literal, Optional, Union, get_args, get_origin
 from dagster import ConfigurableResource, InitResourceContext
 from pydantic import Field, PrivateAttr, create_model
 
-from prodrl_pipelines import environment
-from prodrl_pipelines.rounds import Services
-from prodrl_pipelines.settings import Settings, check_settings, field_info, flat_fields, settings_from_flat
-from prodrl_pipelines.tracking import Lineage
+from prodrl_pipelines.config import environment
+from prodrl_pipelines.loop.services import Services, build_services
+from prodrl_pipelines.config.settings import Settings, check_settings, field_info, flat_fields, settings_from_flat
+from prodrl_pipelines.loop.lineage import Lineage, open_lineage
+from prodrl_pipelines.storage.locations import StoreLocation
 
 
 def _config_type(annotation):
@@ -51,16 +52,14 @@ class ProdRLSettings(create_model("_ProdRLSettingsFields", __base__=Configurable
 
     def settings(self) -> Settings:
         """Validate into the core settings; a bad value fails here, naming the setting."""
-        flat = self.fields()
-        flat.pop("train_processes")
-        return settings_from_flat(flat)
+        return settings_from_flat(self.fields())
 
     def setup_for_execution(self, context: InitResourceContext) -> None:
         check_settings(self.settings())  # fail before any asset runs
 
 
 class MlflowResource(ConfigurableResource):
-    """A thin resource over MlflowClient (through the core `Lineage`)."""
+    """A thin resource over MlflowClient (through the core ``Lineage``, opened by ``open_lineage``)."""
 
     tracking_uri: str = ""  # empty: sqlite under the settings home
     experiment: str = "prodrl"
@@ -73,25 +72,13 @@ class MlflowResource(ConfigurableResource):
 
     def lineage(self, settings: Settings) -> Lineage:
         if self._lineage is None:
-            settings.home_path.mkdir(parents=True, exist_ok=True)
-            uri = self.tracking_uri or settings.mlflow_uri
-            # a tracking server stores artifacts where it is configured to (e.g. S3); a local
-            # SQLite store keeps them under the settings home
-            default_artifacts = None if uri.startswith("http") else settings.mlflow_artifacts
-            ui = self.ui_url or environment.mlflow_ui_url() or (uri if uri.startswith("http")
-                                                                 else environment.LOCAL_MLFLOW_UI)
-            self._lineage = Lineage(uri, self.experiment, self.model_name,
-                                    artifact_location=self.artifact_location or default_artifacts, ui_url=ui)
+            self._lineage = open_lineage(settings, self.tracking_uri, self.experiment, self.model_name,
+                                         self.artifact_location, self.ui_url)
         return self._lineage
 
 
 class StoreResource(ConfigurableResource):
-    """Where trajectories, rewards, round documents, checkpoints and exports live.
-
-    Local directories by default; with ``s3_bucket`` set, everything goes to
-    ``s3://<s3_bucket>/<s3_prefix>/`` with the same key layout (checkpoints under ``checkpoints/``,
-    exports under ``exports/``). Credentials come from the boto3 default chain (env, profile, role).
-    """
+    """Where trajectories, rewards, round documents, checkpoints and exports live (``StoreLocation``)."""
 
     root: str = ""  # local: empty means <home>/store
     s3_bucket: str = ""  # empty: local directories
@@ -99,36 +86,13 @@ class StoreResource(ConfigurableResource):
     s3_endpoint_url: str = ""  # empty: AWS; else an S3-compatible server (MinIO, moto, ...)
     s3_region: str = ""  # empty: the boto3 default (AWS_REGION / profile), else us-east-1
 
-    @property
-    def on_s3(self) -> bool:
-        return bool(self.s3_bucket)
-
-    def blobs(self, settings: Settings):
-        if self.on_s3:
-            from prodrl_pipelines.trajectories.s3 import S3BlobStore
-
-            return S3BlobStore(self.s3_bucket, self.s3_prefix, endpoint_url=self.s3_endpoint_url or None,
-                               region=self.s3_region or None)
-        from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
-
-        return LocalBlobStore(self.root or settings.store_root)
-
-    def checkpoint_store(self, settings: Settings, kind: str = "checkpoints"):
-        """``kind`` "checkpoints" (trained) or "exports" (deployable): a ``CheckpointStore``."""
-        from prodrl_pipelines.checkpoints import LocalCheckpointStore, S3CheckpointStore
-
-        if kind not in ("checkpoints", "exports"):
-            raise ValueError(f"kind must be 'checkpoints' or 'exports', got {kind!r}")
-        if self.on_s3:
-            return S3CheckpointStore(self.blobs(settings), kind)
-        return LocalCheckpointStore(settings.checkpoints_root if kind == "checkpoints" else settings.exports_root)
+    def location(self) -> StoreLocation:
+        return StoreLocation(self.root, self.s3_bucket, self.s3_prefix, self.s3_endpoint_url, self.s3_region)
 
 
-def services(settings: ProdRLSettings, store: StoreResource, mlflow: MlflowResource | None = None) -> Services:
+def open_services(settings: ProdRLSettings, store: StoreResource, mlflow: MlflowResource | None = None) -> Services:
     s = settings.settings()
-    return Services(settings=s, blobs=store.blobs(s), lineage=mlflow.lineage(s) if mlflow is not None else None,
-                    exports_store=store.checkpoint_store(s, "exports") if store.on_s3 else None,
-                    checkpoints_store=store.checkpoint_store(s, "checkpoints") if store.on_s3 else None)
+    return build_services(s, store.location(), mlflow.lineage(s) if mlflow is not None else None)
 
 
 def make_resources(settings: dict, store_root: str = "", tracking_uri: str = "", s3: dict | None = None) -> dict:
@@ -136,7 +100,7 @@ def make_resources(settings: dict, store_root: str = "", tracking_uri: str = "",
     ``s3`` optional StoreResource S3 fields (s3_bucket, s3_prefix, s3_endpoint_url, s3_region)."""
     from dagster import PipesSubprocessClient
 
-    settings_from_flat({k: v for k, v in settings.items() if k != "train_processes"})  # unknown names fail here
+    settings_from_flat(settings)  # unknown names fail here
     res = {
         "settings": ProdRLSettings(**settings),
         "store": StoreResource(root=store_root, **(s3 or {})),

@@ -11,7 +11,7 @@ from pathlib import Path
 
 import torch
 
-from prodrl_pipelines.atomic import atomic_directory
+from prodrl_pipelines.storage.atomic import atomic_directory
 from prodrl_pipelines.rl.advantages import BaselineState
 
 TRAINER_STATE = "trainer_state.pt"

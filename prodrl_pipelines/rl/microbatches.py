@@ -17,7 +17,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from prodrl_pipelines.rl.batch import Call, PackedBatch, first_fit_decreasing, pack_sequences
+from prodrl_pipelines.rl.trajectory import Call
+from prodrl_pipelines.rl.batch import PackedBatch, first_fit_decreasing, pack_sequences
 from prodrl_pipelines.rl.sequences import Sequence, Span
 
 

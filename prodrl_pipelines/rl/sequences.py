@@ -18,7 +18,7 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
-from prodrl_pipelines.rl.batch import Call, Trajectory
+from prodrl_pipelines.rl.trajectory import Call, Trajectory
 
 # Why a call could not extend the sequence before it.
 SPLIT_REASONS = {

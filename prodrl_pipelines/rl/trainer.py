@@ -20,7 +20,8 @@ import torch
 from tqdm.auto import tqdm
 
 from prodrl_pipelines.rl.advantages import compute_advantages
-from prodrl_pipelines.rl.batch import PackedBatch, Trajectory
+from prodrl_pipelines.rl.batch import PackedBatch
+from prodrl_pipelines.rl.trajectory import Trajectory
 from prodrl_pipelines.rl.microbatches import pack_micro, plan_microbatches
 from prodrl_pipelines.rl.sequences import LayoutStats, Sequence, minibatch_sequences
 from prodrl_pipelines.rl.checkpoint import TrainerState

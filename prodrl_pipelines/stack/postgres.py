@@ -12,7 +12,7 @@ import os
 import re
 from functools import lru_cache
 
-from prodrl_pipelines.preflight import PreflightError, libpq_dsn, redact
+from prodrl_pipelines.config.preflight import PreflightError, libpq_dsn, redact
 
 SERVICES = ("dagster", "mlflow")
 _TITLE = {"dagster": "Dagster", "mlflow": "MLflow"}

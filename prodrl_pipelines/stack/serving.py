@@ -18,16 +18,16 @@ import time
 import traceback
 from pathlib import Path
 
-from prodrl_pipelines.stack.processes import ManagedProcess
+from prodrl_pipelines.config.environment import RECORDER_TOKEN
+from prodrl_pipelines.deploy_targets.processes import ManagedProcess
 
-TOKEN_ENV = "PRODRL_RECORDER_TOKEN"
 
 
 def recorder_store_args(svc, wal_dir: Path) -> list[str]:
     """The ``prodrl record`` flags naming ``svc``'s trajectory store: ``--store DIR`` for a local
     store, the ``--s3-*`` flags (and a local ``--wal-dir``) for an S3 one."""
-    from prodrl_pipelines.trajectories.blobstore import LocalBlobStore
-    from prodrl_pipelines.trajectories.s3 import S3BlobStore
+    from prodrl_pipelines.storage.blobstore import LocalBlobStore
+    from prodrl_pipelines.storage.s3 import S3BlobStore
 
     blobs = svc.blobs
     if isinstance(blobs, LocalBlobStore):
@@ -44,7 +44,7 @@ class LiveServing:
 
     def __init__(self, *, env: dict, home: Path, serve_port: int, record_port: int, token: str,
                  services, poll_s: float = 2.0, log=print) -> None:
-        self.env = {**env, TOKEN_ENV: token}
+        self.env = {**env, RECORDER_TOKEN: token}
         self.env.pop("VLLM_API_KEY", None)
         self.home, self.serve_port, self.record_port, self.token = home, serve_port, record_port, token
         self._services_factory, self.poll_s, self.log = services, poll_s, log
@@ -95,9 +95,9 @@ class LiveServing:
     def sync(self) -> None:
         """One poll: make the served version the live one."""
         svc = self._services()
-        if svc.registry.live() is None:
+        if svc.ledger.live() is None:
             return
-        if self.serve is not None and self.serve.alive() and self.version == svc.registry.live().policy_version:
+        if self.serve is not None and self.serve.alive() and self.version == svc.ledger.live().policy_version:
             if self.record is None or not self.record.alive():
                 self._start_recorder(svc)
             return

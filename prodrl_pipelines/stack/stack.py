@@ -22,7 +22,6 @@ mirror is saved; then MLflow and S3).
 
 from __future__ import annotations
 
-import json
 import os
 import secrets
 import shutil
@@ -32,12 +31,14 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prodrl_pipelines import environment
-from prodrl_pipelines.preflight import PreflightError, check_postgres, redact
+from prodrl_pipelines.storage.atomic import write_json_atomic
+from prodrl_pipelines.config import environment
+from prodrl_pipelines.config.preflight import PreflightError, check_postgres, redact
 from prodrl_pipelines.stack import s3_snapshot
 from prodrl_pipelines.stack.postgres import prepare_schemas, with_schema
-from prodrl_pipelines.stack.processes import ManagedProcess, pick_port, stop_all
-from prodrl_pipelines.stack.serving import TOKEN_ENV, LiveServing
+from prodrl_pipelines.deploy_targets.processes import ManagedProcess, pick_port, stop_all
+from prodrl_pipelines.config.environment import RECORDER_TOKEN
+from prodrl_pipelines.stack.serving import LiveServing
 
 REPO = Path(__file__).resolve().parents[2]
 BIN = Path(sys.executable).parent
@@ -73,15 +74,15 @@ class Stack:
         return self._env
 
     def _token(self) -> str:
-        if os.environ.get(TOKEN_ENV):
-            self.token_source = f"${TOKEN_ENV}"
-            return os.environ[TOKEN_ENV]
+        if environment.recorder_token():
+            self.token_source = f"${RECORDER_TOKEN}"
+            return environment.recorder_token()
         path = self.home / "recorder_token"
         if not path.exists():
             fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
             with os.fdopen(fd, "w") as fh:
                 fh.write(secrets.token_hex(16) + "\n")
-        self.token_source = f"{path} (generated once, kept; or set ${TOKEN_ENV})"
+        self.token_source = f"{path} (generated once, kept; or set ${RECORDER_TOKEN})"
         return path.read_text().strip()
 
     def _s3_client(self):
@@ -121,7 +122,7 @@ class Stack:
             "MLFLOW_S3_ENDPOINT_URL": s3, "MLFLOW_SERVER_ENABLE_JOB_EXECUTION": "false",
             "PYTHONUNBUFFERED": "1",
         }
-        self._env.pop(TOKEN_ENV, None)  # only the deployment's recorder gets it
+        self._env.pop(RECORDER_TOKEN, None)  # only the deployment's recorder gets it
         self._spawn("s3", [str(BIN / "moto_server"), "-H", "127.0.0.1", "-p", str(self.ports["s3"])]).wait_http(s3)
         client = self._s3_client()
         client.create_bucket(Bucket=self.bucket)
@@ -136,10 +137,12 @@ class Stack:
                     ).wait_http(f"{self.urls['dagster']}/server_info", timeout_s=180)
         self._spawn("daemon", [str(BIN / "dagster-daemon"), "run", "-m", "prodrl_pipelines.definitions"])
         def round_services():
-            from prodrl_pipelines.resources.settings import make_resources, services
+            from prodrl_pipelines.config.settings import settings_from_flat
+            from prodrl_pipelines.loop.services import build_services
+            from prodrl_pipelines.storage.locations import StoreLocation
 
-            res = make_resources({**self.settings, "home": str(self.home)}, s3=s3_store)
-            return services(res["settings"], res["store"])
+            settings = settings_from_flat({**self.settings, "home": str(self.home)})
+            return build_services(settings, StoreLocation(**s3_store))
 
         self.serving = LiveServing(env=self._env, home=self.home, serve_port=self.ports["deployment"],
                                    record_port=self.ports["recorder"], token=token, services=round_services,
@@ -167,9 +170,7 @@ class Stack:
         }
 
     def write_state(self) -> None:
-        tmp = self.home / ".stack.json.tmp"
-        tmp.write_text(json.dumps(self.state(), indent=1))
-        os.replace(tmp, self.home / "stack.json")
+        write_json_atomic(self.home / "stack.json", self.state(), durable=False)
 
     def stop(self) -> None:
         if self.serving is not None:

@@ -31,8 +31,8 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
-from .blobstore import BlobNotFoundError
-from .store import CALLS, LEDGER, RETRACTIONS, REWARDS, TrajectoryStore
+from prodrl_pipelines.storage.blobstore import BlobNotFoundError
+from prodrl_pipelines.trajectories.store import CALLS, LEDGER, RETRACTIONS, REWARDS, TrajectoryStore
 
 STATE_KEY = "_state/eligibility.parquet"
 WATCHED = (CALLS, REWARDS, RETRACTIONS, LEDGER)
@@ -183,7 +183,7 @@ class EligibilityTracker:
     def count(self, live_version: str, version_order: list[str], max_policy_lag: int,
               report: bool = False) -> int | TickReport:
         """Eligible trajectories for the window of ``live_version`` (see the module docstring)."""
-        from .selection import policy_window
+        from prodrl_pipelines.trajectories.rows import policy_window
 
         window = policy_window(live_version, version_order, max_policy_lag)
         order = {v: i for i, v in enumerate(version_order)}

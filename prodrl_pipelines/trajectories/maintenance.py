@@ -20,7 +20,7 @@ from collections.abc import Iterable
 
 import pyarrow as pa
 
-from .store import PARTITION_BY, TABLE_NAMES, TrajectoryStore
+from prodrl_pipelines.trajectories.store import PARTITION_BY, TABLE_NAMES, TrajectoryStore
 
 
 def compact(store: TrajectoryStore, tables: Iterable[str] = TABLE_NAMES, target_size: int | None = None) -> dict:
@@ -81,7 +81,7 @@ def vacuum(store: TrajectoryStore, retention_hours: float, pins: Iterable[dict] 
 
 
 def _register(con, store: TrajectoryStore) -> list[str]:
-    from .store import STORED
+    from prodrl_pipelines.trajectories.store import STORED
 
     names = []
     for name in TABLE_NAMES:

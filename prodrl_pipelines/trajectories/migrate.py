@@ -24,9 +24,9 @@ import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
-from .rows import conform
-from .schema import CALL_SCHEMA, QUARANTINE_SCHEMA, REWARD_SCHEMA
-from .store import (
+from prodrl_pipelines.trajectories.rows import conform
+from prodrl_pipelines.trajectories.schema import CALL_SCHEMA, QUARANTINE_SCHEMA, REWARD_SCHEMA
+from prodrl_pipelines.trajectories.store import (
     CALLS, LEDGER, LEDGER_SCHEMA, PARTITION_BY, QUARANTINE, RETRACTION_SCHEMA, RETRACTIONS, REWARDS, STORED,
     TrajectoryStore,
 )

@@ -234,3 +234,16 @@ def name_problem(value, what: str) -> str | None:
         return (f"{what} is {n} bytes once URL-encoded, at most {MAX_NAME_BYTES}: it names a directory "
                 f"of the trajectory store")
     return None
+
+
+def policy_window(live_version: str, version_order: list[str], max_policy_lag: int) -> list[str]:
+    """The live version and the ``max_policy_lag`` versions before it in ``version_order`` (oldest first)."""
+    if max_policy_lag < 0:
+        raise ValueError(f"max_policy_lag must be >= 0, got {max_policy_lag}")
+    try:
+        i = list(version_order).index(live_version)
+    except ValueError:
+        raise ValueError(
+            f"live policy version {live_version!r} is not in version_order {list(version_order)}"
+        ) from None
+    return list(version_order[max(0, i - max_policy_lag) : i + 1])

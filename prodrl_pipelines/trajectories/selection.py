@@ -21,8 +21,9 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .store import TrajectoryStore
-from .validation import _validate
+from prodrl_pipelines.trajectories.rows import policy_window
+from prodrl_pipelines.trajectories.store import TrajectoryStore
+from prodrl_pipelines.trajectories.validation import _validate
 
 
 class InsufficientDataError(RuntimeError):
@@ -58,19 +59,6 @@ class SelectionResult:
     @property
     def quarantined(self) -> dict[str, int]:
         return self.quarantine_counts
-
-
-def policy_window(live_version: str, version_order: list[str], max_policy_lag: int) -> list[str]:
-    """The live version and the ``max_policy_lag`` versions before it in ``version_order`` (oldest first)."""
-    if max_policy_lag < 0:
-        raise ValueError(f"max_policy_lag must be >= 0, got {max_policy_lag}")
-    try:
-        i = list(version_order).index(live_version)
-    except ValueError:
-        raise ValueError(
-            f"live policy version {live_version!r} is not in version_order {list(version_order)}"
-        ) from None
-    return list(version_order[max(0, i - max_policy_lag) : i + 1])
 
 
 def _candidates(
@@ -194,6 +182,6 @@ def count_eligible(
     generation, length mismatch, output token range, non-finite output logprob). Skips the prompt
     and top-K checks and duplicate conflicts, so it may count a few that selection then quarantines.
     """
-    from .eligibility import EligibilityTracker
+    from prodrl_pipelines.trajectories.eligibility import EligibilityTracker
 
     return EligibilityTracker(store, vocab_size).count(live_version, version_order, max_policy_lag)

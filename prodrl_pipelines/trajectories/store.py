@@ -17,7 +17,6 @@ latest reward. Every read can name a table version (``as_of``): a round pins wha
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -25,13 +24,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from .blobstore import BlobStore
-from .rows import (  # noqa: F401  (the store's public helpers, re-exported for its users)
+from prodrl_pipelines.storage.blobstore import BlobStore
+from prodrl_pipelines.trajectories.rows import (  # noqa: F401  (the store's public helpers, re-exported for its users)
     MAX_NAME_BYTES, SchemaMismatchError, conform, first_calls, latest_rewards, name_problem, to_table, uuid7,
     without_retracted,
 )
-from .schema import CALL_SCHEMA, QUARANTINE_SCHEMA, REWARD_SCHEMA
-from .tables import DeltaTables
+from prodrl_pipelines.trajectories.schema import CALL_SCHEMA, QUARANTINE_SCHEMA, REWARD_SCHEMA
+from prodrl_pipelines.trajectories.tables import DeltaTables
 
 CALLS, REWARDS, RETRACTIONS, QUARANTINE, LEDGER = "calls", "rewards", "retractions", "quarantine", "ledger"
 TABLE_NAMES = (CALLS, REWARDS, RETRACTIONS, QUARANTINE, LEDGER)
@@ -310,18 +309,3 @@ class TrajectoryStore:
             filt = f if filt is None else filt & f
         t = self._scan(LEDGER, filter=filt, columns=["trajectory_id"], as_of=as_of)
         return set(t.column("trajectory_id").to_pylist())
-
-    # --- JSON documents ----------------------------------------------------------------------
-
-    def put_json(self, key: str, obj: Any) -> None:
-        """Store ``obj`` as UTF-8 JSON (sorted keys, indented) atomically under ``key``.
-
-        Non-JSON values (datetimes, paths) are written with ``str``; NaN / inf are written as
-        ``NaN`` / ``Infinity`` like Python's ``json`` (a NaN metric must not crash a round).
-        """
-        data = json.dumps(obj, indent=2, sort_keys=True, default=str)
-        self.blobs.put_bytes(key, data.encode("utf-8"))
-
-    def get_json(self, key: str) -> Any:
-        """Load the JSON document under ``key``; raises ``BlobNotFoundError`` if absent."""
-        return json.loads(self.blobs.get_bytes(key).decode("utf-8"))

@@ -26,7 +26,7 @@ from typing import Any
 import pyarrow as pa
 import pyarrow.dataset as ds
 
-from .blobstore import BlobNotFoundError, BlobStore, LocalBlobStore
+from prodrl_pipelines.storage.blobstore import BlobNotFoundError, BlobStore, LocalBlobStore
 
 TABLES_PREFIX = "tables/"
 LOG_DIR = "_delta_log/"

@@ -38,8 +38,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from .schema import CALL_SCHEMA, QUARANTINE_SCHEMA, REWARD_SCHEMA
-from .store import latest_rewards
+from prodrl_pipelines.trajectories.schema import CALL_SCHEMA, QUARANTINE_SCHEMA, REWARD_SCHEMA
+from prodrl_pipelines.trajectories.store import latest_rewards
 
 REASONS: tuple[str, ...] = (
     "duplicate_call_id",

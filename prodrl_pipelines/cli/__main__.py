@@ -1,0 +1,3 @@
+from prodrl_pipelines.cli.main import main
+
+raise SystemExit(main())

@@ -1,0 +1,80 @@
+"""`prodrl data`: the operator's verbs on the trajectory store (``trajectories.maintenance``).
+
+    prodrl data stats   --settings FILE            per policy version: calls, trajectories, rewarded,
+                                                   eligible, used, quarantined, files, bytes
+    prodrl data compact --settings FILE            compact small files, checkpoint the logs
+    prodrl data vacuum  --settings FILE [--retention-hours H] [--dry-run]
+    prodrl data query   --settings FILE "SQL"      DuckDB over calls, rewards, retractions, quarantine, ledger
+    prodrl data migrate --settings FILE [--delete-legacy]   the earlier part-file layout into the tables
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+
+
+def _store(args):
+    from prodrl_pipelines.cli.services import services_from_file
+
+    return services_from_file(args.settings)
+
+
+def _print_rows(rows: list[dict], as_json: bool) -> None:
+    if as_json or not rows:
+        print(json.dumps(rows, indent=1, default=str))
+        return
+    cols = list(rows[0])
+    widths = [max(len(str(c)), *(len(str(r[c])) for r in rows)) for c in cols]
+    print("  ".join(str(c).ljust(w) for c, w in zip(cols, widths)))
+    for r in rows:
+        print("  ".join(str(r[c]).ljust(w) for c, w in zip(cols, widths)))
+
+
+def cmd_data(args) -> int:
+    from prodrl_pipelines.trajectories import maintenance
+    from prodrl_pipelines.trajectories.migrate import MigrationError, legacy_parts, migrate
+
+    svc = _store(args)
+    store = svc.store
+    if args.verb == "stats":
+        rows = maintenance.stats(store)
+        _print_rows(rows, args.json)
+        legacy = sum(len(v) for v in legacy_parts(store).values())
+        if legacy:
+            print(f"prodrl: {legacy} parts of the earlier layout are not in the tables: run `prodrl data migrate`",
+                  file=sys.stderr)
+    elif args.verb == "compact":
+        print(json.dumps(maintenance.compact(store), indent=1))
+    elif args.verb == "vacuum":
+        from prodrl_pipelines.loop.data import in_flight_pins
+
+        out = maintenance.vacuum(store, args.retention_hours, in_flight_pins(svc), dry_run=args.dry_run)
+        print(json.dumps(out, indent=1))
+    elif args.verb == "query":
+        try:
+            _print_rows(maintenance.query(store, args.sql).to_pylist(), args.json)
+        except ValueError as e:
+            print(f"prodrl: {e}", file=sys.stderr)
+            return 1
+    elif args.verb == "migrate":
+        try:
+            print(json.dumps(migrate(store, delete_legacy=args.delete_legacy), indent=1))
+        except MigrationError as e:
+            print(f"prodrl: {e}", file=sys.stderr)
+            return 1
+    return 0
+
+
+def add_data_parser(sub) -> None:
+    d = sub.add_parser("data", help="the trajectory store: stats, compact, vacuum, query (DuckDB SQL), migrate")
+    d.add_argument("verb", choices=["stats", "compact", "vacuum", "query", "migrate"])
+    d.add_argument("sql", nargs="?", default=None, help="for `query`: the SQL (tables calls, rewards, retractions, "
+                   "quarantine, ledger)")
+    d.add_argument("--settings", required=True, help="JSON or YAML file of ProdRLSettings fields")
+    d.add_argument("--json", action="store_true", help="print rows as JSON")
+    d.add_argument("--retention-hours", type=float, default=168.0,
+                   help="vacuum: keep files unreferenced for less than this (default 168 = 7 days)")
+    d.add_argument("--dry-run", action="store_true", help="vacuum: list, delete nothing")
+    d.add_argument("--delete-legacy", action="store_true", help="migrate: remove the old parts once counts match")
+    d.set_defaults(fn=cmd_data)

@@ -1,0 +1,278 @@
+"""Everything a prod-RL loop is configured with, typed and validated before any work starts."""
+
+from __future__ import annotations
+
+from functools import lru_cache
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from prodrl_pipelines.engines.types import SamplingParams
+from prodrl_pipelines.rl.config import Recipe, registered
+
+
+# parity probe bounds (mean, p99 of |log mu_new - log pi_trainer| in nats) per export scheme
+PROBE_BOUNDS = {"bf16": (0.05, 0.5), "nvfp4-w4a16": (0.05, 0.5), "nvfp4-w4a4": (0.5, 5.0)}
+
+
+class DeploySettings(BaseModel):
+    """Sampling parameters the deployment serves with (recorded with every call)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    temperature: float = Field(1.0, gt=0)
+    top_p: float = Field(1.0, gt=0, le=1)
+    top_k: int = Field(0, ge=0)
+    max_tokens: int = Field(8, ge=1)
+    num_top_logprobs: int = Field(8, ge=1, le=20)
+    record_extra_draw: bool = False
+    # what the deployment serves: NVFP4 weights (W4A16 data-free, W4A4 calibrated) or bf16
+    export_scheme: Literal["nvfp4-w4a16", "nvfp4-w4a4", "bf16"] = "nvfp4-w4a16"
+    # how an export becomes live (deploy_targets.TARGETS): pointer | prodrl-serve | vllm-restart |
+    # vllm-reload | command
+    target: str = "pointer"
+    # auto: a candidate that passes the gate is deployed; review: it becomes `challenger` with
+    # review=pending and waits for a reviewer in the MLflow registry (or `prodrl review`)
+    promotion: Literal["auto", "review"] = "auto"
+    target_port: int = Field(8000, ge=1, le=65534, description="managed servers use this port and the next")
+    target_endpoint: str = Field("", description="vllm-reload: a running dev-mode vLLM; command: where it serves "
+                                                 "({port} filled in)")
+    target_command: str = Field("", description="command: template with {export_dir}, {policy_version}, {port}")
+    vllm_python: str = Field("", description="vLLM's own interpreter (default $PRODRL_VLLM_PYTHON)")
+    server_args: tuple[str, ...] = ()  # extra arguments of a managed server (vllm / prodrl serve)
+    health_timeout_s: float = Field(300.0, gt=0)
+    # the parity probe after every deploy: recorded prompts through the new deployment, the sampled
+    # tokens' |log mu_new - log pi_trainer| against these bounds (probe_prompts = 0: no probe)
+    probe_prompts: int = Field(16, ge=0)
+    # None: the export scheme's own bound (PROBE_BOUNDS: W4A4's activation quantization is the
+    # deployment's and costs the lab's demo model ~0.2 nats mean; vLLM's bf16 kernels ~0.005)
+    probe_mean_bound: float | None = Field(None, gt=0)
+    probe_p99_bound: float | None = Field(None, gt=0)
+
+    def probe_bounds(self) -> tuple[float, float]:
+        mean, p99 = PROBE_BOUNDS[self.export_scheme]
+        return (self.probe_mean_bound or mean, self.probe_p99_bound or p99)
+
+    @model_validator(mode="after")
+    def _head_covers_top_k(self) -> "DeploySettings":
+        if self.top_k and self.num_top_logprobs < self.top_k:
+            raise ValueError(f"num_top_logprobs ({self.num_top_logprobs}) must be >= top_k ({self.top_k}) so the "
+                             "recorded head holds the whole sampling support")
+        return self
+
+    @field_validator("target")
+    @classmethod
+    def _known_target(cls, v: str) -> str:
+        from prodrl_pipelines.deploy_targets import TARGETS
+
+        return registered(v, TARGETS, "deploy target")
+
+    @field_validator("target_command")
+    @classmethod
+    def _command_template(cls, v: str) -> str:
+        from prodrl_pipelines.deploy_targets.command import check_command_template
+
+        check_command_template(v)
+        return v
+
+    @model_validator(mode="after")
+    def _command_needs_template(self) -> "DeploySettings":
+        if self.target == "command" and not self.target_command:
+            raise ValueError("deploy target 'command' needs target_command")
+        return self
+
+    def sampling(self, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_p, self.top_k, self.max_tokens,
+                              self.num_top_logprobs, tuple(stop_token_ids), self.record_extra_draw)
+
+
+class EvalSettings(BaseModel):
+    """The held-out evaluation and the gate. ``suite``: ``lab`` (the lab task), ``lab:NAME``, a JSONL
+    file (local or s3://) with ``reward_fn`` = ``package.module:function``, or ``package.module:Suite``
+    (see ``evaluation.loading``)."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    suite: str = "lab"
+    reward_fn: str = ""
+    # live monitoring through the serving endpoint (OpenAI-compatible, e.g. vLLM); empty: the local engine
+    live_endpoint: str = ""
+    heldout_size: int = Field(256, ge=2)
+    eval_seed: int = 1234
+    gate_tolerance: float = Field(0.05, ge=0)
+    gate_z: float = Field(1.645, gt=0, description="one-sided 95% paired bound")
+
+
+class LabSettings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    size: str = "demo"
+    seed: int = 0
+    sft_steps: int | None = None
+    # the lab task environment (lab/tasks.py); arithmetic_tools: the arithmetic in production text
+    task: Literal["arithmetic", "chess", "arithmetic_tools"] = "arithmetic"
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+    home: str = ".prodrl"
+    # round 0: a Hugging Face model directory, an s3:// URI, or a registered source ("lab": the lab's toy model)
+    base_model: str = "lab"
+    recipe: Recipe = Recipe()
+    deploy: DeploySettings = DeploySettings()
+    eval: EvalSettings = EvalSettings()
+    lab: LabSettings = LabSettings()
+
+    @model_validator(mode="after")
+    def _sampled_needs_extra_draw(self) -> "Settings":
+        if self.recipe.correction == "score_centering_sampled" and not self.deploy.record_extra_draw:
+            raise ValueError("correction 'score_centering_sampled' needs deploy.record_extra_draw = true "
+                             "(the deployment must record an extra draw per position)")
+        return self
+
+    @property
+    def home_path(self) -> Path:
+        return Path(self.home).resolve()
+
+    @property
+    def store_root(self) -> Path:
+        return self.home_path / "store"
+
+    @property
+    def checkpoints_root(self) -> Path:
+        return self.home_path / "checkpoints"
+
+    @property
+    def exports_root(self) -> Path:
+        return self.home_path / "exports"
+
+    @property
+    def mlflow_uri(self) -> str:
+        return f"sqlite:///{self.home_path / 'mlflow.db'}"
+
+    @property
+    def mlflow_artifacts(self) -> str:
+        return (self.home_path / "mlartifacts").as_uri()
+
+
+def check_settings(settings: Settings, s3_endpoint_url: str | None = None):
+    """What can fail before any work starts beyond field types: the evaluation suite loads and fits
+    the serving settings (e.g. a task whose answers need more ``max_tokens``). Returns the suite."""
+    from prodrl_pipelines.evaluation import load_suite
+
+    return load_suite(settings.eval.suite, settings.eval.reward_fn, settings, s3_endpoint_url)
+
+
+class SettingsFileError(ValueError):
+    """A settings file cannot be read; the message names the file."""
+
+
+def load_settings_file(path: str | Path) -> dict:
+    """Flat settings from a JSON or YAML file. A relative ``home`` resolves against the file's directory
+    (a copied settings file never writes into the original's home), and so do relative local paths
+    of ``base_model`` and ``eval_suite``; a file without ``home`` leaves it to ``PRODRL_HOME``
+    (default ``./.prodrl``)."""
+    import json
+
+    p = Path(path)
+    if not p.is_file():
+        raise SettingsFileError(f"settings file {str(path)!r} does not exist")
+    text = p.read_text(encoding="utf-8")
+    try:
+        if p.suffix in (".yaml", ".yml"):
+            import yaml
+
+            data = yaml.safe_load(text)
+        else:
+            data = json.loads(text)
+    except Exception as e:  # noqa: BLE001 - JSON and YAML errors alike
+        raise SettingsFileError(f"settings file {str(path)!r} does not parse: {e}") from None
+    if not isinstance(data, dict):
+        raise SettingsFileError(f"settings file {str(path)!r} must hold an object of settings fields, "
+                                f"got {type(data).__name__}")
+    here = p.resolve().parent
+    home = data.get("home")
+    if isinstance(home, str) and home and not Path(home).expanduser().is_absolute():
+        data["home"] = str((here / home).resolve())
+    elif home is None:
+        from prodrl_pipelines.config import environment
+
+        data["home"] = environment.default_home()
+    for key in ("base_model", "eval_suite"):  # local paths (not s3://, not a source name) are relative to the file
+        v = data.get(key)
+        if (isinstance(v, str) and "://" not in v and not Path(v).expanduser().is_absolute()
+                and ("/" in v or v.endswith(".jsonl"))):
+            data[key] = str((here / v).resolve())
+    return data
+
+
+# --- flat names: one namespace for the Dagster resource, settings files, PRODRL_SETTINGS_JSON -------
+# Each field of a section is reachable by one flat name, derived here (never re-declared): recipe and
+# deploy fields by their own names, eval fields as eval_<name> (the gate's historic names stay bare),
+# lab fields as lab_<name>; home and base_model at the top.
+SECTIONS = {"recipe": Recipe, "deploy": DeploySettings, "eval": EvalSettings, "lab": LabSettings}
+_EVAL_BARE = {"heldout_size", "gate_tolerance", "gate_z", "eval_seed"}
+TOP_FIELDS = ("home", "base_model")
+
+
+def _flat_name(section: str, name: str) -> str:
+    if section in ("recipe", "deploy") or (section == "eval" and name in _EVAL_BARE):
+        return name
+    return f"{section}_{name}"
+
+
+@lru_cache(maxsize=None)
+def flat_fields() -> dict[str, tuple[str | None, str]]:
+    """Flat name -> (section or None for top-level fields, field name)."""
+    out: dict[str, tuple[str | None, str]] = {name: (None, name) for name in TOP_FIELDS}
+    for section, model in SECTIONS.items():
+        for name in model.model_fields:
+            flat = _flat_name(section, name)
+            if flat in out:
+                raise AssertionError(f"flat settings name {flat!r} is ambiguous")
+            out[flat] = (section, name)
+    return out
+
+
+def field_info(flat: str):
+    section, name = flat_fields()[flat]
+    return (Settings if section is None else SECTIONS[section]).model_fields[name]
+
+
+# how the orchestrator runs a step, not what the round computes: settable beside the core settings
+# (settings files, the Dagster resource), never part of ``Settings``
+EXECUTION_FIELDS = ("train_processes",)
+
+
+def settings_from_flat(flat: dict) -> Settings:
+    """Core settings from flat names; an unknown name fails naming it (and the valid ones).
+    Execution fields (``EXECUTION_FIELDS``) are accepted and left out."""
+    table = flat_fields()
+    nested: dict = {}
+    for key, value in flat.items():
+        if key in EXECUTION_FIELDS:
+            continue
+        if key not in table:
+            raise ValueError(f"unknown setting {key!r}; valid settings: {', '.join(sorted(table))}")
+        section, name = table[key]
+        if section is None:
+            nested[name] = value
+        else:
+            nested.setdefault(section, {})[name] = value
+    from pydantic import ValidationError
+
+    try:
+        return Settings(**nested)
+    except ValidationError as e:  # report the flat names the user wrote, not the nested location
+        flat_of = {v: k for k, v in table.items()}
+        problems = []
+        for err in e.errors():
+            loc = tuple(str(x) for x in err["loc"])
+            where = (flat_of.get((loc[0], loc[1])) if len(loc) >= 2 else flat_of.get((None, loc[0])) if loc else None)
+            msg = err["msg"].removeprefix("Value error, ")
+            problems.append(f"{where or '.'.join(loc) or 'settings'}: {msg}")
+        raise ValueError("; ".join(problems)) from None
+
+
+def settings_to_flat(settings: Settings) -> dict:
+    dumped = settings.model_dump(mode="json")
+    return {flat: (dumped[name] if section is None else dumped[section][name])
+            for flat, (section, name) in flat_fields().items()}

@@ -1,0 +1,67 @@
+"""Step 5 of a round: the candidate and the live policy on the same held-out tasks; and
+re-evaluations of any deployed version, stored beside the original."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+from prodrl_pipelines.loop.services import RoundError, Services, ensure_local, refuse_if_decided, upstream_json
+from prodrl_pipelines.storage import documents, keys
+
+
+def evaluate_export(svc: Services, export_dir: Path, policy_version: str) -> dict:
+    """Held-out reward per task of one exported policy on the suite, served as the deployment would."""
+    from prodrl_pipelines.evaluation import evaluate_policy as _evaluate
+
+    return _evaluate(svc.settings, svc.suite, export_dir, policy_version)
+
+
+def evaluate(svc: Services, rkey: str) -> dict:
+    """The candidate and the live policy on the same held-out tasks. Once the gate has decided, the
+    recorded evaluation is returned as it is (``reproduced``): a later live policy never re-judges it."""
+    if svc.ledger.decision(rkey) is not None:
+        if svc.blobs.exists(keys.heldout(rkey)):
+            return {**upstream_json(svc, keys.heldout(rkey)), "reproduced": True}
+        refuse_if_decided(svc, rkey, "heldout_eval")  # decided before any evaluation (e.g. at export)
+    live = svc.live()
+    export_dir = ensure_local(svc, "exports", rkey)
+    cand, smoke_error = None, ""
+    try:
+        cand = evaluate_export(svc, export_dir, rkey)
+    except Exception as e:  # noqa: BLE001 - a candidate that cannot serve is a gate failure, not a crash
+        smoke_error = f"{type(e).__name__}: {e}"
+    live_eval = svc.ledger.eval(live.policy_version)
+    if live_eval is None or (cand is not None and live_eval["task_ids"] != cand["task_ids"]):
+        live_eval = evaluate_export(svc, Path(live.export_dir), live.policy_version)
+        svc.ledger.record_eval(live.policy_version, live_eval)
+    if cand is not None:
+        svc.ledger.record_eval(rkey, cand)
+    result = {"candidate": cand, "live": live_eval, "smoke_error": smoke_error, "live_version": live.policy_version}
+    documents.put_json(svc.blobs, keys.heldout(rkey), result)
+    result["reproduced"] = False
+    if cand is not None:
+        svc.ledger.update_round(rkey, heldout_reward=cand["mean"], heldout_reward_ci=cand["ci95"],
+                                  live_heldout_reward=live_eval["mean"])
+    return result
+
+
+def evaluate_version(svc: Services, policy_version: str | None = None) -> dict:
+    """Held-out reward of ``policy_version`` (default: the live one) on the suite, from its export."""
+    live = svc.ledger.live()
+    if policy_version is None:
+        if live is None:
+            raise RoundError("no live deployment: bootstrap first (`prodrl bootstrap`), or name --policy")
+        policy_version = live.policy_version
+    export_dir = ensure_local(svc, "exports", policy_version)
+    if not (export_dir / "config.json").exists():
+        raise RoundError(f"no export of {policy_version!r} at {export_dir}"
+                         + ("" if svc.exports_store is None else f" nor in {svc.exports_store!r}"))
+    ev = evaluate_export(svc, export_dir, policy_version)
+    if policy_version.startswith("round-"):  # beside the round's own evaluation, never over it
+        from prodrl_pipelines.loop.round_state import utc_now
+
+        stamp = utc_now().replace(":", "").replace("+0000", "Z")
+        key = keys.reevaluation(policy_version, stamp)
+        documents.put_json(svc.blobs, key, {**ev, "evaluated_at": stamp, "live_version": live.policy_version if live else None})
+        ev = {**ev, "stored_at": key}
+    return ev

@@ -1,0 +1,107 @@
+"""Step 3 of a round: S optimizer steps from the live checkpoint (in-process, or one rank of
+torchrun with FSDP2)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Callable
+
+import numpy as np
+
+from prodrl_pipelines.loop.services import (
+    RoundError, Services, preflight, publish_checkpoint, refuse_if_decided, round_seed, upstream_json,
+    upstream_table, version_dirs,
+)
+from prodrl_pipelines.storage import documents, keys
+
+
+def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None = None, progress: bool = True,
+          rank: int = 0, world_size: int = 1, out_dir: Path | None = None) -> dict:
+    """S Adam steps from the live checkpoint. With ``world_size > 1`` (``torchrun``) the policy is
+    sharded with FSDP2, every rank trains its shard of each minibatch and only rank 0 writes the
+    outputs."""
+    import torch
+
+    from prodrl_pipelines.rl.advantages import BaselineState
+    from prodrl_pipelines.rl.trajectory import trajectories_from_table
+    from prodrl_pipelines.rl.checkpoint import load_policy, load_trainer_state, save_checkpoint
+    from prodrl_pipelines.rl.trainer import build_optimizer, train_round
+
+    if out_dir is None:  # a worker's scratch copy is not the round's history
+        refuse_if_decided(svc, rkey, "trained_checkpoint")
+    s, live = svc.settings, svc.live()
+    batch = upstream_json(svc, keys.batch(rkey))
+    trajs = {t.trajectory_id: t for t in trajectories_from_table(upstream_table(svc, keys.dataset(rkey)))}
+    trajs = [trajs[i] for i in batch["trajectory_ids"]]
+    model, tokenizer = load_policy(Path(live.checkpoint_dir), dtype=torch.float32)
+    state = load_trainer_state(Path(live.checkpoint_dir))
+    state.baseline = BaselineState(**batch["baseline_state"])
+    if s.recipe.activation_checkpointing:
+        from prodrl_pipelines.rl.sharding import checkpoint_activations
+
+        checkpoint_activations(model)
+    trained, load_opt, sharded = model, None, world_size > 1
+    if sharded:  # FSDP2: parameters, gradients and Adam state sharded over the ranks
+        from prodrl_pipelines.rl import sharding
+
+        trained = sharding.shard_policy(model, world_size)
+        load_opt = lambda o, sd: sharding.load_full_optimizer_state(trained, o, sd)  # noqa: E731
+    opt = build_optimizer(trained, s.recipe, state, load_opt)
+    pad_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+    # The policies that sampled this round's data: mu_k (sync), or mu_{k-1} and mu_k (one-round async).
+    data_versions = sorted({t.policy_version for t in trajs})
+    behavior_steps = {v: load_trainer_state(version_dirs(svc, v)[0]).global_step for v in data_versions}
+    reference = None
+    if s.recipe.needs_reference_model:
+        preflight(svc, live)
+        reference = {}
+        for v in data_versions:  # each trajectory's own deployed weights, upcast
+            export_dir = version_dirs(svc, v)[1]
+            if not (export_dir / "prodrl_export.json").exists():
+                raise RoundError(f"correction={s.recipe.correction!r} needs the deployed export of {v} (it sampled "
+                                 f"data of {rkey}) as the reference model, but {export_dir} holds no export")
+            reference[v], _ = load_policy(export_dir, dtype=torch.float32)
+            reference[v].eval()
+    # in-round resume: one file (one process), or one sharded directory every rank writes its part of
+    resume = s.checkpoints_root / ".in-round" / (f"{rkey}-fsdp{world_size}" if sharded else f"{rkey}-rank{rank}.pt")
+    res = train_round(trained, opt, trajs, np.asarray(batch["advantages"]), batch["plan"], s.recipe, state,
+                      pad_id, round_seed(s, rkey), on_step=on_step, progress=progress, reference_model=reference,
+                      resume_path=resume, rank=rank, world_size=world_size,
+                      behavior_steps=behavior_steps)
+    out = Path(out_dir) if out_dir is not None else s.checkpoints_root / rkey
+    whole = {}
+    if sharded:  # gathered by every rank (collectives), written whole by rank 0
+        whole = {"model_state": sharding.full_model_state(trained),
+                 "optimizer_state": sharding.full_optimizer_state(trained, opt)}
+    if rank == 0:
+        save_checkpoint(out, model, tokenizer, opt, state, **whole)
+        if out_dir is None:  # the round's own checkpoint (not a worker's scratch copy)
+            publish_checkpoint(svc, rkey, out)
+        documents.put_json(svc.blobs, keys.train_steps(rkey), res.steps)
+        svc.ledger.update_round(rkey, mismatch_abs_logp=res.mismatch_abs_logp, trained_from=live.policy_version,
+                                  train_processes=world_size)
+    if sharded:  # the round's checkpoint is complete
+        sharding.remove_sharded_state(resume)
+    else:
+        resume.unlink(missing_ok=True)
+    done = [m for m in res.steps if not m.get("skipped")]
+    return {
+        "checkpoint_dir": str(out), "trained_from": live.policy_version, "global_step": state.global_step,
+        "resumed_from_step": res.resumed_from_step,
+        "steps_taken": len(done), "steps_skipped": res.skipped_steps,
+        "mismatch_abs_logp": res.mismatch_abs_logp,
+        **res.layout.as_metrics(),
+        "final_loss": done[-1]["loss"] if done else float("nan"),
+        "mean_grad_norm": float(np.mean([m["grad_norm"] for m in done])) if done else float("nan"),
+        "tokens_per_s": float(np.mean([m["tokens_per_s"] for m in done])) if done else float("nan"),
+        "steps": res.steps,
+    }
+
+
+def training_history(svc: Services) -> tuple[list[dict], list[int]]:
+    """Every trained step of every round so far, in order, and the index where each round starts."""
+    steps, starts = [], []
+    for key in sorted(k.split("/")[1] for k in svc.blobs.list(keys.ROUNDS) if k.endswith("/train_steps.json")):
+        starts.append(len(steps))
+        steps += [m for m in upstream_json(svc, keys.train_steps(key)) if not m.get("skipped")]
+    return steps, starts
