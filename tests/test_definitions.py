@@ -35,7 +35,7 @@ def test_core_never_imports_dagster():
     pkg = Path(__file__).resolve().parents[1] / "prodrl_pipelines"
     mods = [f"prodrl_pipelines.{w}.{p.stem}" for w in ("config", "storage", "loop") for p in sorted((pkg / w).glob("[a-z]*.py"))]
     mods += ["prodrl_pipelines.rl.trainer", "prodrl_pipelines.lab.traffic", "prodrl_pipelines.trajectories.selection",
-             "prodrl_pipelines.engines.local", "prodrl_pipelines.quant.bf16", "prodrl_pipelines.trajectories.maintenance",
+             "prodrl_pipelines.engines.local", "prodrl_pipelines.quant.export", "prodrl_pipelines.trajectories.maintenance",
              "prodrl_pipelines.trajectories.eligibility", "prodrl_pipelines.trajectories.migrate",
              "prodrl_pipelines.cli.data", "prodrl_pipelines.cli.review", "prodrl_pipelines.cli.services",
              "prodrl_pipelines.ops.train_worker", "prodrl_pipelines.stack.stack"]

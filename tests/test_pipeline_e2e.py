@@ -172,13 +172,13 @@ def test_round_without_enough_data_names_the_setting(tmp_path, pg_instance):
 
 def test_ref_is_without_deployed_export_fails_before_data(tmp_path):
     from prodrl_pipelines.loop.ledger import LiveDeployment
-    from prodrl_pipelines.loop.services import RoundError, preflight
+    from prodrl_pipelines.loop.services import RoundError, check_recipe_fits_deployment
 
     res = make_resources({"home": str(tmp_path), "correction": "ref_is"})
     svc = open_services(res["settings"], res["store"])
     live = LiveDeployment("round-000000", str(tmp_path / "ckpt"), str(tmp_path / "no-export"))
     with pytest.raises(RoundError, match="correction='ref_is' needs the deployed export"):
-        preflight(svc, live)
+        check_recipe_fits_deployment(svc, live)
 
 
 def test_one_round_at_a_time(tmp_path, pg_instance):

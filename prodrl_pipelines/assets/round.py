@@ -1,7 +1,5 @@
-"""One prod-RL round as a chain of partitioned assets; each calls one core step in `rounds`."""
-
-
-import json
+"""One prod-RL round as a chain of partitioned assets: each calls its step in ``loop`` and that step's
+lineage hook (``loop.lineage_hooks``), then reports metadata."""
 
 from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataValue, PipesSubprocessClient
 
@@ -10,14 +8,11 @@ from prodrl_pipelines.loop import data
 from prodrl_pipelines.loop import evaluate
 from prodrl_pipelines.loop import export
 from prodrl_pipelines.loop import gate
-from prodrl_pipelines.loop import services
-from prodrl_pipelines.loop import train
+from prodrl_pipelines.loop import lineage_hooks
 from prodrl_pipelines.assets.partitions import ACTION_TAG, AT_TAG, BY_TAG, MODEL_VERSION_TAG, round_asset
-from prodrl_pipelines.loop.round_state import RUNNING
-from prodrl_pipelines.loop.review import state_tags, version_description
 from prodrl_pipelines.ops.training import train_op
 from prodrl_pipelines.loop.phases import PhaseMeter
-from prodrl_pipelines.loop.plots import markdown_image, mismatch_history_png
+from prodrl_pipelines.loop.plots import markdown_image
 from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, StoreResource, open_services
 
 
@@ -53,25 +48,19 @@ def trained_checkpoint(context: AssetExecutionContext, settings: ProdRLSettings,
     in-process, or `torchrun` with `train_processes` ranks through Dagster Pipes."""
     svc = open_services(settings, store, mlflow)
     rkey = context.partition_key
-    run_id = svc.lineage.round_run(rkey, params={**svc.settings.recipe.model_dump(), **svc.settings.deploy.model_dump()})
+    run_id = lineage_hooks.training_run(svc, rkey)
 
     def on_step(step: int, m: dict) -> None:
         svc.lineage.log_metrics(run_id, m, step)
 
     stats = train_op(context, svc, rkey, settings.train_processes, settings.fields(),
                      {k: getattr(store, k) for k in type(store).model_fields}, pipes, on_step)
-    steps = [m for m in stats.pop("steps") if not m.get("skipped")]
-    history, starts = train.training_history(svc)
-    png = mismatch_history_png(history, starts)
-    svc.lineage.log_bytes(run_id, png, "mismatch.png", "plots")
-    svc.lineage.log_metrics(run_id, {"round_mismatch_abs_logp": stats["mismatch_abs_logp"],
-                                     **{k: v for k, v in stats.items() if k.startswith("layout_")}}, stats["global_step"])
-    means = {f"mean_{k}": float(sum(m[k] for m in steps) / len(steps))
-             for k in ("engine_mismatch", "staleness", "staleness_steps", "net_mismatch", "kl", "head_entropy", "grad_norm",
-                       "is_weight_mean", "is_truncated_frac", "ppo_clip_frac") if steps and k in steps[0]}
+    rec = lineage_hooks.record_training(svc, rkey, run_id, stats)
+    stats.pop("steps")
     return MaterializeResult(metadata={
-        **stats, **means, "correction": svc.settings.recipe.correction, "mlflow_run_id": run_id, "mlflow_run": MetadataValue.url(svc.lineage.run_url(run_id)),
-        "mismatch_plot": MetadataValue.md(markdown_image(png, "mismatch")),
+        **stats, **rec["means"], "correction": svc.settings.recipe.correction, "mlflow_run_id": run_id,
+        "mlflow_run": MetadataValue.url(svc.lineage.run_url(run_id)),
+        "mismatch_plot": MetadataValue.md(markdown_image(rec["png"], "mismatch")),
     })
 
 
@@ -80,22 +69,13 @@ def exported_policy(context: AssetExecutionContext, settings: ProdRLSettings, st
                     mlflow: MlflowResource) -> MaterializeResult:
     """The deployable export of theta_{k+1} (NVFP4 compressed-tensors by default), registered as the
     `challenger` model version; non-finite weights are refused here, naming the tensor."""
-    from pathlib import Path
-
-    from prodrl_pipelines.quant.export import layer_error_markdown, layer_error_png
+    from prodrl_pipelines.quant.export import layer_error_markdown
 
     svc = open_services(settings, store, mlflow)
     rkey = context.partition_key
     stats = export.export(svc, rkey)
-    run_id = svc.lineage.round_run(rkey)
-    png = layer_error_png(stats["layers"])
-    svc.lineage.log_bytes(run_id, png, "export_layer_error.png", "plots")
-    svc.lineage.log_metrics(run_id, {"export_compression_ratio": stats["compression_ratio"],
-                                     "export_max_rel_fro_error": stats["max_rel_fro_error"], **stats["phases"]}, 0)
-    version = svc.lineage.register_candidate(services.publish_export(svc, rkey, Path(stats["export_dir"])), run_id, rkey,
-                                             {**state_tags(RUNNING), "format": stats["format"],
-                                              "scheme": stats["scheme"]})
-    svc.ledger.update_round(rkey, model_version=version, mlflow_run_id=run_id)
+    rec = lineage_hooks.record_export(svc, rkey, stats)
+    png, version = rec["png"], rec["version"]
     smoke = stats["smoke"]
     smoke_md = "\n".join(f"- `{x['prompt'][-60:]!r}` -> `{x['output']!r}` (mean log mu {x['mean_logprob']:.3f})"
                          for x in smoke["samples"]) or f"smoke generation failed: {smoke['error']}"
@@ -122,11 +102,8 @@ def heldout_eval(context: AssetExecutionContext, settings: ProdRLSettings, store
     meter = PhaseMeter()
     with meter.phase("evaluate"):
         res = evaluate.evaluate(svc, rkey)
-    run_id = svc.lineage.round_run(rkey)
+    run_id = lineage_hooks.record_evaluation(svc, rkey, res)
     cand = res["candidate"]
-    if cand is not None and not res["reproduced"]:
-        svc.lineage.log_metrics(run_id, {"heldout_reward": cand["mean"], "heldout_reward_ci95": cand["ci95"],
-                                         "live_heldout_reward": res["live"]["mean"]}, 0)
     return MaterializeResult(metadata={
         "candidate_reward": cand["mean"] if cand else float("nan"),
         "candidate_ci95": cand["ci95"] if cand else float("nan"),
@@ -160,25 +137,13 @@ def deployment(context: AssetExecutionContext, settings: ProdRLSettings, store: 
     try:
         out = promotion.deploy(svc, rkey, model_version=version, request=request)
     except DeployRejected as e:
-        probe = _numeric(e.probe.metrics()) if e.probe is not None else {}
-        if request is None or request.kind == "approve":  # the round's own deploy: recorded on it
-            failed = {"deployed": "false", "deploy_failed": e.reason[:4000], "rolled_back": e.rollback[:4000]}
-            run_id = svc.lineage.round_run(rkey)
-            svc.lineage.log_metrics(run_id, probe, 0)
-            if version:
-                svc.lineage.tag_version(version, {**({"review": "approved"} if request else {}), **failed})
-            svc.lineage.set_tags(run_id, failed)
-            svc.lineage.finish(run_id)
-        live = svc.ledger.live()
-        if live is not None and live.model_version:  # champion names what serves
-            svc.lineage.promote(live.model_version)
+        probe = lineage_hooks.numeric(e.probe.metrics()) if e.probe is not None else {}
+        lineage_hooks.record_deploy_rejected(svc, rkey, version, request, probe, e)
         raise Failure(description=f"{rkey} was not deployed: {e}",
                       metadata={"reason": e.reason, "rolled_back": e.rollback, **probe}) from e
     except Exception:
         if request is not None and request.kind == "rollback":  # champion names what serves, not the request
-            live = svc.ledger.live()
-            if live is not None and live.model_version:
-                svc.lineage.promote(live.model_version)
+            lineage_hooks.champion_to_live(svc)
         raise
     if out.kind == "awaiting_review":
         context.log.info(f"{rkey} awaits review: {describe_decision(svc.ledger.decision(rkey))}; model version "
@@ -187,23 +152,7 @@ def deployment(context: AssetExecutionContext, settings: ProdRLSettings, store: 
         return
     dep = out.live
     meta = out.rollout.metadata() if out.rollout is not None else {}
-    if out.kind == "deployed":
-        run_id = svc.lineage.round_run(rkey)
-        svc.lineage.log_metrics(run_id, _numeric(meta), 0)
-        if version:  # review before deployed: every prefix of the writes is a consistent state
-            svc.lineage.tag_version(version, {**({"review": "approved"} if request else {}), "deployed": "true",
-                                              "deploy_target": meta["target"], "decided_by": dep.decided_by})
-            svc.lineage.promote(version)
-            svc.lineage.describe_version(version, version_description(rkey, svc.ledger.decision(rkey)))
-        svc.lineage.set_tags(run_id, {"deployed": "true", "decided_by": dep.decided_by})
-        svc.lineage.finish(run_id)
-    elif out.kind == "rolled_back":
-        events = svc.ledger.events()
-        n = sum(1 for e in events if e["kind"] == "rollback")
-        if version:  # an event beside the version's history, never over it
-            svc.lineage.tag_version(version, {f"rollback.{n}": json.dumps(
-                {"by": dep.decided_by, "at": dep.deployed_at, "from": events[-1]["previous"]})})
-            svc.lineage.promote(version)
+    lineage_hooks.record_deployment(svc, rkey, version, request, out, meta)
     yield MaterializeResult(metadata={
         "policy_version": dep.policy_version, "live": True, "how": out.kind if out.kind != "reproduced" else dep.kind,
         "rollback": dep.kind == "rollback", "decided_by": dep.decided_by or "unknown", "deployed_at": dep.deployed_at,
@@ -211,8 +160,3 @@ def deployment(context: AssetExecutionContext, settings: ProdRLSettings, store: 
         "model_version": MetadataValue.url(svc.lineage.version_url(version)) if version else "none",
         **({"endpoint": MetadataValue.url(meta["endpoint"]) if meta.get("endpoint") else "none"} if meta else {}),
         **{k: v for k, v in meta.items() if k != "endpoint"}})
-
-
-def _numeric(d: dict) -> dict:
-    return {k: float(v) for k, v in d.items() if isinstance(v, (int, float)) and not isinstance(v, bool)
-            and v == v and abs(v) != float("inf")}

@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from prodrl_pipelines.config import environment
 from prodrl_pipelines.engines.types import SamplingParams
 from prodrl_pipelines.rl.config import Recipe, registered
 
@@ -107,13 +108,14 @@ class LabSettings(BaseModel):
     size: str = "demo"
     seed: int = 0
     sft_steps: int | None = None
-    # the lab task environment (lab/tasks.py); arithmetic_tools: the arithmetic in production text
-    task: Literal["arithmetic", "chess", "arithmetic_tools"] = "arithmetic"
+    # a lab task environment registered by the lab (lab/tasks.py: arithmetic, chess, arithmetic_tools);
+    # the lab checks the name when it loads its suite or model (check_settings, before any work)
+    task: str = "arithmetic"
 
 
 class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
-    home: str = ".prodrl"
+    home: str = environment.DEFAULT_HOME
     # round 0: a Hugging Face model directory, an s3:// URI, or a registered source ("lab": the lab's toy model)
     base_model: str = "lab"
     recipe: Recipe = Recipe()
@@ -193,8 +195,6 @@ def load_settings_file(path: str | Path) -> dict:
     if isinstance(home, str) and home and not Path(home).expanduser().is_absolute():
         data["home"] = str((here / home).resolve())
     elif home is None:
-        from prodrl_pipelines.config import environment
-
         data["home"] = environment.default_home()
     for key in ("base_model", "eval_suite"):  # local paths (not s3://, not a source name) are relative to the file
         v = data.get(key)
@@ -270,9 +270,3 @@ def settings_from_flat(flat: dict) -> Settings:
             msg = err["msg"].removeprefix("Value error, ")
             problems.append(f"{where or '.'.join(loc) or 'settings'}: {msg}")
         raise ValueError("; ".join(problems)) from None
-
-
-def settings_to_flat(settings: Settings) -> dict:
-    dumped = settings.model_dump(mode="json")
-    return {flat: (dumped[name] if section is None else dumped[section][name])
-            for flat, (section, name) in flat_fields().items()}

@@ -29,7 +29,7 @@ import urllib.request
 from pathlib import Path
 
 from prodrl_pipelines.deploy_targets.base import DeployError, Endpoint, Switch, endpoint_file, served_models
-from prodrl_pipelines.deploy_targets.servers import VLLMRestartTarget, _cuda_available
+from prodrl_pipelines.deploy_targets.servers import VLLMRestartTarget, cuda_available
 
 
 def is_moe(export_dir: Path) -> bool:
@@ -96,11 +96,11 @@ class VLLMReloadTarget:
         return cur.url, (ep.served_model_name if ep is not None and ep.url == cur.url else cur.policy_version)
 
     def switch(self, export_dir: Path, policy_version: str) -> Switch:
-        if self.external and is_moe(export_dir) and not _cuda_available():
+        if self.external and is_moe(export_dir) and not cuda_available():
             raise DeployError(f"vllm-reload refuses the MoE export {export_dir} on CPU: vLLM's in-place "
                               "reload corrupts MoE expert weights there; use deploy target 'vllm-restart'")
         serving = self._serving()
-        if serving is None or (not self.external and not _cuda_available()):
+        if serving is None or (not self.external and not cuda_available()):
             sw = self.restart.switch(export_dir, policy_version)
             sw.detail["mode"] = "restart" if serving is None else "restart (CPU: no reliable in-place reload)"
             return sw

@@ -206,7 +206,7 @@ class VLLMRestartTarget(ManagedServerTarget):
         from prodrl_pipelines.engines.vllm_client import vllm_serve_env
 
         env = vllm_serve_env(self.host)
-        if "VLLM_CPU_OMP_THREADS_BIND" not in env and not _cuda_available():
+        if "VLLM_CPU_OMP_THREADS_BIND" not in env and not cuda_available():
             # vLLM's CPU engine pins its OpenMP threads (auto: the same first cores for every server):
             # blue and green, alive together during a switch, get disjoint halves of the cores, else
             # the new one starves behind the busy old one (measured: no start-up within 150 s)
@@ -216,7 +216,8 @@ class VLLMRestartTarget(ManagedServerTarget):
         return env
 
 
-def _cuda_available() -> bool:
+def cuda_available() -> bool:
+    """Whether torch sees a GPU (False without torch)."""
     try:
         import torch
 

@@ -16,7 +16,7 @@ GREEDY_EPS = 1e-5
 
 
 @dataclass
-class _Plan:
+class RequestPlan:
     """One request resolved: the prompts (ids, text), engine params and the formatting choices."""
 
     prompts: list[list[int]]
@@ -67,7 +67,8 @@ def _check_supported(req, kind: str) -> None:
                                 param="response_format")
 
 
-def _plan(state: ServeState, req, kind: str, prompts: list[list[int]], prompt_texts: list[str | None]) -> _Plan:
+def plan_request(state: ServeState, req, kind: str, prompts: list[list[int]],
+                 prompt_texts: list[str | None]) -> RequestPlan:
     info = state.info
     _check_supported(req, kind)
     if req.n < 1:
@@ -136,10 +137,11 @@ def _plan(state: ServeState, req, kind: str, prompts: list[list[int]], prompt_te
         )
     except ValueError as exc:
         raise ProtocolError(str(exc)) from None
-    return _Plan(prompts, prompt_texts, params, req.seed, req.n, n_lp, bool(req.extra_draw), explicit, stop_strings)
+    return RequestPlan(prompts, prompt_texts, params, req.seed, req.n, n_lp, bool(req.extra_draw), explicit,
+                       stop_strings)
 
 
-async def _run(state: ServeState, plan: _Plan) -> list[list[CallRecord]]:
+async def run_plan(state: ServeState, plan: RequestPlan) -> list[list[CallRecord]]:
     """Records per prompt (``n`` each), in order."""
     b = state.batcher
     if plan.seed is None:
@@ -152,7 +154,7 @@ async def _run(state: ServeState, plan: _Plan) -> list[list[CallRecord]]:
 
 
 @dataclass
-class _Choice:
+class Choice:
     token_ids: list[int]
     logprobs: list[float]
     heads_ids: list[list[int]]
@@ -163,7 +165,8 @@ class _Choice:
     extra_ids: list[int] | None = None  # the extra draw, one per generated token (when asked)
 
 
-def _finish(state: ServeState, plan: _Plan, rec: CallRecord, skip_special: bool, include_stop_str: bool) -> _Choice:
+def finish_choice(state: ServeState, plan: RequestPlan, rec: CallRecord, skip_special: bool,
+                  include_stop_str: bool) -> Choice:
     ids = list(rec.output_token_ids)
     lps = list(rec.output_logprobs)
     hid, hlp = list(rec.top_token_ids), list(rec.top_logprobs)
@@ -183,28 +186,28 @@ def _finish(state: ServeState, plan: _Plan, rec: CallRecord, skip_special: bool,
                 at, s = min(hits)
                 ids, lps, hid, hlp = ids[: i + 1], lps[: i + 1], hid[: i + 1], hlp[: i + 1]
                 text = t[: at + len(s)] if include_stop_str else t[:at]
-                return _Choice(ids, lps, hid, hlp, text, "stop", s, None if extra is None else extra[: i + 1])
+                return Choice(ids, lps, hid, hlp, text, "stop", s, None if extra is None else extra[: i + 1])
     if stopped_by_token:
         stop_reason = ids[-1] if ids[-1] in plan.explicit_stops else None
-    return _Choice(ids, lps, hid, hlp, text, finish, stop_reason, extra)
+    return Choice(ids, lps, hid, hlp, text, finish, stop_reason, extra)
 
 
-def _positions(plan: _Plan, c: _Choice, upto: slice = slice(None)) -> list[list[tuple[int, float]]]:
+def choice_positions(plan: RequestPlan, c: Choice, upto: slice = slice(None)) -> list[list[tuple[int, float]]]:
     n = plan.n_logprobs or 0
     return [position_entries(t, lp, hi, hl, n)
             for t, lp, hi, hl in zip(c.token_ids[upto], c.logprobs[upto], c.heads_ids[upto], c.heads_lps[upto])]
 
 
-def _token_str(state: ServeState, as_ids: bool):
+def token_formatter(state: ServeState, as_ids: bool):
     return token_id_string if as_ids else state.tokens.piece
 
 
-def _usage(prompt_tokens: int, completion_tokens: int) -> dict:
+def usage_block(prompt_tokens: int, completion_tokens: int) -> dict:
     return {"prompt_tokens": prompt_tokens, "total_tokens": prompt_tokens + completion_tokens,
             "completion_tokens": completion_tokens, "prompt_tokens_details": None}
 
 
-def _deltas(state: ServeState, c: _Choice, skip_special: bool) -> list[str]:
+def text_deltas(state: ServeState, c: Choice, skip_special: bool) -> list[str]:
     """Per-token text deltas whose concatenation is the choice's text."""
     out, emitted = [], 0
     for i in range(len(c.token_ids)):

@@ -52,7 +52,7 @@ class ModelInfo:
         return cls(name, str(model_dir or ""), max_len, vocab, frozenset(eos), defaults)
 
 
-class _Tokens:
+class TokenDecoder:
     """Cached per-token strings (vLLM: ``tokenizer.decode([id])``) and text decoding."""
 
     def __init__(self, tokenizer) -> None:
@@ -90,7 +90,7 @@ class ServeState:
         self.batcher = EngineBatcher(engine, batch_wait_ms, max_batch_size, batch_quiet_ms)
         self.max_body_bytes = int(max_body_bytes or MAX_BODY_BYTES)
         self.info = info
-        self.tokens = _Tokens(getattr(engine, "tokenizer", None))
+        self.tokens = TokenDecoder(getattr(engine, "tokenizer", None))
         self.max_logprobs = int(max_logprobs)
         self.api_key = api_key
         self.generation_config = generation_config

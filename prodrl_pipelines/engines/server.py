@@ -66,8 +66,17 @@ from prodrl_pipelines.engines.openai_protocol import (
     message_content,
     sse,
 )
-from prodrl_pipelines.engines.serve_plan import _Choice, _deltas, _finish, _plan, _positions, _run, _token_str, _usage
-from prodrl_pipelines.engines.serve_state import ModelInfo, ServeState, _Tokens, load_engine
+from prodrl_pipelines.engines.serve_plan import (
+    Choice,
+    choice_positions,
+    finish_choice,
+    plan_request,
+    run_plan,
+    text_deltas,
+    token_formatter,
+    usage_block,
+)
+from prodrl_pipelines.engines.serve_state import ModelInfo, ServeState, TokenDecoder, load_engine
 
 __all__ = ["build_app", "BackgroundServer", "KEEP_ALIVE_S"]
 
@@ -154,8 +163,8 @@ async def completions(request: Request) -> Response:
         _check_model(state, req.model)
         # tokenization off the event loop: a long prompt does not hold every other client
         prompts, texts = await asyncio.to_thread(_completion_prompts, state, req)
-        plan = _plan(state, req, "completion", prompts, texts)
-        results = await _run(state, plan)
+        plan = plan_request(state, req, "completion", prompts, texts)
+        results = await run_plan(state, plan)
     except ProtocolError as exc:
         return _error(exc)
     except ValueError as exc:  # the engine rejected the input
@@ -163,8 +172,8 @@ async def completions(request: Request) -> Response:
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     as_ids = bool(req.return_tokens_as_token_ids)
-    tstr = _token_str(state, as_ids)
-    choices = [[_finish(state, plan, r, req.skip_special_tokens, req.include_stop_str_in_output) for r in recs]
+    tstr = token_formatter(state, as_ids)
+    choices = [[finish_choice(state, plan, r, req.skip_special_tokens, req.include_stop_str_in_output) for r in recs]
                for recs in results]
     model = state.info.name
     if req.stream:
@@ -176,7 +185,7 @@ async def completions(request: Request) -> Response:
         for c in cs:
             lp = None
             if plan.n_logprobs is not None:
-                lp = completion_logprobs(c.token_ids, _positions(plan, c), plan.n_logprobs, tstr)
+                lp = completion_logprobs(c.token_ids, choice_positions(plan, c), plan.n_logprobs, tstr)
             item = {
                 "index": len(out), "text": c.text, "logprobs": lp, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason,
@@ -190,7 +199,7 @@ async def completions(request: Request) -> Response:
             n_gen += len(c.token_ids)
     return JSONResponse({
         "id": rid, "object": "text_completion", "created": created, "model": model, "choices": out,
-        "service_tier": None, "system_fingerprint": None, "usage": _usage(n_prompt, n_gen),
+        "service_tier": None, "system_fingerprint": None, "usage": usage_block(n_prompt, n_gen),
         "kv_transfer_params": None,
     })
 
@@ -201,13 +210,13 @@ async def _completion_stream(state, req, plan, choices, rid, created, model, tst
     for pi, cs in enumerate(choices):
         n_prompt += len(plan.prompts[pi])
         for c in cs:
-            deltas = _deltas(state, c, req.skip_special_tokens)
+            deltas = text_deltas(state, c, req.skip_special_tokens)
             offset = 0
             for t in range(len(c.token_ids)):
                 last = t == len(c.token_ids) - 1
                 lp = None
                 if plan.n_logprobs is not None:
-                    lp = completion_logprobs(c.token_ids[t : t + 1], _positions(plan, c, slice(t, t + 1)),
+                    lp = completion_logprobs(c.token_ids[t : t + 1], choice_positions(plan, c, slice(t, t + 1)),
                                              plan.n_logprobs, tstr, initial_text_offset=offset)
                 item = {
                     "index": index, "text": deltas[t], "logprobs": lp,
@@ -225,7 +234,7 @@ async def _completion_stream(state, req, plan, choices, rid, created, model, tst
             index += 1
     if req.stream_options is not None and req.stream_options.include_usage:
         yield sse({"id": rid, "object": "text_completion", "created": created, "model": model, "choices": [],
-                   "usage": _usage(n_prompt, n_gen)})
+                   "usage": usage_block(n_prompt, n_gen)})
     yield SSE_DONE
 
 
@@ -245,7 +254,7 @@ def _render_chat(state: ServeState, req: ChatCompletionRequest) -> tuple[str, li
     return text, _tokenize(state, text, req.add_special_tokens)
 
 
-def _chat_message(c: _Choice) -> dict:
+def _chat_message(c: Choice) -> dict:
     return {"role": "assistant", "content": c.text, "refusal": None, "annotations": None, "audio": None,
             "function_call": None, "tool_calls": [], "reasoning_content": None}
 
@@ -258,16 +267,17 @@ async def chat_completions(request: Request) -> Response:
         text, ids = await asyncio.to_thread(_render_chat, state, req)
         if not ids:
             raise ProtocolError("the rendered chat prompt is empty", param="messages")
-        plan = _plan(state, req, "chat", [ids], [text])
-        results = await _run(state, plan)
+        plan = plan_request(state, req, "chat", [ids], [text])
+        results = await run_plan(state, plan)
     except ProtocolError as exc:
         return _error(exc)
     except ValueError as exc:
         return _error(str(exc), 400)
     rid = f"chatcmpl-{uuid.uuid4().hex}"
     created = int(time.time())
-    tstr = _token_str(state, bool(req.return_tokens_as_token_ids))
-    choices = [_finish(state, plan, r, req.skip_special_tokens, req.include_stop_str_in_output) for r in results[0]]
+    tstr = token_formatter(state, bool(req.return_tokens_as_token_ids))
+    choices = [finish_choice(state, plan, r, req.skip_special_tokens, req.include_stop_str_in_output)
+               for r in results[0]]
     model = state.info.name
     if req.stream:
         return StreamingResponse(_chat_stream(state, req, plan, choices, rid, created, model, tstr, text),
@@ -276,7 +286,7 @@ async def chat_completions(request: Request) -> Response:
     for i, c in enumerate(choices):
         lp = None
         if plan.n_logprobs is not None:
-            lp = chat_logprobs(c.token_ids, _positions(plan, c), plan.n_logprobs, tstr, state.tokens.piece)
+            lp = chat_logprobs(c.token_ids, choice_positions(plan, c), plan.n_logprobs, tstr, state.tokens.piece)
         item = {"index": i, "message": _chat_message(c), "logprobs": lp, "finish_reason": c.finish_reason,
                 "stop_reason": c.stop_reason, "token_ids": c.token_ids if req.return_token_ids else None}
         if plan.extra_draw:
@@ -285,7 +295,7 @@ async def chat_completions(request: Request) -> Response:
     n_gen = sum(len(c.token_ids) for c in choices)
     body = {
         "id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
-        "service_tier": None, "system_fingerprint": None, "usage": _usage(len(ids), n_gen),
+        "service_tier": None, "system_fingerprint": None, "usage": usage_block(len(ids), n_gen),
         "prompt_logprobs": None, "prompt_token_ids": ids if req.return_token_ids else None,
         "kv_transfer_params": None,
     }
@@ -310,12 +320,12 @@ async def _chat_stream(state, req, plan, choices, rid, created, model, tstr, pro
         first = False
         yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
                      "finish_reason": None}, **extra)
-        deltas = _deltas(state, c, req.skip_special_tokens)
+        deltas = text_deltas(state, c, req.skip_special_tokens)
         for t in range(len(c.token_ids)):
             last = t == len(c.token_ids) - 1
             lp = None
             if plan.n_logprobs is not None:
-                lp = chat_logprobs(c.token_ids[t : t + 1], _positions(plan, c, slice(t, t + 1)), plan.n_logprobs,
+                lp = chat_logprobs(c.token_ids[t : t + 1], choice_positions(plan, c, slice(t, t + 1)), plan.n_logprobs,
                                    tstr, state.tokens.piece)
             item = {"index": i, "delta": {"content": deltas[t]}, "logprobs": lp,
                     "finish_reason": c.finish_reason if last else None,
@@ -327,7 +337,7 @@ async def _chat_stream(state, req, plan, choices, rid, created, model, tstr, pro
     if req.stream_options is not None and req.stream_options.include_usage:
         n_gen = sum(len(c.token_ids) for c in choices)
         yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                   "choices": [], "usage": _usage(len(ids), n_gen)})
+                   "choices": [], "usage": usage_block(len(ids), n_gen)})
     yield SSE_DONE
 
 
@@ -364,7 +374,7 @@ async def load_model(request: Request) -> Response:
         info = ModelInfo.from_engine(engine, model_dir, name, state.generation_config)
         state.batcher.engine = engine  # on the engine thread: strictly between batches
         state.info = info
-        state.tokens = _Tokens(engine.tokenizer)
+        state.tokens = TokenDecoder(engine.tokenizer)
         return info
 
     try:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Protocol
 
 
 @dataclass(frozen=True)
@@ -47,3 +48,9 @@ class CallRecord:
     finish_reason: str = "length"  # "stop" when a stop token was sampled (it is kept in the output)
     output_text: str = ""
     extra: dict = field(default_factory=dict)
+
+
+class Engine(Protocol):
+    """What plays an episode: token ids in, sampled calls (ids, logprobs) out."""
+
+    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> list[CallRecord]: ...

@@ -20,15 +20,10 @@ import uuid
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
-from typing import Protocol
 
 from prodrl_pipelines.engines.reply_parsers import get_reply_parser
-from prodrl_pipelines.engines.types import CallRecord, SamplingParams
+from prodrl_pipelines.engines.types import CallRecord, Engine, SamplingParams
 from prodrl_pipelines.evaluation.suite import reply_parser
-
-
-class Engine(Protocol):
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> list[CallRecord]: ...
 
 
 @dataclass

@@ -9,21 +9,16 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 from datetime import datetime, timezone
-from typing import Protocol
 
 import pyarrow as pa
 
-from prodrl_pipelines.engines.types import CallRecord, SamplingParams
+from prodrl_pipelines.engines.types import CallRecord, Engine, SamplingParams
 from prodrl_pipelines.evaluation import episodes as _core
 from prodrl_pipelines.lab.tasks import ARITHMETIC, TaskEnv
 from prodrl_pipelines.lab.tokenizer import IM_END
 from prodrl_pipelines.trajectories.schema import CALL_FIELDS, CALL_SCHEMA, REWARD_SCHEMA
 
 _HAS_EXTRA = "extra_token_ids" in CALL_FIELDS  # optional extra draw a' ~ mu (sampled score centering)
-
-
-class Engine(Protocol):
-    def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None = None) -> list[CallRecord]: ...
 
 
 @dataclass

@@ -9,7 +9,7 @@ from pathlib import Path
 import numpy as np
 
 from prodrl_pipelines.loop.services import (
-    RoundError, Services, preflight, refuse_if_decided, round_seed, upstream_table, vocab_size,
+    RoundError, Services, check_recipe_fits_deployment, refuse_if_decided, round_seed, upstream_table, vocab_size,
 )
 from prodrl_pipelines.storage import documents, keys
 
@@ -19,7 +19,7 @@ def select_data(svc: Services, rkey: str) -> dict:
 
     refuse_if_decided(svc, rkey, "recorded_trajectories")
     s, live = svc.settings, svc.live()
-    preflight(svc, live)
+    check_recipe_fits_deployment(svc, live)
     try:
         sel = select_round_dataset(
             svc.store, rkey, live_version=live.policy_version, version_order=svc.ledger.version_order(),

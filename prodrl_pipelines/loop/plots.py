@@ -33,19 +33,6 @@ def reward_curve_png(rounds: Sequence[int], rewards: Sequence[float], ci: Sequen
     return _png(fig)
 
 
-def step_series_png(series: dict[str, Sequence[float]], title: str, ylabel: str = "") -> bytes:
-    """Several per-step series on one axis (e.g. engine mismatch, staleness, net mismatch)."""
-    fig, ax = plt.subplots(figsize=(5.5, 3.2))
-    for name, ys in series.items():
-        ax.plot(range(1, len(ys) + 1), ys, label=name, lw=1.5)
-    ax.set_xlabel("step")
-    ax.set_ylabel(ylabel)
-    ax.set_title(title)
-    ax.grid(alpha=0.3)
-    ax.legend(fontsize=8)
-    return _png(fig)
-
-
 def markdown_image(png: bytes, alt: str) -> str:
     """Inline PNG for Dagster MarkdownMetadataValue."""
     return f"![{alt}](data:image/png;base64,{base64.b64encode(png).decode()})"

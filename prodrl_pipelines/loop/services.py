@@ -158,14 +158,19 @@ def upstream_table(svc: Services, key: str) -> pa.Table:
         raise RoundError(f"{key} is missing: materialise the upstream asset of this round first") from None
 
 
-def preflight(svc: Services, live: LiveDeployment) -> None:
-    """Settings that cannot work with this deployment fail before any data is touched."""
-    r = svc.settings.recipe
-    if r.needs_reference_model and not (Path(live.export_dir) / "prodrl_export.json").exists():
-        raise RoundError(
-            f"correction={r.correction!r} needs the deployed export of {live.policy_version} as the reference "
-            f"model, but {live.export_dir} holds no export"
-        )
+def reference_export(svc: Services, version: str, export_dir: Path, why: str = "") -> Path:
+    """The deployed export of ``version``, the reference model of corrections that need one
+    (``Recipe.needs_reference_model``); a RoundError naming the correction when it is missing."""
+    if not (Path(export_dir) / "prodrl_export.json").exists():
+        raise RoundError(f"correction={svc.settings.recipe.correction!r} needs the deployed export of {version}"
+                         f"{f' ({why})' if why else ''} as the reference model, but {export_dir} holds no export")
+    return Path(export_dir)
+
+
+def check_recipe_fits_deployment(svc: Services, live: LiveDeployment) -> None:
+    """A recipe that cannot work with this deployment fails before any data is touched."""
+    if svc.settings.recipe.needs_reference_model:
+        reference_export(svc, live.policy_version, Path(live.export_dir))
 
 
 def version_dirs(svc: Services, policy_version: str) -> tuple[Path, Path]:

@@ -9,7 +9,7 @@ from typing import Callable
 import numpy as np
 
 from prodrl_pipelines.loop.services import (
-    RoundError, Services, preflight, publish_checkpoint, refuse_if_decided, round_seed, upstream_json,
+    Services, check_recipe_fits_deployment, publish_checkpoint, reference_export, refuse_if_decided, round_seed, upstream_json,
     upstream_table, version_dirs,
 )
 from prodrl_pipelines.storage import documents, keys
@@ -53,13 +53,10 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
     behavior_steps = {v: load_trainer_state(version_dirs(svc, v)[0]).global_step for v in data_versions}
     reference = None
     if s.recipe.needs_reference_model:
-        preflight(svc, live)
+        check_recipe_fits_deployment(svc, live)
         reference = {}
         for v in data_versions:  # each trajectory's own deployed weights, upcast
-            export_dir = version_dirs(svc, v)[1]
-            if not (export_dir / "prodrl_export.json").exists():
-                raise RoundError(f"correction={s.recipe.correction!r} needs the deployed export of {v} (it sampled "
-                                 f"data of {rkey}) as the reference model, but {export_dir} holds no export")
+            export_dir = reference_export(svc, v, version_dirs(svc, v)[1], f"it sampled data of {rkey}")
             reference[v], _ = load_policy(export_dir, dtype=torch.float32)
             reference[v].eval()
     # in-round resume: one file (one process), or one sharded directory every rank writes its part of

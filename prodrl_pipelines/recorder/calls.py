@@ -16,9 +16,10 @@ from starlette.responses import JSONResponse, Response
 from prodrl_pipelines.engines.openai_protocol import ProtocolError, error_body, read_body
 from prodrl_pipelines.config.preflight import redact
 from prodrl_pipelines.recorder.ingest import Attempt, Stats
-from prodrl_pipelines.recorder.requests import _is_int
-from prodrl_pipelines.recorder.service import _TRAJ_ID
+from prodrl_pipelines.recorder.requests import is_json_int
 from prodrl_pipelines.recorder.tenants import Tenant
+
+_TRAJECTORY_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,256}$")
 
 
 def err(message: str, status: int, stats: Stats | None = None, counter: str | None = None,
@@ -55,7 +56,7 @@ def check_answer_shape(data) -> None:
             raise ProtocolError("a choice is not an object")
         for name in ("token_ids", "prompt_token_ids"):
             ids = c.get(name)
-            if ids is not None and not (isinstance(ids, list) and all(_is_int(t) for t in ids)):
+            if ids is not None and not (isinstance(ids, list) and all(is_json_int(t) for t in ids)):
                 raise ProtocolError(f"choice {name} is not a list of integers")
 
 
@@ -142,7 +143,7 @@ def trajectory_id_of(request: Request) -> str:
     tid = request.headers.get("x-trajectory-id")
     if tid is None:
         return uuid.uuid4().hex
-    if not _TRAJ_ID.match(tid):
+    if not _TRAJECTORY_ID.match(tid):
         raise ProtocolError("X-Trajectory-Id must be 1-256 characters of [A-Za-z0-9._:@/+=-]")
     return tid
 
@@ -180,6 +181,6 @@ def tenant_of(request: Request) -> Tenant:
 
 def n_up(up: dict, kind: str) -> int | None:
     n = up.get("logprobs") if kind == "completion" else up.get("top_logprobs")
-    return int(n) if _is_int(n) else None
+    return int(n) if is_json_int(n) else None
 
 

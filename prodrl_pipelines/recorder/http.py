@@ -34,7 +34,7 @@ from prodrl_pipelines.recorder.calls import (
     upstream_unavailable,
 )
 from prodrl_pipelines.recorder.ingest import Stats
-from prodrl_pipelines.recorder.requests import Unrecordable, _is_num, client_ask, unrecordable_reason
+from prodrl_pipelines.recorder.requests import Unrecordable, client_ask, is_json_number, unrecordable_reason
 from prodrl_pipelines.recorder.responses import ResponsesShape
 from prodrl_pipelines.recorder.service import Recorder, RecorderConfig
 from prodrl_pipelines.recorder.streaming import proxy_stream
@@ -157,7 +157,7 @@ async def feedback(request: Request) -> Response:
     tid, reward, source = body.get("trajectory_id"), body.get("reward"), body.get("source", "feedback")
     if not isinstance(tid, str) or not tid:
         return err("`trajectory_id` (a non-empty string) is required", 422, stats, "feedback_invalid")
-    if not _is_num(reward) or not math.isfinite(float(reward)):
+    if not is_json_number(reward) or not math.isfinite(float(reward)):
         return err(f"`reward` must be a finite number, got {reward!r}", 422, stats, "feedback_invalid")
     if not isinstance(source, str) or not source:
         return err("`source` must be a non-empty string", 422, stats, "feedback_invalid")

@@ -29,21 +29,23 @@ class Unrecordable(Exception):
         self.reason = reason
 
 
-def _is_int(x) -> bool:
+def is_json_int(x) -> bool:
+    """An integer from parsed JSON: an int that is not a bool (``true`` parses to ``True``, an int)."""
     return isinstance(x, int) and not isinstance(x, bool)
 
 
-def _is_num(x) -> bool:
+def is_json_number(x) -> bool:
+    """A number from parsed JSON: an int or float that is not a bool."""
     return isinstance(x, (int, float)) and not isinstance(x, bool)
 
 
 def client_ask(body: dict, kind: str) -> Ask:
     if kind == "completion":
         n = body.get("logprobs")
-        n = int(n) if _is_int(n) else None
+        n = int(n) if is_json_int(n) else None
     elif body.get("logprobs"):
         t = body.get("top_logprobs") or 0
-        n = int(t) if _is_int(t) else 0
+        n = int(t) if is_json_int(t) else 0
     else:
         n = None
     return Ask(bool(body.get("return_token_ids")), n, bool(body.get("return_tokens_as_token_ids")),
@@ -58,16 +60,17 @@ _UNSUPPORTED = ("logit_bias", "allowed_token_ids", "bad_words", "structured_outp
 
 def unrecordable_reason(body: dict, kind: str) -> str | None:
     """Why a request cannot give a trainable record (None: it can)."""
-    for name, typ in (("temperature", _is_num), ("top_p", _is_num), ("top_k", _is_int), ("n", _is_int)):
+    for name, typ in (("temperature", is_json_number), ("top_p", is_json_number), ("top_k", is_json_int),
+                      ("n", is_json_int)):
         if body.get(name) is not None and not typ(body[name]):
             return "invalid_request"
     if body.get("top_k") is not None and not -1 <= body["top_k"] < 2**31:  # the record's top_k is an int32
         return "invalid_request"
     if kind == "completion":
-        if body.get("logprobs") is not None and not _is_int(body["logprobs"]):
+        if body.get("logprobs") is not None and not is_json_int(body["logprobs"]):
             return "invalid_request"
         p = body.get("prompt")
-        if isinstance(p, list) and p and not all(_is_int(x) for x in p):
+        if isinstance(p, list) and p and not all(is_json_int(x) for x in p):
             if len(p) != 1:
                 return "multiple_prompts"
         elif not isinstance(p, (str, list)):
@@ -79,7 +82,7 @@ def unrecordable_reason(body: dict, kind: str) -> str | None:
     else:
         if not isinstance(body.get("messages"), list):
             return "invalid_request"
-        if body.get("top_logprobs") is not None and not _is_int(body["top_logprobs"]):
+        if body.get("top_logprobs") is not None and not is_json_int(body["top_logprobs"]):
             return "invalid_request"
         rf = body.get("response_format")
         if isinstance(rf, dict) and rf.get("type") not in (None, "text"):
@@ -95,7 +98,7 @@ def unrecordable_reason(body: dict, kind: str) -> str | None:
         return "greedy"
     for name, neutral in _NEUTRAL.items():
         v = body.get(name)
-        if v is not None and (not _is_num(v) or float(v) != neutral):
+        if v is not None and (not is_json_number(v) or float(v) != neutral):
             return f"unsupported:{name}"
     for name in _UNSUPPORTED:
         if body.get(name):

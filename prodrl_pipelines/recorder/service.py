@@ -90,7 +90,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import re
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -105,7 +104,7 @@ from prodrl_pipelines.engines.openai_protocol import (
     parse_completion_logprobs,
 )
 from prodrl_pipelines.recorder.ingest import Attempt, Ingestor, Stats
-from prodrl_pipelines.recorder.requests import Ask, Unrecordable, _is_int
+from prodrl_pipelines.recorder.requests import Ask, Unrecordable, is_json_int
 from prodrl_pipelines.recorder.tenants import Tenants
 from prodrl_pipelines.storage.blobstore import LocalBlobStore
 from prodrl_pipelines.trajectories.store import TrajectoryStore
@@ -114,7 +113,6 @@ __all__ = ["RecorderConfig", "Recorder", "TokenStrings", "TOKEN_ENV"]
 
 TOKEN_ENV = "PRODRL_RECORDER_TOKEN"
 UPSTREAM_KEY_ENV = "PRODRL_UPSTREAM_API_KEY"
-_TRAJ_ID = re.compile(r"^[A-Za-z0-9._:@/+=-]{1,256}$")
 _JSON = {"Content-Type": "application/json"}
 _RESET_ERRORS = tuple(e for e in (getattr(aiohttp, "ServerDisconnectedError", None), getattr(aiohttp, "ClientOSError", None),
                                   getattr(aiohttp, "ClientConnectionResetError", None)) if e is not None)
@@ -463,7 +461,7 @@ class Recorder:
         if extra is None:
             self.stats.inc("extra_draw_missing")
             return None
-        if not isinstance(extra, list) or len(extra) != n or not all(_is_int(t) and t >= 0 for t in extra):
+        if not isinstance(extra, list) or len(extra) != n or not all(is_json_int(t) and t >= 0 for t in extra):
             self.stats.inc("extra_draw_malformed")
             return None
         self.stats.inc("extra_draw_recorded")

@@ -14,10 +14,6 @@ def registered(name: str, registry, what: str) -> str:
     return name
 
 
-class RecipeError(ValueError):
-    """A recipe setting that cannot work; the message names the setting."""
-
-
 class Recipe(BaseModel):
     """One round's training recipe. Defaults match DESIGN.md."""
 
