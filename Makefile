@@ -32,9 +32,13 @@ demo: $(STAMP)
 	$(BIN)/prodrl demo --name demo --rounds 8
 
 # Tests need PostgreSQL (DESIGN.md s.8): PRODRL_TEST_PG_URL, default postgresql+psycopg2://postgres@127.0.0.1:5432/test
+# Lint first (ruff.toml), then the files on TEST_WORKERS pytest-xdist workers (a file stays on one
+# worker: its module fixtures are built once); per-file times: add --durations=0 or --junitxml=FILE.
+TEST_WORKERS ?= 2
 test: $(STAMP) vllm
 	bash scripts/ensure_postgres.sh
-	$(BIN)/python -m pytest -q
+	$(BIN)/ruff check .
+	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile
 
 # The whole loop on loopback: S3 endpoint, MLflow server, Dagster webserver + daemon, the deployment
 # (prodrl serve) and its recorder. Database: DAGSTER_PG_URL (default postgresql+psycopg2://postgres@127.0.0.1:5432/test).

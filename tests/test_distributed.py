@@ -18,7 +18,7 @@ from safetensors.torch import load_file
 from prodrl_pipelines.loop import bootstrap
 from prodrl_pipelines.config import environment
 from prodrl_pipelines.loop import train
-from prodrl_pipelines.ops.train_worker import KILL_AT_STEP_ENV
+from prodrl_pipelines.config.environment import KILL_RANK_AT_STEP
 from prodrl_pipelines.ops.training import torchrun_command
 from prodrl_pipelines.rl.checkpoint import load_policy, load_trainer_state
 from prodrl_pipelines.rl.trainer import build_optimizer
@@ -106,7 +106,7 @@ def test_a_rank_killed_mid_round_resumes_from_the_sharded_checkpoint(tmp_path, p
     assert json.loads(whole.stdout.strip().splitlines()[-1])["resumed_from_step"] == 0
     in_round = svc.settings.checkpoints_root / ".in-round" / f"{key}-fsdp2"
     assert not in_round.exists()  # removed once the round's checkpoint was written
-    killed = torchrun(tmp_path / "resumed", **{KILL_AT_STEP_ENV: "3"})
+    killed = torchrun(tmp_path / "resumed", **{KILL_RANK_AT_STEP: "3"})
     assert killed.returncode != 0 and not (tmp_path / "resumed").exists()
     assert in_round.is_dir() and {p.name for p in in_round.glob("meta-rank*.pt")} == {"meta-rank0.pt", "meta-rank1.pt"}
     resumed = torchrun(tmp_path / "resumed")

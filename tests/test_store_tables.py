@@ -22,7 +22,7 @@ from prodrl_pipelines.trajectories.rows import policy_window
 from prodrl_pipelines.trajectories.selection import select_round_dataset
 from prodrl_pipelines.trajectories.store import TrajectoryStore
 from prodrl_pipelines.trajectories.tables import TableError
-from prodrl_pipelines.trajectories.validation import _validate
+from prodrl_pipelines.trajectories.validation import validate_rows
 
 ORDER = [f"v{i}" for i in range(8)]
 
@@ -43,7 +43,7 @@ def _full_count(store, live, lag):
     used = store.used_trajectory_ids()
     include = (~np.isin(np.asarray(ids.to_pylist(), dtype=object), list(used))
                & np.isin(np.asarray(ids.to_pylist(), dtype=object), rewards.column("trajectory_id").to_pylist()))
-    verdict = _validate(calls, rewards, VOCAB, set(ORDER), check_top=False, check_prompt=False, include=include)
+    verdict = validate_rows(calls, rewards, VOCAB, set(ORDER), check_top=False, check_prompt=False, include=include)
     kept = set(np.unique(verdict.t[verdict.keep]).tolist())
     # a trajectory with a call outside the window is not eligible (selection would quarantine it)
     everywhere = store.read_calls(None, dedupe=False, columns=["policy_version"])

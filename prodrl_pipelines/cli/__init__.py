@@ -1,0 +1,1 @@
+"""The ``prodrl`` command line: thin verbs over ``loop``, ``trajectories`` and ``stack``."""

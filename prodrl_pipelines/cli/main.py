@@ -4,8 +4,8 @@
     prodrl bootstrap --settings FILE         round 0 from the model source (base_model), evaluated, live
     prodrl eval --settings FILE [--policy V] held-out reward of a policy version on the suite (JSON); a
                                              round's re-evaluation is stored beside its original
-    prodrl review list|approve|reject|rollback  the reviewer's registry commands (review_cli)
-    prodrl data stats|compact|vacuum|query|migrate  the trajectory store's tables (data_cli)
+    prodrl review list|approve|reject|rollback  the reviewer's registry commands (cli/review.py)
+    prodrl data stats|compact|vacuum|query|migrate  the trajectory store's tables (cli/data.py)
     prodrl up / serve / record               the stack, the local engine server, the recording proxy
 
 Packages add commands through the entry point group ``prodrl_pipelines.cli`` (a function taking the

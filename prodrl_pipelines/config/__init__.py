@@ -1,0 +1,1 @@
+"""Configuration: the typed settings, the one reader of ``PRODRL_*`` variables, checks before work."""

@@ -39,6 +39,7 @@ TRACKING_URI = "MLFLOW_TRACKING_URI"
 UI_URL = "MLFLOW_UI_URL"
 REGISTRY_INTERVAL = "PRODRL_REGISTRY_INTERVAL_S"
 RECORDER_TOKEN = "PRODRL_RECORDER_TOKEN"
+KILL_RANK_AT_STEP = "PRODRL_TEST_KILL_RANK_AT_STEP"  # tests: a training rank exits hard at this step
 UPSTREAM_API_KEY = "PRODRL_UPSTREAM_API_KEY"
 DEFAULT_HOME = ".prodrl"
 LOCAL_MLFLOW_UI = "http://127.0.0.1:5000"
@@ -130,3 +131,8 @@ def recorder_token(environ: Mapping = os.environ) -> str:
 
 def upstream_api_key(environ: Mapping = os.environ) -> str | None:
     return environ.get(UPSTREAM_API_KEY) or None
+
+
+def kill_rank_at_step(environ: Mapping = os.environ) -> int:
+    """The step at which a training rank kills itself (0: never); the resume tests set it."""
+    return int(environ.get(KILL_RANK_AT_STEP, "0") or 0)

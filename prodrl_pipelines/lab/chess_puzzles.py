@@ -44,6 +44,8 @@ from pathlib import Path
 
 import chess
 
+from prodrl_pipelines.storage.atomic import write_text_atomic
+
 GENERATOR_VERSION = 1  # bump when the sampler or search changes: cached chunks are keyed by it
 CHUNK = 64  # puzzles per cached chunk
 TRAIN_CHUNKS = 64  # training pool: 4096 puzzles
@@ -285,11 +287,8 @@ def _from_json(text: str) -> list[ChessPuzzle]:
 
 
 def _write_chunk(split: str, chunk: int, puzzles: list[ChessPuzzle]) -> None:
-    path = _chunk_path(split, chunk)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(_to_json(puzzles))
-    os.replace(tmp, path)  # atomic: concurrent writers produce identical content
+    # atomic: concurrent writers produce identical content
+    write_text_atomic(_chunk_path(split, chunk), _to_json(puzzles), durable=False)
 
 
 def _read_chunk(split: str, chunk: int) -> list[ChessPuzzle] | None:

@@ -1,6 +1,6 @@
 """Step 7 of a round, deployment: a round that passed its gate goes live through the deploy target
 (``promotion: auto``), or waits for a reviewer's approval (``review``); a reviewer may also roll back
-to an earlier deployed round. Free of Dagster, like ``rounds``."""
+to an earlier deployed round. Free of Dagster, like every step in ``loop``."""
 
 from __future__ import annotations
 

@@ -22,15 +22,8 @@ from pathlib import Path
 import torch
 import torch.distributed as dist
 
-
-KILL_AT_STEP_ENV = "PRODRL_TEST_KILL_RANK_AT_STEP"
-
-
-def _services():
-    """The round's settings and stores, from the environment `ops.training.train_op` sets."""
-    from prodrl_pipelines.loop.services import services_from_env
-
-    return services_from_env()
+from prodrl_pipelines.config import environment
+from prodrl_pipelines.loop.services import services_from_env
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -42,9 +35,7 @@ def main(argv: list[str] | None = None) -> int:
     rank = int(os.environ.get("RANK", "0"))
     if world > 1:
         dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
-    from prodrl_pipelines.config.environment import threads_per_rank
-
-    torch.set_num_threads(threads_per_rank())
+    torch.set_num_threads(environment.threads_per_rank())
     pipes_ctx = contextlib.nullcontext(None)
     if rank == 0 and os.environ.get("DAGSTER_PIPES_CONTEXT"):
         from dagster_pipes import open_dagster_pipes
@@ -53,7 +44,7 @@ def main(argv: list[str] | None = None) -> int:
     from prodrl_pipelines.loop.train import train
 
     # crash tests: the last rank kills itself (SIGKILL) after this global step
-    kill_at = int(os.environ.get(KILL_AT_STEP_ENV, "0") or 0)
+    kill_at = environment.kill_rank_at_step()
     with pipes_ctx as pipes:
         def on_step(step: int, m: dict) -> None:
             if pipes is not None:
@@ -61,7 +52,7 @@ def main(argv: list[str] | None = None) -> int:
             if kill_at and step == kill_at and rank == world - 1:
                 os.kill(os.getpid(), signal.SIGKILL)
 
-        stats = train(_services(), args.round, on_step=on_step, progress=False, rank=rank,
+        stats = train(services_from_env(), args.round, on_step=on_step, progress=False, rank=rank,
                       world_size=world,
                       out_dir=Path(args.out) if args.out else None)
         if pipes is None and rank == 0:  # standalone: the round's figures on stdout, one JSON line

@@ -13,6 +13,8 @@ import json
 import os
 from pathlib import Path
 
+from prodrl_pipelines.storage.atomic import write_json_atomic
+
 INDEX = "index.json"
 
 
@@ -45,9 +47,7 @@ def save(client, bucket: str, root: Path) -> dict:
             client.download_file(bucket, key, str(tmp))
             os.replace(tmp, objs_dir / name)
             downloaded += 1
-    tmp = root / f".{INDEX}.tmp"
-    tmp.write_text(json.dumps(new))
-    os.replace(tmp, root / INDEX)
+    write_json_atomic(root / INDEX, new, indent=None, durable=False)
     deleted = 0
     for key, meta in old.items():
         if key not in new:

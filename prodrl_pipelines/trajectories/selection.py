@@ -23,7 +23,7 @@ import pyarrow.compute as pc
 
 from prodrl_pipelines.trajectories.rows import policy_window
 from prodrl_pipelines.trajectories.store import TrajectoryStore
-from prodrl_pipelines.trajectories.validation import _validate
+from prodrl_pipelines.trajectories.validation import validate_rows
 
 
 class InsufficientDataError(RuntimeError):
@@ -110,7 +110,7 @@ def select_round_dataset(
     calls = store.read_calls(window, dedupe=False, as_of=pinned)
     rewards = store.read_rewards(trajectory_ids=pc.unique(calls.column("trajectory_id")).to_pylist(), as_of=pinned)
     include, n_used, n_pending = _candidates(store, calls, rewards, exclude_round=round_key, as_of=pinned)
-    verdict = _validate(
+    verdict = validate_rows(
         calls, rewards, vocab_size, set(version_order), check_top=True, check_prompt=True, include=include
     )
     n_quarantined = verdict.n_quarantined_trajectories()
