@@ -1,40 +1,32 @@
-"""Against a real vLLM (CPU build): the client, the recorder in front of it, every export scheme the
-project writes loaded by vLLM's own loader, and the vLLM deploy targets. One server per session
-(``vllm_server``); the scheme and restart tests start their own."""
+"""Against a real vLLM (CPU build): the client, the recorder in front of it, and the in-place reload
+target, on one server per session (``vllm_server``). The restart target and every export scheme
+are in ``test_vllm_restart.py`` (they start servers of their own, so the two files run in parallel)."""
 
 from __future__ import annotations
 
 import json
 import math
-import threading
-import time
-from concurrent.futures import ThreadPoolExecutor
 
-import numpy as np
 import pytest
 
 from prodrl_pipelines.deploy_targets import endpoint_file
 from prodrl_pipelines.deploy_targets.base import DeployError
 from prodrl_pipelines.deploy_targets.reload import VLLMReloadTarget
-from prodrl_pipelines.deploy_targets.rollout import probe_and_commit, roll_out
-from prodrl_pipelines.deploy_targets.servers import VLLMRestartTarget, pid_alive
-from prodrl_pipelines.engines.local import LocalEngine
+from prodrl_pipelines.deploy_targets.rollout import roll_out
 from prodrl_pipelines.engines.types import SamplingParams
 from prodrl_pipelines.engines.vllm_client import VLLMClient
 from prodrl_pipelines.config.settings import Settings
-from tests.vllm_support import SERVER_ARGS, vllm_python
+from tests.vllm_support import PROMPTS, logprob_mismatch
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
-PROMPTS = [[1, 5, 6, 7, 8], [1, 40, 41, 42, 9, 9], [1, 12, 13], [1, 20, 21, 22, 23, 24, 25]]
-FIGURES: dict[str, dict] = {}  # per scheme |log mu_vllm - log mu_local|, printed at the end
+FIGURES: dict[str, dict] = {}  # |log mu_vllm - log mu_local| and probe figures, printed at the end
 
 
-def _mismatch(records, export_dir, params) -> dict:
-    local = LocalEngine.from_pretrained(export_dir)
-    ref = local.score([r.prompt_token_ids for r in records], [r.output_token_ids for r in records], params)
-    d = np.abs(np.concatenate([np.asarray(r.output_logprobs) - np.asarray(x) for r, x in zip(records, ref)]))
-    return {"mean": float(d.mean()), "max": float(d.max()), "tokens": int(d.size)}
+@pytest.fixture(scope="module", autouse=True)
+def _print_figures():
+    yield
+    print("\n|log mu_vllm - log mu_local| (vLLM vs the local engine):", json.dumps(FIGURES, indent=1))
 
 
 @pytest.mark.parametrize("params", [
@@ -62,7 +54,7 @@ def test_client_against_vllm(vllm_server, vllm_exports, params):
                 finite = [x for x in lps if x > -9999.0]  # vLLM floors filtered tokens at -9999
                 assert len(finite) >= min(params.top_k, len(lps))  # ties at the k-th value are kept
                 assert abs(math.log(sum(math.exp(x) for x in finite))) < 2e-3
-    m = _mismatch(recs, vllm_exports["dense-bf16"], params)
+    m = logprob_mismatch(recs, vllm_exports["dense-bf16"], params)
     FIGURES[f"bf16 dense ({params.top_k=}, {params.top_p=})"] = m
     assert m["mean"] < 2e-2 and m["max"] < 0.3, m  # vLLM computes in bf16, the local engine in fp32
 
@@ -113,125 +105,6 @@ def test_recorder_in_front_of_vllm(vllm_server, tmp_path):
             head = {int(k.split(":")[1]): v for k, v in first["logprobs"]["top_logprobs"][0].items()}
             if row["output_token_ids"][0] in head:
                 assert abs(head[row["output_token_ids"][0]] - row["output_logprobs"][0]) < 1e-4
-
-
-def _scheme_target(tmp_path, port_base: int):
-    settings = Settings(home=str(tmp_path / "home"), deploy={
-        "target": "vllm-restart", "target_port": port_base, "vllm_python": vllm_python(),
-        "server_args": SERVER_ARGS, "num_top_logprobs": 8, "probe_prompts": 4, "max_tokens": 8})
-    return settings, VLLMRestartTarget(settings, settings.home_path)
-
-
-class Traffic:
-    """Steady completions through a recorder that follows the deployment's endpoint file."""
-
-    # two clients with a short pause: steady, but leaving the second core to the server booting beside
-    # the busy one (4 unthrottled clients starved its start-up past 300 s on 2 cores)
-    def __init__(self, url: str, workers: int = 2, pause_s: float = 0.02) -> None:
-        self.pause_s = pause_s
-        import httpx
-
-        self.failures, self.stop, self.url = [], threading.Event(), url
-        self.pool = ThreadPoolExecutor(workers)
-        self.futs = [self.pool.submit(self._run, i, httpx) for i in range(workers)]
-
-    def _run(self, i: int, httpx) -> int:
-        n = 0
-        with httpx.Client(base_url=self.url, headers={"Authorization": "Bearer t"}, timeout=120) as h:
-            while not self.stop.is_set():
-                try:
-                    r = h.post("/v1/completions", json={"model": "whatever-the-client-says",
-                                                         "prompt": PROMPTS[(i + n) % 4], "max_tokens": 6,
-                                                         "logprobs": 8, "seed": n},
-                               headers={"X-Trajectory-Id": f"w{i}-{n}"})
-                    if r.status_code != 200:
-                        self.failures.append(f"{r.status_code}: {r.text}")
-                except Exception as e:  # noqa: BLE001 - counted as a failed call
-                    self.failures.append(f"{type(e).__name__}: {e}")
-                n += 1
-                time.sleep(self.pause_s)
-        return n
-
-    def finish(self) -> int:
-        self.stop.set()
-        sent = sum(f.result() for f in self.futs)
-        self.pool.shutdown()
-        return sent
-
-
-def _explained_by(rows, exports: dict) -> None:
-    """Each recorded call's logprobs are those of its tagged version's weights (and only those)."""
-    params = SamplingParams(max_tokens=6, num_top_logprobs=8)
-    engines = {v: LocalEngine.from_pretrained(d) for v, d in exports.items()}
-    for r in rows:
-        errs = {v: float(np.abs(np.asarray(e.score([r["prompt_token_ids"]], [r["output_token_ids"]], params)[0])
-                                - np.asarray(r["output_logprobs"])).max()) for v, e in engines.items()}
-        assert min(errs, key=errs.get) == r["policy_version"] and errs[r["policy_version"]] < 2e-2, (r["policy_version"], errs)
-
-
-def test_every_export_scheme_serves_on_vllm_through_the_restart_target(vllm_exports, tmp_path):
-    """bf16 dense and MoE, NVFP4 W4A16 and W4A4 (dense) through vLLM's own loader, each deploy a
-    blue/green restart (the old server stops only after the new one serves) probed for parity; the
-    cut-over from dense2 to w4a16 happens under steady traffic through ``prodrl record --follow``: no
-    call fails and each is tagged with the version that served it (checked against the weights)."""
-    from prodrl_pipelines.engines.server import BackgroundServer
-    from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
-    from prodrl_pipelines.deploy_targets.processes import pick_port
-
-    settings, target = _scheme_target(tmp_path, pick_port())
-    params = SamplingParams(max_tokens=8, num_top_logprobs=8)
-    app = build_recorder_app(RecorderConfig(upstream="", follow=str(endpoint_file(settings.home_path).path),
-                                            store_dir=str(tmp_path / "store"), token="t", top_logprobs=8))
-    pids, traffic = [], None
-    try:
-        with BackgroundServer(app) as srv:
-            for version, export in (("dense2", "dense2-bf16"), ("w4a16", "dense-nvfp4-w4a16"), ("moe-bf16", "moe-bf16"),
-                                    ("w4a4", "dense-nvfp4-w4a4")):
-                if version == "w4a16":
-                    # green boots beside blue, then traffic runs across the probe and the cut-over
-                    # (booting under unthrottled load on 2 cores is bench/deploy_switch.py's subject)
-                    sw = target.switch(vllm_exports[export], version)
-                    traffic = Traffic(srv.url)
-                    time.sleep(2.0)
-                    ro = probe_and_commit(settings, target, sw, PROMPTS)
-                else:
-                    ro = roll_out(settings, target, vllm_exports[export], version, PROMPTS)
-                assert ro.probe is not None and ro.probe.passed, ro.probe
-                cur = target.current()
-                assert cur.policy_version == version and cur.url == ro.switch.endpoint
-                assert endpoint_file(settings.home_path).read().policy_version == version
-                pids.append(cur.pid)
-                assert all(not pid_alive(p) for p in pids[:-1])  # the old server was stopped after the switch
-                with VLLMClient(cur.url) as c:
-                    recs = c.generate(PROMPTS, params, seed=3)
-                FIGURES[version] = {**_mismatch(recs, vllm_exports[export], params), "switch_s": round(ro.seconds, 1),
-                                    "probe_mean": ro.probe.mean_abs}
-                bound = {"dense2": 5e-3, "moe-bf16": 5e-3, "w4a16": 5e-3, "w4a4": 5e-2}[version]
-                assert FIGURES[version]["mean"] < bound, FIGURES[version]
-                if version == "w4a16":
-                    time.sleep(2.0)
-                    sent = traffic.finish()
-                    assert app.state.recorder.ingestor.flush(30)
-                    rows = app.state.recorder.store.read_calls().to_pylist()
-            assert not traffic.failures, traffic.failures[:3]
-            assert len(rows) == sent
-            assert {r["policy_version"] for r in rows} == {"dense2", "w4a16"}
-            _explained_by(rows, {"dense2": vllm_exports["dense2-bf16"], "w4a16": vllm_exports["dense-nvfp4-w4a16"]})
-        # the next run finds the server again from the state file (a new target object)
-        again = VLLMRestartTarget(settings, settings.home_path).current()
-        assert again is not None and again.pid == pids[-1]
-        # a probe bound nothing meets: rolled back, the previous server still serves
-        strict = settings.model_copy(update={"deploy": settings.deploy.model_copy(update={"probe_mean_bound": 1e-9})})
-        with pytest.raises(DeployError, match="parity probe failed") as err:
-            roll_out(strict, VLLMRestartTarget(strict, strict.home_path), vllm_exports["dense-nvfp4-w4a4"], "w4a4-again",
-                     PROMPTS)
-        assert "w4a4 kept serving" in str(err.value)
-        assert target.current().pid == pids[-1] and endpoint_file(settings.home_path).read().policy_version == "w4a4"
-    finally:
-        target.stop()  # first: a server left running would starve every later test
-        if traffic is not None:
-            traffic.finish()
-        print("\n|log mu_vllm - log mu_local| per scheme:", json.dumps(FIGURES, indent=1))
 
 
 def test_reload_refuses_a_moe_export_on_an_external_cpu_server(vllm_server, vllm_exports, tmp_path):
