@@ -33,8 +33,9 @@ demo: $(STAMP)
 
 # Tests need PostgreSQL (DESIGN.md s.8): PRODRL_TEST_PG_URL, default postgresql+psycopg2://postgres@127.0.0.1:5432/test
 # Lint first (ruff.toml), then the files on TEST_WORKERS pytest-xdist workers (a file stays on one
-# worker: its module fixtures are built once); per-file times: add --durations=0 or --junitxml=FILE.
-TEST_WORKERS ?= 2
+# worker: its module fixtures are built once; three workers on two cores: most tests wait on servers and
+# subprocesses); per-file times: add --durations=0 or --junitxml=FILE.
+TEST_WORKERS ?= 3
 test: $(STAMP) vllm
 	bash scripts/ensure_postgres.sh
 	$(BIN)/ruff check .

@@ -164,9 +164,11 @@ def test_review_through_the_daemon(tmp_path, pg_instance, mlflow_server, s3_endp
 
         # --- contradictions written straight into the registry are refused on the version
         client.set_model_version_tag(MODEL, "3", "review", "approved")
-        wait_for(lambda: "review_refused" in client.get_model_version(MODEL, "3").tags, "a refusal", log, client)
-        mv = client.get_model_version(MODEL, "3")
-        assert mv.tags["review"] == "rejected" and "its round is decided (rejected by bob" in mv.tags["review_refused"]
+        # the refusal is two tag writes (the restored review, then review_refused): wait for the state
+        # they leave together, then check what it says
+        tags = lambda: client.get_model_version(MODEL, "3").tags  # noqa: E731
+        wait_for(lambda: "review_refused" in tags() and tags()["review"] == "rejected", "a refusal", log, client)
+        assert "its round is decided (rejected by bob" in tags()["review_refused"]
         client.set_registered_model_alias(MODEL, CHAMPION, "3")  # "roll back" to a version never deployed
         wait_for(lambda: "never deployed" in client.get_model_version(MODEL, "3").tags["review_refused"],
                  "the refused rollback", log, client)

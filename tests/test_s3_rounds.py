@@ -76,8 +76,8 @@ def test_round_steps_run_on_fresh_machines_from_the_s3_stores(tmp_path, s3_endpo
         svc.live()
 
 
-def test_torchrun_workers_rebuild_the_same_stores(monkeypatch, tmp_path):
-    from prodrl_pipelines.ops.train_worker import _services
+def test_processes_outside_dagster_rebuild_the_same_stores(monkeypatch, tmp_path):
+    from prodrl_pipelines.loop.services import services_from_env
     from prodrl_pipelines.config import environment
 
     fields = {"root": "", "s3_bucket": "b", "s3_prefix": "team/p", "s3_endpoint_url": "http://127.0.0.1:9",
@@ -85,10 +85,10 @@ def test_torchrun_workers_rebuild_the_same_stores(monkeypatch, tmp_path):
     for k, v in environment.write(settings={"home": str(tmp_path / "h")}, store=fields).items():
         monkeypatch.setenv(k, v)
     assert environment.read_store() == fields
-    svc = _services()
+    svc = services_from_env()
     assert type(svc.blobs).__name__ == "S3BlobStore" and svc.blobs.bucket == "b" and svc.blobs.prefix == "team/p"
     assert isinstance(svc.checkpoints_store, S3CheckpointStore) and isinstance(svc.exports_store, S3CheckpointStore)
     monkeypatch.setenv("PRODRL_S3_BUCKET", "")
     monkeypatch.setenv("PRODRL_STORE_ROOT", str(tmp_path / "s"))
-    local = _services()
+    local = services_from_env()
     assert local.checkpoints_store is None and str(local.blobs.root) == str(tmp_path / "s")
