@@ -35,7 +35,17 @@ class DeploySettings(BaseModel):
     # auto: a candidate that passes the gate is deployed; review: it becomes `challenger` with
     # review=pending and waits for a reviewer in the MLflow registry (or `prodrl review`)
     promotion: Literal["auto", "review"] = "auto"
-    target_port: int = Field(8000, ge=1, le=65534, description="managed servers use this port and the next")
+    target_port: int = Field(8000, ge=1, le=65534, description="managed servers: replica i uses this port + 2i "
+                                                              "and the next (blue/green); a canary the pair after them")
+    # a fleet behind one address (managed targets: prodrl-serve, vllm-restart), updated in waves of at
+    # most max_unavailable replicas, each new replica healthy and probed before its old one drains
+    replicas: int = Field(1, ge=1, le=32)
+    max_unavailable: int = Field(1, ge=1)
+    # a canary between "gate passed" (and review approved) and "live": this fraction of trajectories
+    # (sticky per trajectory id) goes to the candidate until canary_min_trajectories of them are
+    # rewarded, then its live reward is compared with the champion's on the same window (0: no canary)
+    canary_fraction: float = Field(0.0, ge=0, lt=1)
+    canary_min_trajectories: int = Field(64, ge=2)
     target_endpoint: str = Field("", description="vllm-reload: a running dev-mode vLLM; command: where it serves "
                                                  "({port} filled in)")
     target_command: str = Field("", description="command: template with {export_dir}, {policy_version}, {port}")
@@ -75,6 +85,17 @@ class DeploySettings(BaseModel):
 
         check_command_template(v)
         return v
+
+    @model_validator(mode="after")
+    def _fleet_fits_the_target(self) -> "DeploySettings":
+        from prodrl_pipelines.deploy_targets import FLEET_TARGETS
+
+        if self.max_unavailable > self.replicas:
+            raise ValueError(f"max_unavailable ({self.max_unavailable}) must be <= replicas ({self.replicas})")
+        if (self.replicas > 1 or self.canary_fraction > 0) and self.target not in FLEET_TARGETS:
+            raise ValueError(f"replicas > 1 and canary_fraction need a managed target ({', '.join(FLEET_TARGETS)}); "
+                             f"target {self.target!r} runs one server it does not manage")
+        return self
 
     @model_validator(mode="after")
     def _command_needs_template(self) -> "DeploySettings":

@@ -20,6 +20,10 @@ TARGETS: dict[str, type] = {
 }
 
 
+# the targets that start and stop their servers, so can run several replicas and a canary
+FLEET_TARGETS = ("prodrl-serve", "vllm-restart")
+
+
 def make_target(settings) -> DeployTarget:
     name = settings.deploy.target
     if name not in TARGETS:
@@ -27,4 +31,4 @@ def make_target(settings) -> DeployTarget:
     return TARGETS[name](settings, settings.home_path)
 
 
-__all__ = ["TARGETS", "DeployError", "DeployTarget", "Endpoint", "EndpointFile", "Switch", "endpoint_file", "make_target"]
+__all__ = ["FLEET_TARGETS", "TARGETS", "DeployError", "DeployTarget", "Endpoint", "EndpointFile", "Switch", "endpoint_file", "make_target"]

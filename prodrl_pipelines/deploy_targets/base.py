@@ -73,7 +73,14 @@ def read_json(path: Path) -> dict | None:
 
 @dataclass
 class Endpoint:
-    """What the deployment serves now, as the processes in front of it see it."""
+    """What the deployment serves now, as the processes in front of it see it.
+
+    ``url`` / ``served_model_name`` / ``policy_version`` name the deployment (a fleet: its first
+    replica and the version it rolls out); ``replicas`` lists every server behind it (``url``,
+    ``served_model_name``, ``policy_version`` each: versions differ during a rolling update), empty
+    for one server; ``canary``, while a candidate is tried on live traffic, holds its ``fraction``
+    of trajectories, its ``policy_version`` and its ``replicas``.
+    """
 
     url: str
     served_model_name: str
@@ -81,6 +88,20 @@ class Endpoint:
     target: str = ""
     export_dir: str = ""  # what it serves (a rollback of an in-place reload reloads it)
     switched_at: str = ""
+    replicas: list[dict] = field(default_factory=list)
+    canary: dict | None = None
+
+    def replica_list(self) -> list[dict]:
+        """The servers behind the stable address (one: the deployment itself)."""
+        return self.replicas or [{"url": self.url, "served_model_name": self.served_model_name,
+                                  "policy_version": self.policy_version}]
+
+    def version_of(self, served_model_name: str | None) -> str | None:
+        """The policy version a server answering as ``served_model_name`` serves (None: not listed)."""
+        for r in self.replica_list() + list((self.canary or {}).get("replicas", [])):
+            if r["served_model_name"] == served_model_name:
+                return r["policy_version"]
+        return None
 
 
 class EndpointFile:

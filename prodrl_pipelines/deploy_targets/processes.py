@@ -31,6 +31,24 @@ def pick_port(preferred: int = 0) -> int:
         return s.getsockname()[1]
 
 
+def pick_port_range(span: int, preferred: int = 0) -> int:
+    """A first port whose ``span`` consecutive ports are free on loopback (``preferred`` when they
+    are): a fleet's replicas take two ports each."""
+    import random
+
+    def free(base: int) -> bool:
+        return all(port_free(base + i) for i in range(span))
+
+    if preferred and free(preferred):
+        return preferred
+    rng = random.Random()
+    for _ in range(500):
+        base = rng.randrange(20000, 60000 - span)
+        if free(base):
+            return base
+    raise RuntimeError(f"no {span} consecutive free ports on loopback")
+
+
 def tail(path: Path, n: int = 20) -> str:
     try:
         return "\n".join(path.read_text(errors="replace").splitlines()[-n:])

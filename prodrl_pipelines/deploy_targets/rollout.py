@@ -1,4 +1,9 @@
-"""One deploy, start to finish: switch, health check, parity probe, then commit or roll back."""
+"""One deploy, start to finish: switch, health check, parity probe, then commit or roll back.
+
+A target with several replicas (``waves()``) is updated wave by wave: each wave's new servers are
+switched, health-checked and probed, then committed (its old servers drain), before the next wave
+starts; a failure in any wave rolls that wave back and restores the waves already committed.
+"""
 
 from __future__ import annotations
 
@@ -14,10 +19,11 @@ from prodrl_pipelines.deploy_targets.probe import ProbeResult, parity_probe
 class Rollout:
     switch: Switch
     probe: ProbeResult | None
-    seconds: float  # from "deploy" to "probe passed" (and committed)
+    seconds: float  # from "deploy" to "probe passed" (and committed); a fleet: its last wave
+    waves: int = 1
 
     def metadata(self) -> dict:
-        out = {**self.switch.summary(), "deploy_seconds": round(self.seconds, 3)}
+        out = {**self.switch.summary(), "deploy_seconds": round(self.seconds, 3), "waves": self.waves}
         if self.probe is not None:
             out.update({k: v for k, v in self.probe.metrics().items() if k != "probe_passed"})
         return out
@@ -36,11 +42,25 @@ def roll_out(settings, target, export_dir: Path, policy_version: str,
     """Make ``export_dir`` live through ``target``; ``DeployRejected`` when it never served (nothing
     changed) or, after the rollback, when its health check or probe failed."""
     t0 = time.monotonic()
-    try:
-        sw = target.switch(Path(export_dir), policy_version)
-    except DeployError as e:  # never served: nothing to undo
-        raise DeployRejected(f"deploy failed: {e}", None, None, "nothing changed; the previous deployment kept serving") from e
-    return probe_and_commit(settings, target, sw, prompts, api_key, t0)
+    waves = target.waves() if hasattr(target, "waves") else [None]
+    done: list[Switch] = []
+    ro = None
+    for n, wave in enumerate(waves, 1):
+        where = f" (wave {n}/{len(waves)}: replicas {wave})" if len(waves) > 1 else ""
+        try:
+            sw = target.switch(Path(export_dir), policy_version, **({"wave": wave} if wave is not None else {}))
+        except DeployError as e:  # this wave never served: undo the earlier ones
+            undone = target.restore(done) if done else "nothing changed; the previous deployment kept serving"
+            raise DeployRejected(f"deploy failed{where}: {e}", None, None, undone) from e
+        try:
+            ro = probe_and_commit(settings, target, sw, prompts, api_key, t0)
+        except DeployRejected as e:
+            if not done:
+                raise
+            raise DeployRejected(e.reason + where, e.switch, e.probe, f"{e.rollback}; {target.restore(done)}") from e
+        done.append(sw)
+    ro.waves = len(waves)
+    return ro
 
 
 def probe_and_commit(settings, target, sw: Switch, prompts: list[list[int]], api_key: str | None = None,

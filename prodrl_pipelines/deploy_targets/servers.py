@@ -81,7 +81,14 @@ class ServerRecord:
 
 
 class ManagedServerTarget:
-    """A restart target: subclasses give the command line of a server on (export, port, version)."""
+    """A restart target: subclasses give the command line of a server on (export, port, version).
+
+    ``deploy.replicas`` servers (slots 0..N-1) serve behind the endpoint file; slot i uses ports
+    ``target_port + 2i`` and the next, blue/green. ``switch`` starts the new servers of a wave of slots
+    beside the old ones and waits until they are healthy; ``commit`` makes them current (endpoint file:
+    every replica), then drains and stops the old ones; ``rollback`` stops the new ones; ``restore``
+    brings the previous version back on slots of waves already committed (a later wave failed).
+    """
 
     name = "managed"
     ready_timeout_default = 180.0
@@ -94,6 +101,7 @@ class ManagedServerTarget:
         self.dir = self.home / "deployment" / (state_name or self.name)  # pid/port state, logs
         self.dev_mode = dev_mode
         self.host = "127.0.0.1"
+        self.replicas = int(self.deploy.replicas)
 
     # what a subclass defines
     def command(self, export_dir: Path, port: int, policy_version: str) -> list[str]:
@@ -102,17 +110,28 @@ class ManagedServerTarget:
     def environment(self, port: int) -> dict:
         return dict(os.environ)
 
-    # state
-    def current(self) -> ServerRecord | None:
-        raw = read_json(self.dir / "current.json")
+    # state: slot 0 keeps the single server's layout (<dir>/current.json)
+    def slot_dir(self, slot: int) -> Path:
+        return self.dir if slot == 0 else self.dir / f"replica-{slot}"
+
+    def current(self, slot: int = 0) -> ServerRecord | None:
+        raw = read_json(self.slot_dir(slot) / "current.json")
         rec = ServerRecord(**raw) if raw else None
         return rec if rec is not None and rec.alive() else None
 
-    def _ports(self) -> tuple[int, int]:
-        p = int(self.deploy.target_port)
+    def currents(self) -> list[ServerRecord | None]:
+        return [self.current(i) for i in range(self.replicas)]
+
+    def _ports(self, slot: int = 0) -> tuple[int, int]:
+        p = int(self.deploy.target_port) + 2 * slot
         return p, p + 1
 
-    def start(self, export_dir: Path, policy_version: str, port: int) -> ServerRecord:
+    def waves(self) -> list[list[int]]:
+        """The slots a rolling update replaces together, in order (at most ``max_unavailable`` each)."""
+        k = int(self.deploy.max_unavailable)
+        return [list(range(i, min(i + k, self.replicas))) for i in range(0, self.replicas, k)]
+
+    def start(self, export_dir: Path, policy_version: str, port: int, slot: int = 0) -> ServerRecord:
         log = self.dir / "logs" / f"{policy_version}-{port}.log"
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as fh:
@@ -121,61 +140,113 @@ class ManagedServerTarget:
         return ServerRecord(pid=proc.pid, port=port, url=f"http://{self.host}:{port}", policy_version=policy_version,
                             export_dir=str(export_dir), log=str(log), started_at=time.time())
 
-    def _stale(self, port: int) -> None:
+    def _stale(self, slot: int, port: int) -> None:
         """A server of ours left on ``port`` by a crashed deploy (pending, never committed) is stopped."""
-        raw = read_json(self.dir / "pending.json")
+        raw = read_json(self.slot_dir(slot) / "pending.json")
         if raw and int(raw["port"]) == port and pid_alive(int(raw["pid"])):
             stop_process_group(int(raw["pid"]))
 
-    # the protocol
-    def switch(self, export_dir: Path, policy_version: str) -> Switch:
-        t0 = time.monotonic()
-        cur = self.current()
-        a, b = self._ports()
+    def _start_beside(self, slot: int, export_dir: Path, policy_version: str) -> tuple[ServerRecord, ServerRecord | None]:
+        """A new server for ``slot`` on the port its current one does not hold (pending until commit)."""
+        cur = self.current(slot)
+        a, b = self._ports(slot)
         port = b if cur is not None and cur.port == a else a
-        self._stale(port)
-        rec = self.start(Path(export_dir), policy_version, port)
-        write_json(self.dir / "pending.json", asdict(rec))
-        try:
+        self._stale(slot, port)
+        rec = self.start(Path(export_dir), policy_version, port, slot)
+        write_json(self.slot_dir(slot) / "pending.json", asdict(rec))
+        return rec, cur
+
+    def _wait(self, recs: list[ServerRecord], policy_version: str) -> None:
+        for rec in recs:
             wait_healthy(rec.url, self.deploy.health_timeout_s, expect_model=policy_version,
-                         alive=rec.alive, log_tail=lambda: tail(Path(rec.log)))
+                         alive=rec.alive, log_tail=lambda rec=rec: tail(Path(rec.log)))
+
+    # the protocol
+    def switch(self, export_dir: Path, policy_version: str, wave: list[int] | None = None) -> Switch:
+        t0 = time.monotonic()
+        wave = list(range(self.replicas)) if wave is None else list(wave)
+        started: list[tuple[int, ServerRecord, ServerRecord | None]] = []
+        try:
+            for slot in wave:
+                rec, cur = self._start_beside(slot, export_dir, policy_version)
+                started.append((slot, rec, cur))
+            self._wait([rec for _, rec, _ in started], policy_version)
         except BaseException:
-            stop_process_group(rec.pid)
-            (self.dir / "pending.json").unlink(missing_ok=True)
+            for slot, rec, _ in started:
+                stop_process_group(rec.pid)
+                (self.slot_dir(slot) / "pending.json").unlink(missing_ok=True)
             raise
-        return Switch(self.name, policy_version, str(export_dir), rec.url, policy_version,
-                      seconds=time.monotonic() - t0, previous=asdict(cur) if cur else None,
-                      detail={"pid": rec.pid, "port": rec.port, "log": rec.log,
-                              "replaces": cur.policy_version if cur else ""})
+        _, first, first_cur = started[0]
+        slots = [{"slot": slot, "pid": rec.pid, "port": rec.port, "url": rec.url, "log": rec.log,
+                  "previous": asdict(cur) if cur else None} for slot, rec, cur in started]
+        return Switch(self.name, policy_version, str(export_dir), first.url, policy_version,
+                      seconds=time.monotonic() - t0, previous=asdict(first_cur) if first_cur else None,
+                      detail={"pid": first.pid, "port": first.port, "log": first.log,
+                              "replaces": first_cur.policy_version if first_cur else "",
+                              "wave": wave, "replicas": self.replicas, "slots": slots})
+
+    def write_endpoint(self, policy_version: str, export_dir: str) -> None:
+        """The endpoint file: every live replica (versions differ mid-update), the canary if one runs."""
+        reps = [r for r in self.currents() if r is not None]
+        if not reps:
+            return
+        head = next((r for r in reps if r.policy_version == policy_version), reps[0])
+        old = endpoint_file(self.home).read()
+        endpoint_file(self.home).write(Endpoint(
+            head.url, head.policy_version, policy_version, self.name, export_dir,
+            replicas=[{"url": r.url, "served_model_name": r.policy_version, "policy_version": r.policy_version}
+                      for r in reps],
+            canary=old.canary if old is not None else None))
 
     def commit(self, switch: Switch) -> None:
-        raw = read_json(self.dir / "pending.json")
-        if not raw or int(raw["pid"]) != int(switch.detail["pid"]):
-            raise DeployError(f"{self.name}: no pending server for {switch.policy_version} to commit")
-        write_json(self.dir / "current.json", raw)
-        (self.dir / "pending.json").unlink(missing_ok=True)
-        endpoint_file(self.home).write(Endpoint(switch.endpoint, switch.policy_version, switch.policy_version, self.name,
-                                                 switch.export_dir))
-        old = switch.previous
-        if old and int(old["pid"]) != int(raw["pid"]):
+        for s in switch.detail["slots"]:
+            raw = read_json(self.slot_dir(s["slot"]) / "pending.json")
+            if not raw or int(raw["pid"]) != int(s["pid"]):
+                raise DeployError(f"{self.name}: no pending server for {switch.policy_version} on replica "
+                                  f"{s['slot']} to commit")
+            write_json(self.slot_dir(s["slot"]) / "current.json", raw)
+            (self.slot_dir(s["slot"]) / "pending.json").unlink(missing_ok=True)
+        self.write_endpoint(switch.policy_version, switch.export_dir)
+        old = [s["previous"] for s in switch.detail["slots"]
+               if s["previous"] and int(s["previous"]["pid"]) != int(s["pid"])]
+        if old:
             time.sleep(DRAIN_S)
-            stop_process_group(int(old["pid"]))
+            for o in old:  # SIGTERM: the server finishes the requests it accepted, then exits
+                stop_process_group(int(o["pid"]))
 
     def rollback(self, switch: Switch) -> str:
-        stop_process_group(int(switch.detail["pid"]))
-        (self.dir / "pending.json").unlink(missing_ok=True)
+        for s in switch.detail["slots"]:
+            stop_process_group(int(s["pid"]))
+            (self.slot_dir(s["slot"]) / "pending.json").unlink(missing_ok=True)
         old = switch.previous
         if old and pid_alive(int(old["pid"])):
             return f"stopped the new server; {old['policy_version']} kept serving at {old['url']}"
         return "stopped the new server; nothing else was serving"
 
+    def restore(self, switches: list[Switch]) -> str:
+        """Bring back what served before on the slots of committed waves (latest first), blue/green."""
+        done = []
+        for sw in reversed(switches):
+            for s in sw.detail["slots"]:
+                prev = s["previous"]
+                if not prev:
+                    continue
+                rec, cur = self._start_beside(s["slot"], Path(prev["export_dir"]), prev["policy_version"])
+                self._wait([rec], prev["policy_version"])
+                back = Switch(self.name, prev["policy_version"], prev["export_dir"], rec.url, prev["policy_version"],
+                              detail={"slots": [{"slot": s["slot"], "pid": rec.pid, "previous": asdict(cur) if cur else None}]})
+                self.commit(back)
+                done.append(f"replica {s['slot']}: {prev['policy_version']}")
+        return ("restored " + ", ".join(done)) if done else "no committed wave to restore"
+
     def stop(self) -> None:
-        """Stop the current server (and a pending one): the end of this deployment."""
-        for name in ("pending.json", "current.json"):
-            raw = read_json(self.dir / name)
-            if raw and pid_alive(int(raw["pid"])):
-                stop_process_group(int(raw["pid"]))
-            (self.dir / name).unlink(missing_ok=True)
+        """Stop every replica's servers (current and pending): the end of this deployment."""
+        for slot in range(max(self.replicas, 1)):
+            for name in ("pending.json", "current.json"):
+                raw = read_json(self.slot_dir(slot) / name)
+                if raw and pid_alive(int(raw["pid"])):
+                    stop_process_group(int(raw["pid"]))
+                (self.slot_dir(slot) / name).unlink(missing_ok=True)
 
 
 class ProdrlServeTarget(ManagedServerTarget):
@@ -210,7 +281,7 @@ class VLLMRestartTarget(ManagedServerTarget):
             # vLLM's CPU engine pins its OpenMP threads (auto: the same first cores for every server):
             # blue and green, alive together during a switch, get disjoint halves of the cores, else
             # the new one starves behind the busy old one (measured: no start-up within 150 s)
-            env["VLLM_CPU_OMP_THREADS_BIND"] = core_half(self._ports().index(port))
+            env["VLLM_CPU_OMP_THREADS_BIND"] = core_half((port - int(self.deploy.target_port)) % 2)
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /collective_rpc, /resume for in-place reloads
         return env

@@ -17,6 +17,12 @@ import threading
 import time
 from dataclasses import dataclass
 
+import aiohttp
+
+
+class NoDeploymentYet(aiohttp.ClientConnectionError):
+    """The followed endpoint file does not exist yet: no policy is live."""
+
 
 @dataclass(frozen=True)
 class Choice:

@@ -15,6 +15,7 @@ from starlette.responses import JSONResponse, Response
 
 from prodrl_pipelines.engines.openai_protocol import ProtocolError, error_body, read_body
 from prodrl_pipelines.config.preflight import redact
+from prodrl_pipelines.recorder.balancer import NoDeploymentYet
 from prodrl_pipelines.recorder.ingest import Attempt, Stats
 from prodrl_pipelines.recorder.requests import is_json_int
 from prodrl_pipelines.recorder.tenants import Tenant
@@ -113,6 +114,8 @@ def upstream_unavailable(exc: Exception, stats: Stats, headers: dict | None = No
     """No answer from the upstream: a timeout is a 504, anything else a 502 (credentials redacted)."""
     if isinstance(exc, asyncio.TimeoutError):
         return err("the upstream server timed out", 504, stats, "upstream_timeouts", headers)
+    if isinstance(exc, NoDeploymentYet):  # the recorder is up before the first policy: say what to do
+        return err(str(exc), 503, stats, "no_deployment_yet", headers)
     return err(f"the upstream server is unreachable: {redact(str(exc))}", 502, stats, "upstream_unreachable", headers)
 
 

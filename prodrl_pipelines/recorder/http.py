@@ -80,12 +80,16 @@ async def _proxy(request: Request, kind: str) -> Response:
     if body.get("stream"):
         return await proxy_stream(rec, kind, path, up, ask, reason, caller, pv, task_id, shape)
     t1 = time.perf_counter()
+    replica = None
     try:
-        async with await rec.post_upstream(path.lstrip("/"), dumps(up)) as resp:
+        resp, replica = await rec.post_upstream(path.lstrip("/"), up, client_tid)
+        async with resp:
             content = await resp.read()
             status, ctype = resp.status, resp.headers.get("content-type")
     except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
         return upstream_unavailable(exc, stats, headers)
+    finally:
+        rec.finished(replica)
     t2 = time.perf_counter()
     if status != 200:
         return upstream_error(status, content, ctype, headers, stats)
@@ -193,7 +197,9 @@ async def stats_route(request: Request) -> Response:
     return JSONResponse({"counters": counters, "tenants": tenants, "policy_version": rec.cfg.policy_version,
                          "upstream": redact(rec.cfg.upstream) if rec.cfg.upstream else f"follows {rec.cfg.follow}", "top_logprobs": rec.cfg.top_logprobs,
                          "tokenizer": rec.tokenizer_source or "none (token strings stay token_id:<id>; pass --tokenizer)",
-                         "chat_top_logprobs": rec.chat_k, "record_extra_draw": rec.cfg.record_extra_draw})
+                         "chat_top_logprobs": rec.chat_k, "record_extra_draw": rec.cfg.record_extra_draw,
+                         # the deployment's replicas as the balancer sees them (followed endpoint file)
+                         "replicas_down": rec.balancer.down(), "in_flight": rec.balancer.outstanding()})
 
 
 async def metrics(request: Request) -> Response:

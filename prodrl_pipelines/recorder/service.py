@@ -103,6 +103,8 @@ from prodrl_pipelines.engines.openai_protocol import (
     parse_chat_logprobs,
     parse_completion_logprobs,
 )
+from prodrl_pipelines.recorder.balancer import Balancer, NoDeploymentYet
+from prodrl_pipelines.recorder.calls import dumps
 from prodrl_pipelines.recorder.ingest import Attempt, Ingestor, Stats
 from prodrl_pipelines.recorder.requests import Ask, Unrecordable, is_json_int
 from prodrl_pipelines.recorder.tenants import Tenants
@@ -276,6 +278,8 @@ class Recorder:
         self.chat_n = min(k + 1, config.upstream_max_logprobs)  # top_logprobs asked on chat
         self.chat_k = min(k, self.chat_n - 1) if self.chat_n > 1 else 1
         self.deployment = FollowedEndpoint(config.follow) if config.follow else None
+        self.balancer = Balancer()
+        self._health: asyncio.Task | None = None
 
     async def start(self) -> None:
         sweep = getattr(self.store.blobs, "sweep_temporaries", None)  # local stores: a killed writer's leftovers
@@ -297,6 +301,8 @@ class Recorder:
             connector=aiohttp.TCPConnector(limit=1024, keepalive_timeout=self.cfg.upstream_keepalive_s),
             auto_decompress=True)
         self.stream_timeout = aiohttp.ClientTimeout(total=None, connect=min(t, 10.0), sock_read=t)
+        if self.deployment is not None:
+            self._health = asyncio.get_running_loop().create_task(self.health_loop())
         await self.find_tokenizer()
 
     async def find_tokenizer(self) -> None:
@@ -328,33 +334,82 @@ class Recorder:
                 self.stats.inc("tokenizer_found")
                 return
 
-    async def post_upstream(self, path: str, data: bytes, timeout: aiohttp.ClientTimeout | None = None):
-        """POST to the upstream; the response is not read yet (use as ``async with`` or release it).
+    async def post_upstream(self, path: str, up: dict, trajectory_id: str | None = None,
+                            timeout: aiohttp.ClientTimeout | None = None):
+        """POST ``up`` to the upstream: ``(response, replica)``; the response is not read yet (use it
+        as ``async with`` or release it), then call ``finished(replica)``.
 
-        Retried once when the connection was closed before any answer came back (a keep-alive
-        connection the upstream closed as the request went out: aiohttp does not retry POSTs).
-        Safe for the records: nothing is recorded before an answer, and the upstream's answer to
-        the retry is the one recorded and relayed (a seeded request samples the same tokens).
+        With ``--follow`` the replica is the balancer's pick for ``trajectory_id`` (least requests in
+        flight among the healthy replicas of its group, the canary's or the stable one), and the body
+        names the model that replica serves. A replica that refuses the connection is taken out and
+        the call goes to the next one; a connection closed before any answer came back (a keep-alive
+        connection the upstream was closing, or a replica draining) is retried once, on another
+        replica when there is one. Safe for the records: nothing is recorded before an answer.
         """
         assert self.http is not None
         kw = {"timeout": timeout} if timeout is not None else {}
-        path = self.upstream_url(path)
-        try:
-            return await self.http.post(path, data=data, headers=_JSON, **kw)
-        except _RESET_ERRORS as exc:
-            if isinstance(exc, aiohttp.ClientConnectorError):  # could not connect at all: no retry
+        if self.deployment is None:
+            data = dumps(up)
+            try:
+                return await self.http.post(path, data=data, headers=_JSON, **kw), None
+            except _RESET_ERRORS as exc:
+                if isinstance(exc, aiohttp.ClientConnectorError):  # could not connect at all: no retry
+                    raise
+                self.stats.inc("upstream_retries")
+                return await self.http.post(path, data=data, headers=_JSON, **kw), None
+        refused: set[str] = set()
+        resets = 0
+        while True:
+            ep = self.deployment.current()
+            if ep is None:
+                raise NoDeploymentYet(f"no policy is live yet ({self.cfg.follow} does not exist): launch the "
+                                      "`bootstrap` job in Dagster (or run `prodrl bootstrap`), then call again")
+            choice = self.balancer.pick(ep, trajectory_id, frozenset(refused))
+            if choice is None:
+                raise aiohttp.ClientConnectionError(f"no replica of the deployment accepts connections "
+                                                    f"(tried {sorted(refused)})")
+            if choice.served_model_name:
+                up["model"] = choice.served_model_name
+            self.balancer.started(choice)
+            try:
+                resp = await self.http.post(choice.url.rstrip("/") + "/" + path, data=dumps(up),
+                                            headers=_JSON, **kw)
+            except aiohttp.ClientConnectorError:
+                self.balancer.finished(choice)
+                self.balancer.mark_down(choice.url)
+                refused.add(choice.url)
+                self.stats.inc("upstream_replica_refused")
+                continue
+            except _RESET_ERRORS:
+                self.balancer.finished(choice)
+                resets += 1
+                self.stats.inc("upstream_retries")
+                if resets > 1:
+                    raise
+                if len(ep.replica_list()) > 1:
+                    refused.add(choice.url)
+                continue
+            except BaseException:
+                self.balancer.finished(choice)
                 raise
-            self.stats.inc("upstream_retries")
-            return await self.http.post(path, data=data, headers=_JSON, **kw)
+            return resp, choice
+
+    def finished(self, choice) -> None:
+        """The call on ``choice`` (from ``post_upstream``) has ended."""
+        if choice is not None:
+            self.balancer.finished(choice)
 
     def upstream_url(self, path: str) -> str:
-        """``path`` on the upstream: relative to the fixed base URL, or on the followed endpoint now."""
+        """``path`` on the upstream: relative to the fixed base URL, or on a replica of the followed
+        deployment (for reads such as ``/v1/models``)."""
         if self.deployment is None:
             return path
         ep = self.deployment.current()
         if ep is None:
-            raise aiohttp.ClientConnectionError(f"no deployment is live yet ({self.cfg.follow} does not exist)")
-        return ep.url.rstrip("/") + "/" + path
+            raise NoDeploymentYet(f"no policy is live yet ({self.cfg.follow} does not exist): launch the "
+                                  "`bootstrap` job in Dagster (or run `prodrl bootstrap`)")
+        choice = self.balancer.pick(ep, None)
+        return choice.url.rstrip("/") + "/" + path
 
     def served_model(self) -> str | None:
         """The model name the followed deployment serves (requests are sent with it), else None."""
@@ -362,15 +417,37 @@ class Recorder:
         return ep.served_model_name if ep is not None else None
 
     def version_of(self, answered_model: str | None) -> str:
-        """The policy version that served an answer: the followed deployment's version when the answer
-        comes from the model it serves now (an in-place reload keeps the name), else the answer's own
-        served model name (managed servers are named after their version)."""
+        """The policy version that served an answer: the version the followed deployment lists for
+        the model name that answered (an in-place reload keeps the name; managed servers are named
+        after their version), else the answer's own served model name."""
         ep = self.deployment.current() if self.deployment is not None else None
-        if ep is not None and answered_model == ep.served_model_name:
-            return ep.policy_version
-        return str(answered_model or "unknown")
+        version = ep.version_of(answered_model) if ep is not None else None
+        return version or str(answered_model or "unknown")
+
+    async def health_loop(self, interval_s: float = 1.0) -> None:
+        """Check every replica's ``/health``: a failing one is taken out, a healthy one brought back."""
+        while True:
+            ep = self.deployment.current() if self.deployment is not None else None
+            if ep is not None:
+                stable, canary, _ = self.balancer.groups(ep)
+                for c in stable + canary:
+                    try:
+                        async with self.http.get(c.url.rstrip("/") + "/health",
+                                                 timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+                            ok = r.status == 200
+                    except (asyncio.TimeoutError, aiohttp.ClientError):
+                        ok = False
+                    if ok:
+                        self.balancer.mark_up(c.url)
+                    else:
+                        if c.url not in self.balancer.down():
+                            self.stats.inc("replica_health_failures")
+                        self.balancer.mark_down(c.url)
+            await asyncio.sleep(interval_s)
 
     async def stop(self) -> None:
+        if self._health is not None:
+            self._health.cancel()
         if self.http is not None:
             await self.http.close()
         await asyncio.get_running_loop().run_in_executor(None, self.ingestor.stop)
@@ -483,7 +560,8 @@ class Recorder:
         attempt takes its index and supersedes it (``retried_calls``)."""
         if row is not None:
             index, fut, retried = self.ingestor.commit_call(tid, row, attempt)
-            counters = ["recorded_calls"]
+            # per served version: a rolling update or a canary shows its mix here
+            counters = ["recorded_calls", f"recorded_calls.version.{row['policy_version']}"]
         else:
             index, fut, retried = self.ingestor.commit_skip(tid, reason or "unknown", attempt)
             counters = [f"unrecordable.{reason}", "unrecordable_calls"]

@@ -13,7 +13,7 @@ from starlette.responses import Response, StreamingResponse
 from prodrl_pipelines.engines.openai_protocol import SSE_DONE, error_body, sse
 from prodrl_pipelines.config.preflight import redact
 from prodrl_pipelines.recorder.answers import Rewriter, StreamAccumulator
-from prodrl_pipelines.recorder.calls import UPSTREAM_SHAPE_ERRORS, Caller, dumps, n_up, upstream_error, upstream_unavailable
+from prodrl_pipelines.recorder.calls import UPSTREAM_SHAPE_ERRORS, Caller, n_up, upstream_error, upstream_unavailable
 from prodrl_pipelines.recorder.requests import Unrecordable
 from prodrl_pipelines.recorder.responses import ResponsesShape
 from prodrl_pipelines.recorder.service import Recorder
@@ -26,7 +26,7 @@ async def proxy_stream(rec: Recorder, kind, path, up, ask, reason, caller: Calle
     commit_args = (caller.attempt, caller.tenant.name)
     assert rec.http is not None
     try:
-        resp = await rec.post_upstream(path.lstrip("/"), dumps(up), rec.stream_timeout)
+        resp, replica = await rec.post_upstream(path.lstrip("/"), up, caller.client_tid, rec.stream_timeout)
     except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
         return upstream_unavailable(exc, stats, headers)
     if resp.status != 200:
@@ -34,6 +34,7 @@ async def proxy_stream(rec: Recorder, kind, path, up, ask, reason, caller: Calle
             content = await resp.read()
         finally:
             resp.release()
+            rec.finished(replica)
         return upstream_error(resp.status, content, resp.headers.get("content-type"), headers, stats)
     rewriter = Rewriter(kind, ask, rec.tokens, stats, n_up(up, kind)) if reason is None else None
     acc = StreamAccumulator(kind)
@@ -88,6 +89,7 @@ async def proxy_stream(rec: Recorder, kind, path, up, ask, reason, caller: Calle
             raise
         finally:
             resp.close()
+            rec.finished(replica)
         if bad or not done or acc.error is not None:  # the upstream failed mid-stream: a failed call
             why = ("upstream_bad_stream" if bad else "upstream_error" if acc.error is not None
                    else "upstream_stream_cut")
