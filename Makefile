@@ -44,9 +44,10 @@ test: $(STAMP) vllm
 # The whole loop on loopback: S3 endpoint, MLflow server, Dagster webserver + daemon, the deployment
 # (prodrl serve) and its recorder. Database: DAGSTER_PG_URL (default postgresql+psycopg2://postgres@127.0.0.1:5432/test).
 STACK_HOME ?= runs/stack
+STACK_SETTINGS ?= examples/lab-demo.json
 up: $(STAMP)
 	bash scripts/ensure_postgres.sh
-	$(BIN)/prodrl up --home $(STACK_HOME) --settings examples/lab-demo.json
+	$(BIN)/prodrl up --home $(STACK_HOME) --settings $(STACK_SETTINGS)
 
 bench: $(STAMP) vllm
 	for b in bench/*.py; do $(BIN)/python $$b || exit 1; done

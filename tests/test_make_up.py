@@ -13,6 +13,7 @@ import json
 import os
 import signal
 import subprocess
+import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -58,14 +59,15 @@ def fresh_database():
 class MakeUp:
     """`make up` in a process group of its own, as a terminal would run it."""
 
-    def __init__(self, home: Path, db_url: str, log: Path):
+    def __init__(self, home: Path, db_url: str, log: Path, settings: Path | None = None):
         self.home, self.log = home, log
         env = {**os.environ, "DAGSTER_PG_URL": db_url}
         for k in ("DAGSTER_HOME", "PRODRL_HOME", "PRODRL_SETTINGS_JSON", "MLFLOW_TRACKING_URI", "PRODRL_RECORDER_TOKEN"):
             env.pop(k, None)
         (home / "stack.json").unlink(missing_ok=True)
         self.fh = open(log, "ab")
-        self.proc = subprocess.Popen(["make", "up", f"STACK_HOME={home}"], cwd=REPO, env=env, stdout=self.fh,
+        extra = [f"STACK_SETTINGS={settings}"] if settings else []
+        self.proc = subprocess.Popen(["make", "up", f"STACK_HOME={home}", *extra], cwd=REPO, env=env, stdout=self.fh,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self.t0 = time.monotonic()
         self.state = self.wait(lambda: self._state_if_up(), "the stack to come up", 300)
@@ -185,6 +187,37 @@ def _play(recorder: str, token: str, n: int, seed: int) -> tuple[str, int]:
     return model, len(done)
 
 
+class Background:
+    """Chat calls through the recorder the whole time, one trajectory each: every failure is kept."""
+
+    def __init__(self, recorder: str, token: str, model: str, workers: int = 2) -> None:
+        self.client = OpenAI(base_url=recorder, api_key=token, max_retries=0, timeout=120)
+        self.model, self.failures, self.sent, self.models = model, [], 0, set()
+        self.stop = threading.Event()
+        self.threads = [threading.Thread(target=self._run, args=(i,)) for i in range(workers)]
+        for t in self.threads:
+            t.start()
+
+    def _run(self, i: int) -> None:
+        n = 0
+        while not self.stop.is_set():
+            try:
+                r = self.client.chat.completions.create(
+                    model=self.model, messages=[{"role": "user", "content": f"{n % 7}+{i}="}], max_tokens=4,
+                    extra_headers={"X-Trajectory-Id": f"bg-{i}-{n}"})
+                self.models.add(r.model)
+            except Exception as e:  # noqa: BLE001 - a failed call, whatever the reason
+                self.failures.append(f"{type(e).__name__}: {e}")
+            n += 1
+            self.sent += 1
+            time.sleep(0.05)
+
+    def finish(self) -> None:
+        self.stop.set()
+        for t in self.threads:
+            t.join()
+
+
 def _round_succeeded(gql, k: int):
     runs = gql._execute(RUNS, {"name": "prod_rl_round"})["runsOrError"]["results"]
     return [r for r in runs if r["status"] == "SUCCESS"
@@ -210,7 +243,11 @@ def test_make_up_runs_the_loop_and_continues_after_a_restart(tmp_path, fresh_dat
 
 def _loop_and_restart(home, tmp_path, fresh_database, started):
     figures = {}
-    up = MakeUp(home, fresh_database, tmp_path / "make_up.log")
+    # the lab-demo settings with a gate every round passes: round 1 is redeployed under traffic
+    settings = tmp_path / "stack-settings.json"
+    settings.write_text(json.dumps({**json.loads((REPO / "examples" / "lab-demo.json").read_text()),
+                                    "gate_tolerance": 1.0}))
+    up = MakeUp(home, fresh_database, tmp_path / "make_up.log", settings)
     started.append(up)
     figures["startup_s"] = round(up.startup_s, 1)
     urls = up.state["urls"]
@@ -218,8 +255,14 @@ def _loop_and_restart(home, tmp_path, fresh_database, started):
     token = (home / "recorder_token").read_text().strip()
     assert str(home / "recorder_token") in up.state["token_source"]
     printed = up.log.read_text()
-    for url in (urls["dagster"], urls["mlflow"], urls["recorder"], urls["deployment"], urls["s3"]):
+    for url in (urls["dagster"], urls["mlflow"], urls["recorder"], urls["s3"]):
         assert url in printed
+        assert httpx.get(url + ("/health" if url == urls["recorder"] else ""), timeout=10,
+                         headers={"Authorization": f"Bearer {token}"}).status_code < 500, url  # answers from the start
+    # before any policy is live the recorder says what to do next
+    r = httpx.post(urls["recorder"] + "/chat/completions", headers={"Authorization": f"Bearer {token}"}, timeout=10,
+                   json={"model": "any", "messages": [{"role": "user", "content": "1+1="}]})
+    assert r.status_code == 503 and "bootstrap" in r.json()["error"]["message"], r.text
     gql = DagsterGraphQLClient(urls["dagster"].split("//")[1].split(":")[0], port_number=int(urls["dagster"].rsplit(":", 1)[1]))
 
     gql.submit_job_execution("bootstrap")
@@ -227,11 +270,22 @@ def _loop_and_restart(home, tmp_path, fresh_database, started):
                         gql._execute(RUNS, {"name": "bootstrap"})["runsOrError"]["results"]), "bootstrap")
     up.wait(lambda: up.current_state()["deployed_version"] == "round-000000" and "prodrl record" in up.current_state()["pids"],
             "the deployment of round-000000")
+    assert len([k for k in up.current_state()["pids"] if k.startswith("prodrl serve")]) == 2  # two replicas
     t_traffic = time.monotonic()
-    model, n = _play(urls["recorder"], token, 1024, seed=1)
-    assert model == "round-000000" and n == 1024
-    up.wait(lambda: _round_succeeded(gql, 1), "round 1 through the sensor")
-    figures["traffic_to_decision_s"] = round(time.monotonic() - t_traffic, 1)
+    background = Background(urls["recorder"], token, "round-000000")
+    try:
+        model, n = _play(urls["recorder"], token, 1024, seed=1)
+        assert model == "round-000000" and n == 1024
+        up.wait(lambda: _round_succeeded(gql, 1), "round 1 through the sensor")
+        figures["traffic_to_decision_s"] = round(time.monotonic() - t_traffic, 1)
+        up.wait(lambda: up.current_state()["deployed_version"] == "round-000001", "round 1 on every replica")
+        time.sleep(2)
+    finally:
+        background.finish()
+    # the rolling update of round 1 under steady traffic: no call failed, both versions answered
+    assert not background.failures, background.failures[:5]
+    assert background.models == {"round-000000", "round-000001"}, background.models
+    figures["redeploy_calls"] = background.sent
 
     ml = urls["mlflow"]
     champion = _mlflow(ml, "registered-models/alias", name="prodrl-policy", alias="champion")["model_version"]

@@ -24,7 +24,8 @@ from prodrl_pipelines.loop import services
 from prodrl_pipelines.definitions import build_definitions
 from prodrl_pipelines.resources.settings import ProdRLSettings, make_resources, open_services
 from prodrl_pipelines.sensors import data_volume_sensor
-from prodrl_pipelines.deploy_targets.processes import pick_port
+from prodrl_pipelines.deploy_targets import endpoint_file
+from prodrl_pipelines.deploy_targets.processes import pick_port, pick_port_range
 from prodrl_pipelines.stack.serving import LiveServing
 
 from own_model import build_model, write_user_package
@@ -65,7 +66,9 @@ def test_two_rounds_of_someone_elses_model(tmp_path, pg_instance, monkeypatch):
     user = write_user_package(tmp_path / "user", n_tasks=10, explode=(3,))
     monkeypatch.syspath_prepend(str(tmp_path / "user"))
     home = tmp_path / "home"
-    fields = {"home": str(home), "base_model": str(model_dir), **user, **ROUND}
+    # served as a deployment would be: a managed prodrl-serve replica, redeployed by each round
+    fields = {"home": str(home), "base_model": str(model_dir), **user, **ROUND, "target": "prodrl-serve",
+              "target_port": pick_port_range(4)}
     res = make_resources(fields)
     defs = build_definitions(res)
     boot = defs.resolve_job_def("bootstrap").execute_in_process(instance=pg_instance)
@@ -79,12 +82,12 @@ def test_two_rounds_of_someone_elses_model(tmp_path, pg_instance, monkeypatch):
     assert json.loads((home / "checkpoints" / "round-000000" / "config.json").read_text())["model_type"] == "qwen3"
 
     token = secrets.token_hex(8)
-    serving = LiveServing(env=dict(os.environ), home=home, serve_port=pick_port(), record_port=pick_port(),
-                          token=token, services=lambda: svc)
+    serving = LiveServing(env=dict(os.environ), home=home, record_port=pick_port(), token=token,
+                          services=lambda: svc)
     served = []
     try:
         for k in (1, 2):
-            serving.sync()  # serve the live version (restarted on the new export after round 1)
+            serving.sync()  # the recorder in front of the live version (the round's deployment switched it)
             served.append(_traffic(serving.record_url, token, 8, seed=k))
             result = data_volume_sensor(build_sensor_context(instance=pg_instance, definitions=defs, resources=res))
             assert not hasattr(result, "skip_message"), result.skip_message
@@ -99,11 +102,12 @@ def test_two_rounds_of_someone_elses_model(tmp_path, pg_instance, monkeypatch):
             assert ev["suite"].value.endswith("heldout.jsonl") and ev["reward_errors"].value == 1
         # live monitoring through the serving endpoint: what is really served, checked to be the live version
         serving.sync()
-        via = open_services(ProdRLSettings(**{**fields, "eval_live_endpoint": serving.serve_url}), res["store"])
+        serve_url = endpoint_file(home).read().url
+        via = open_services(ProdRLSettings(**{**fields, "eval_live_endpoint": serve_url}), res["store"])
         live = monitoring.evaluate_live(via, 0)
-        assert (live["policy_version"], live["engine"], live["num_tasks"]) == ("round-000002", serving.serve_url, 10)
+        assert (live["policy_version"], live["engine"], live["num_tasks"]) == ("round-000002", serve_url, 10)
         assert live["reward_errors"] == 1
-        stale = open_services(ProdRLSettings(**{**fields, "eval_live_endpoint": serving.serve_url}), res["store"])
+        stale = open_services(ProdRLSettings(**{**fields, "eval_live_endpoint": serve_url}), res["store"])
         stale.ledger.deploy(svc.ledger.live().__class__(**{**vars(svc.ledger.live()), "policy_version": "round-000001"}))
         with pytest.raises(services.RoundError, match="serves 'round-000002', but the live version is 'round-000001'"):
             monitoring.evaluate_live(stale, 1)

@@ -1,13 +1,12 @@
-"""The stack's deployment: ``prodrl serve`` on the live export, ``prodrl record`` in front of it.
+"""The stack's deployment: the live policy on a fleet of managed servers, ``prodrl record`` in front.
 
-A thread of ``prodrl up`` polls the deployment registry (``deploy/live.json`` in the store). When a
-policy is live it starts ``prodrl serve <export> --served-model-name <policy version>`` on the
-deployment port and, the first time, ``prodrl record --upstream <deployment>`` on the recorder port;
-when the live version changes (a round deployed a candidate) it restarts the server on the same
-port with the new export. The recorder stays up (its URL never changes) and tags each call with the
-served model name of the answer, i.e. the version that really produced it. Between the old server
-stopping and the new one answering, calls get a 502 from the recorder (a few seconds); nothing is
-recorded for them.
+The recorder starts with the stack and follows the deployment's endpoint file (``--follow``): before
+any policy is live it answers 503 naming the next step (launch ``bootstrap``); once the Dagster runs
+deploy through the settings' deploy target (``deploy.replicas`` managed ``prodrl serve`` replicas,
+updated in waves: no call fails during a redeploy), it balances calls over the replicas and tags each
+with the version that served it. After a restart of the stack the servers are gone: a thread of
+``prodrl up`` polls the round ledger (``deploy/live.json`` in the store) and brings the live policy
+back on the fleet.
 """
 
 from __future__ import annotations
@@ -40,39 +39,58 @@ def recorder_store_args(svc, wal_dir: Path) -> list[str]:
 
 
 class LiveServing:
-    """``services``: a callable returning the round ``Services`` (their registry says what is live)."""
+    """``services``: a callable returning the round ``Services`` (their ledger says what is live)."""
 
-    def __init__(self, *, env: dict, home: Path, serve_port: int, record_port: int, token: str,
-                 services, poll_s: float = 2.0, log=print) -> None:
+    def __init__(self, *, env: dict, home: Path, record_port: int, token: str, services, poll_s: float = 2.0,
+                 log=print) -> None:
         self.env = {**env, RECORDER_TOKEN: token}
         self.env.pop("VLLM_API_KEY", None)
-        self.home, self.serve_port, self.record_port, self.token = home, serve_port, record_port, token
+        self.home, self.record_port, self.token = home, record_port, token
         self._services_factory, self.poll_s, self.log = services, poll_s, log
-        self.serve: ManagedProcess | None = None
         self.record: ManagedProcess | None = None
-        self.version: str | None = None
         self.error: str | None = None
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
         self._svc = None
 
     @property
-    def serve_url(self) -> str:
-        return f"http://127.0.0.1:{self.serve_port}"
-
-    @property
     def record_url(self) -> str:
         return f"http://127.0.0.1:{self.record_port}"
-
-    def processes(self) -> list[ManagedProcess]:
-        return [p for p in (self.record, self.serve) if p is not None]
 
     def _services(self):
         if self._svc is None:
             self._svc = self._services_factory()
         return self._svc
 
+    def target(self):
+        from prodrl_pipelines.deploy_targets import make_target
+
+        return make_target(self._services().settings)
+
+    @property
+    def version(self) -> str | None:
+        """The version every replica serves (None while nothing is live, or mid-update)."""
+        from prodrl_pipelines.deploy_targets import endpoint_file
+
+        ep = endpoint_file(self.home).read()
+        reps = self.target().currents() if ep is not None else []
+        if ep is None or not reps or any(r is None or r.policy_version != ep.policy_version for r in reps):
+            return None
+        return ep.policy_version
+
+    def processes(self) -> list[ManagedProcess]:
+        return [self.record] if self.record is not None else []
+
+    def server_pids(self) -> dict[str, int]:
+        """The replicas' servers (each leads its own session), named for stack.json."""
+        out = {}
+        for i, r in enumerate(self.target().currents()):
+            if r is not None:
+                out["prodrl serve" if i == 0 else f"prodrl serve {i + 1}"] = r.pid
+        return out
+
     def start(self) -> "LiveServing":
+        self._start_recorder()
         self._thread = threading.Thread(target=self._run, name="prodrl-live-serving", daemon=True)
         self._thread.start()
         return self
@@ -93,45 +111,34 @@ class LiveServing:
             self._stop.wait(self.poll_s)
 
     def sync(self) -> None:
-        """One poll: make the served version the live one."""
+        """One poll: the recorder runs, and a live policy whose servers are all gone (the stack was
+        restarted) is served again through the deploy target."""
+        from prodrl_pipelines.deploy_targets.rollout import roll_out
+
+        if self.record is None or not self.record.alive():
+            self._start_recorder()
         svc = self._services()
         if svc.ledger.live() is None:
             return
-        if self.serve is not None and self.serve.alive() and self.version == svc.ledger.live().policy_version:
-            if self.record is None or not self.record.alive():
-                self._start_recorder(svc)
-            return
+        target = self.target()
+        if any(r is not None for r in target.currents()):
+            return  # serving, or a deploy of a Dagster run is under way
         live = svc.live()  # fetches the export from the store if this machine lacks it
         t0 = time.monotonic()
-        if self.serve is not None:
-            self.serve.stop()
-        k = svc.settings.deploy.num_top_logprobs
-        exe = [sys.executable, "-m", "prodrl_pipelines.cli"]
-        self.serve = None
-        serve = ManagedProcess("prodrl serve", exe + [
-            "serve", str(live.export_dir), "--port", str(self.serve_port),
-            "--served-model-name", live.policy_version, "--max-logprobs", str(max(k, 20)),
-            "--generation-config", "vllm", "--threads", "1", "--max-batch-size", "256"],
-            self.env, self.home / "logs" / "serve.log")
-        try:
-            serve.wait_http(f"{self.serve_url}/health", timeout_s=180, cancel=self._stop)
-        except BaseException:
-            serve.stop()
-            raise
-        self.serve = serve
-        self.log(f"deployment: {live.policy_version} serving at {self.serve_url} "
-                 f"(switch {time.monotonic() - t0:.1f}s)")
-        self.version, self._export_dir = live.policy_version, str(live.export_dir)
-        if self.record is None or not self.record.alive():
-            self._start_recorder(svc)
+        roll_out(svc.settings, target, Path(live.export_dir), live.policy_version, prompts=[])
+        self.log(f"deployment: {live.policy_version} serving again on {target.replicas} replica(s) "
+                 f"({time.monotonic() - t0:.1f}s)")
 
-    def _start_recorder(self, svc) -> None:
+    def _start_recorder(self) -> None:
+        from prodrl_pipelines.deploy_targets import endpoint_file
+
+        svc = self._services()
         k = svc.settings.deploy.num_top_logprobs
         exe = [sys.executable, "-m", "prodrl_pipelines.cli"]
         store = recorder_store_args(svc, self.home / "recorder_wal")
         record = ManagedProcess("prodrl record", exe + [
-            "record", "--upstream", self.serve_url, *store, "--port", str(self.record_port),
-            "--tokenizer", self._export_dir, "--top-logprobs", str(k), "--upstream-max-logprobs", str(max(k, 20)),
+            "record", "--follow", str(endpoint_file(self.home).path), *store, "--port", str(self.record_port),
+            "--top-logprobs", str(k), "--upstream-max-logprobs", str(max(k, 20)),
             *(["--record-extra-draw"] if svc.settings.deploy.record_extra_draw else [])],
             self.env, self.home / "logs" / "record.log")
         try:
@@ -141,12 +148,13 @@ class LiveServing:
             record.stop()
             raise
         self.record = record  # listed (stack.json) once it answers
-        self.log(f"recorder: {self.record_url}/v1 in front of {self.serve_url}")
+        self.log(f"recorder: {self.record_url}/v1 in front of the deployment (follows its endpoint file)")
 
     def stop(self) -> None:
-        """Stop polling, then the recorder (it flushes its WAL to the store) and the server."""
+        """Stop polling, then the recorder (it flushes its WAL to the store), then the replicas."""
         self._stop.set()
         if self._thread is not None:
             self._thread.join()
-        for p in self.processes():
-            p.stop(timeout_s=60)
+        if self.record is not None:
+            self.record.stop(timeout_s=60)
+        self.target().stop()

@@ -36,7 +36,7 @@ from prodrl_pipelines.config import environment
 from prodrl_pipelines.config.preflight import PreflightError, check_postgres, redact
 from prodrl_pipelines.stack import s3_snapshot
 from prodrl_pipelines.stack.postgres import prepare_schemas, with_schema
-from prodrl_pipelines.deploy_targets.processes import ManagedProcess, pick_port, stop_all
+from prodrl_pipelines.deploy_targets.processes import ManagedProcess, pick_port, pick_port_range, stop_all
 from prodrl_pipelines.config.environment import RECORDER_TOKEN
 from prodrl_pipelines.stack.serving import LiveServing
 
@@ -105,13 +105,16 @@ class Stack:
         dh.mkdir(exist_ok=True)
         shutil.copy(REPO / "dagster.yaml", dh / "dagster.yaml")
         token = self._token()
+        self.settings = fleet_settings(self.settings)
         for name, pref in self.preferred_ports.items():
-            self.ports[name] = pick_port(pref)
+            if name == "deployment":  # two ports per replica (blue/green), and a pair for a canary
+                self.ports[name] = pick_port_range(2 * int(self.settings["replicas"]) + 2, pref)
+            else:
+                self.ports[name] = pick_port(pref)
+        self.settings["target_port"] = self.ports["deployment"]
         s3 = self.urls["s3"]
         os.environ.update(S3_CREDENTIALS)  # this process's own S3 clients (the deployment poller) talk to moto
         s3_store = {"s3_bucket": self.bucket, "s3_prefix": "prodrl", "s3_endpoint_url": s3, "s3_region": "us-east-1"}
-        # live monitoring scores what the deployment really serves
-        self.settings = {"eval_live_endpoint": self.urls["deployment"], **self.settings}
         self._env = {
             **os.environ, **S3_CREDENTIALS,
             "DAGSTER_HOME": str(dh), "DAGSTER_PG_URL": with_schema(self.pg_url, self.schemas["dagster"]),
@@ -144,9 +147,8 @@ class Stack:
             settings = settings_from_flat({**self.settings, "home": str(self.home)})
             return build_services(settings, StoreLocation(**s3_store))
 
-        self.serving = LiveServing(env=self._env, home=self.home, serve_port=self.ports["deployment"],
-                                   record_port=self.ports["recorder"], token=token, services=round_services,
-                                   log=self.log).start()
+        self.serving = LiveServing(env=self._env, home=self.home, record_port=self.ports["recorder"], token=token,
+                                   services=round_services, log=self.log).start()
         self.startup_s = time.monotonic() - t0
         self.write_state()
         return self
@@ -162,7 +164,8 @@ class Stack:
     def state(self) -> dict:
         return {
             "urls": {**self.urls, "recorder": f"{self.urls['recorder']}/v1"},
-            "pids": {p.name: p.pid for p in self.all_processes()},
+            "pids": {**{p.name: p.pid for p in self.all_processes()},
+                     **(self.serving.server_pids() if self.serving else {})},
             "stack_pid": os.getpid(),
             "token_source": self.token_source,
             "schemas": self.schemas, "database": redact(self.pg_url),
@@ -206,11 +209,26 @@ class Stack:
             f"MLflow UI     {u['mlflow']}",
             f"recorder      {u['recorder']}/v1   (OpenAI-compatible; send traffic and POST /v1/feedback here)",
             f"  bearer token  {self.token_source}",
-            f"deployment    {u['deployment']}   (prodrl serve on the live export; up once a policy is live)",
+            f"deployment    {self.settings['replicas']} x {self.settings['target']}, ports {self.ports['deployment']}-"
+            f"{self.ports['deployment'] + 2 * int(self.settings['replicas']) - 1} (blue/green per replica, rolling "
+            "updates), reached through the recorder once a policy is live",
             f"S3 endpoint   {u['s3']}   (bucket {self.bucket}; mirrored to {self.home / 's3_snapshot'} on stop)",
             f"PostgreSQL    {redact(self.pg_url)}   (schemas {self.schemas['dagster']}, {self.schemas['mlflow']})",
             f"state, logs   {self.home / 'stack.json'}, {self.home / 'logs'}",
         ])
+
+
+def fleet_settings(settings: dict) -> dict:
+    """The stack's deployment: a fleet of managed servers (``prodrl-serve`` unless the settings name
+    another managed target), 2 replicas unless they say how many."""
+    from prodrl_pipelines.deploy_targets import FLEET_TARGETS
+
+    out = dict(settings)
+    if out.get("target") not in FLEET_TARGETS:
+        out["target"] = "prodrl-serve"
+    out.setdefault("replicas", 2)
+    out.setdefault("server_args", ["--max-batch-size", "256"])
+    return out
 
 
 def up(home: Path, pg_url: str, settings: dict, schema: str = "prodrl") -> int:
@@ -247,7 +265,8 @@ def up(home: Path, pg_url: str, settings: dict, schema: str = "prodrl") -> int:
     try:
         last = None
         while all(p.alive() for p in stack.procs):
-            now = (stack.serving.version, tuple(p.pid for p in stack.all_processes()))
+            now = (stack.serving.version, tuple(p.pid for p in stack.all_processes()),
+                   tuple(sorted(stack.serving.server_pids().items())))
             if now != last:  # a (re)deploy: new version, new pids
                 last = now
                 stack.write_state()
