@@ -9,7 +9,16 @@ requests that failed, and the slowest request, while the target switched (side b
 Targets: ``prodrl-serve`` and ``vllm-restart`` (blue/green managed servers), ``vllm-reload`` (in
 place on a running dev-mode vLLM; on vLLM's CPU backend the probe finds the reloaded weights wrong
 and the target reloads the previous ones: the row says so).
+
+    python bench/deploy_switch.py --replicas 1 2 3
+
+A fleet of N ``prodrl serve`` replicas updated in waves of one (``max_unavailable`` 1) under the same
+traffic: requests failed during the rollout, p99 latency and capacity (answered requests per second)
+during the rollout against the steady state just before it, and seconds to full rollout. Last line:
+``deploy_switch: replicas=N failed=F p99_ratio=X capacity_ratio=X`` for the largest N.
 """
+
+import argparse
 
 import subprocess
 import sys
@@ -32,7 +41,7 @@ from prodrl_pipelines.engines.server import BackgroundServer  # noqa: E402
 from prodrl_pipelines.engines.vllm_client import vllm_serve_command, vllm_serve_env  # noqa: E402
 from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app  # noqa: E402
 from prodrl_pipelines.config.settings import Settings  # noqa: E402
-from prodrl_pipelines.deploy_targets.processes import pick_port  # noqa: E402
+from prodrl_pipelines.deploy_targets.processes import pick_port, pick_port_range  # noqa: E402
 
 PROMPTS = [[1, 5, 6, 7, 8], [1, 40, 41, 42, 9], [1, 12, 13], [1, 20, 21, 22, 23]]
 
@@ -65,6 +74,13 @@ class Traffic:
             f.result()
         self.pool.shutdown()
 
+    def rate_and_p99(self, a: float, b: float) -> tuple[float, float]:
+        """Answered requests per second ending in [a, b], and the p99 latency of those."""
+        done = sorted(s for t, s, ok in self.events if ok and a <= t + s <= b)
+        if not done:
+            return 0.0, float("nan")
+        return len(done) / (b - a), done[min(len(done) - 1, int(0.99 * len(done)))]
+
     def window(self, a: float, b: float) -> tuple[int, int, float]:
         ev = [e for e in self.events if a <= e[0] + e[1] and e[0] <= b]
         return len(ev), sum(not ok for _, _, ok in ev), max((s for _, s, _ in ev), default=0.0)
@@ -94,7 +110,55 @@ def measure(name: str, settings: Settings, exports: list[Path]) -> str:
             f"slowest {slowest:6.2f} s   {outcome}")
 
 
+def measure_fleet(n: int, root: Path, exports: list[Path]) -> dict:
+    s = Settings(home=str(root / f"fleet{n}"), deploy={
+        "num_top_logprobs": 8, "max_tokens": 8, "probe_prompts": 4, "export_scheme": "bf16", "target": "prodrl-serve",
+        "target_port": pick_port_range(2 * n + 2), "replicas": n, "max_unavailable": 1})
+    target = make_target(s)
+    roll_out(s, target, exports[0], "v0", PROMPTS)
+    app = build_recorder_app(RecorderConfig(upstream="", follow=str(endpoint_file(s.home_path).path),
+                                            store_dir=str(s.home_path / "store"), token="t", top_logprobs=8))
+    try:
+        with BackgroundServer(app) as srv:
+            traffic = Traffic(srv.url)
+            time.sleep(3.0)  # warm
+            s0 = time.monotonic()
+            time.sleep(10.0)  # the steady state
+            t0 = time.monotonic()
+            ro = roll_out(s, target, exports[1], "v1", PROMPTS)
+            t1 = time.monotonic()
+            time.sleep(2.0)
+            traffic.finish()
+    finally:
+        target.stop()
+    steady_rate, steady_p99 = traffic.rate_and_p99(s0, t0)
+    rate, p99 = traffic.rate_and_p99(t0, t1)
+    total, failed, _ = traffic.window(t0, t1)
+    return {"replicas": n, "failed": failed, "requests": total, "rollout_s": round(t1 - t0, 1), "waves": ro.waves,
+            "p99_ratio": round(p99 / steady_p99, 2), "capacity_ratio": round(rate / steady_rate, 2),
+            "steady_rps": round(steady_rate, 1), "rollout_rps": round(rate, 1)}
+
+
+def main_fleet(sizes: list[int]) -> None:
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp)
+        exports = dense_exports(root)
+        rows = [measure_fleet(n, root, exports) for n in sizes]
+    for r in rows:
+        print(f"replicas {r['replicas']}: {r['rollout_s']:6.1f} s to full rollout ({r['waves']} waves), requests "
+              f"{r['requests']:4d}, failed {r['failed']}, p99 x{r['p99_ratio']}, capacity x{r['capacity_ratio']} "
+              f"({r['rollout_rps']} vs {r['steady_rps']} req/s steady)")
+    last = rows[-1]
+    print(f"deploy_switch: replicas={last['replicas']} failed={last['failed']} p99_ratio={last['p99_ratio']} "
+          f"capacity_ratio={last['capacity_ratio']}")
+
+
 def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--replicas", type=int, nargs="*", help="measure fleets of these sizes (prodrl serve) instead")
+    args = ap.parse_args()
+    if args.replicas:
+        return main_fleet(args.replicas)
     py = vllm_python_or_exit()
     rows = []
     with tempfile.TemporaryDirectory() as tmp:

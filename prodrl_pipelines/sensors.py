@@ -1,4 +1,4 @@
-"""The two sensors of the loop.
+"""The sensors of the loop.
 
 - ``data_volume_sensor`` starts round k+1 when round k is decided and S*B eligible trajectories exist.
 - ``registry_sensor`` polls the MLflow registry and turns a reviewer's edits into runs: an approval
@@ -6,6 +6,10 @@
   moved to an older deployed version) each become a run of ``registry_decision`` (the `deployment`
   asset of that round); a rejection closes the round at once; anything contradictory is refused on
   the version and in the skip reason.
+- ``canary_sensor`` judges a running canary on the live rewards recorded since it started (or a
+  reviewer's early end: tag ``canary_end=promote|fail`` on its version, ``prodrl review end-canary``):
+  a pass becomes a run of ``registry_decision`` that rolls the candidate out to every replica; a
+  failure removes the canary at once (the round is decided, not deployed).
 """
 
 import hashlib
@@ -125,3 +129,42 @@ def registry_sensor(context: SensorEvaluationContext, settings: ProdRLSettings, 
         return SkipReason("; ".join(notes) or f"no pending decision in the registry; live: {live.policy_version}")
     return SensorResult(run_requests=requests, dynamic_partitions_requests=(
         [rounds_partitions.build_add_request(partitions)] if partitions else []))
+
+
+@sensor(job=registry_decision_job, minimum_interval_seconds=environment.registry_interval_s(),
+        default_status=DefaultSensorStatus.RUNNING)
+def canary_sensor(context: SensorEvaluationContext, settings: ProdRLSettings, store: StoreResource,
+                  mlflow: MlflowResource):
+    """Promotes a canary that is as good as the champion on live reward, removes one that is worse."""
+    from prodrl_pipelines.loop import canary, lineage_hooks
+    from prodrl_pipelines.loop.review import UNKNOWN_REVIEWER
+    from prodrl_pipelines.loop.round_state import utc_now
+
+    svc = open_services(settings, store, mlflow)
+    rkey = canary.running_canary(svc)
+    if rkey is None:
+        return SkipReason("no canary running")
+    version = svc.ledger.round_summary(rkey).get("model_version")
+    tags = svc.lineage.version_tags(version) if version else {}
+    verdict = canary.judge(svc, rkey)
+    by = "canary (live reward)"
+    if tags.get(canary.END_TAG) in ("promote", "fail"):  # a reviewer ends it early
+        by = tags.get(canary.END_BY_TAG) or UNKNOWN_REVIEWER
+        verdict.passed, verdict.ended_by = tags[canary.END_TAG] == "promote", f"ended early by {by}"
+    if verdict.passed is None:
+        if version and tags.get("canary_trajectories") != str(verdict.n_candidate):
+            lineage_hooks.record_canary(svc, rkey, version, "running", verdict)  # the numbers so far
+        return SkipReason(f"{rkey} canary: {verdict.summary()}")
+    if not verdict.passed:
+        canary.fail(svc, rkey, verdict, by)
+        lineage_hooks.record_canary(svc, rkey, version, "failed", verdict)
+        lineage_hooks.champion_to_live(svc)
+        context.log.info(verdict.summary())
+        return SkipReason(f"{rkey}: {verdict.summary()}; removed, the champion serves every trajectory")
+    key = f"canary_promote-{rkey}"
+    if context.instance.get_run_records(RunsFilter(tags={RUN_KEY_TAG: key}), limit=1):
+        return SkipReason(f"{rkey}: {verdict.summary()}; its rollout was requested")
+    context.log.info(verdict.summary())
+    return RunRequest(partition_key=rkey, run_key=key, tags={
+        ROUND_TAG: "train", ACTION_TAG: "canary_promote", BY_TAG: by, AT_TAG: utc_now(),
+        MODEL_VERSION_TAG: version or ""})

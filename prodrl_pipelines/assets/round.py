@@ -145,6 +145,11 @@ def deployment(context: AssetExecutionContext, settings: ProdRLSettings, store: 
         if request is not None and request.kind == "rollback":  # champion names what serves, not the request
             lineage_hooks.champion_to_live(svc)
         raise
+    if out.kind == "canary":  # on a slice of live traffic; the canary sensor promotes or removes it
+        lineage_hooks.record_canary(svc, rkey, version, "running")
+        context.log.info(f"{rkey} is a canary on {svc.settings.deploy.canary_fraction:.0%} of trajectories until "
+                         f"{svc.settings.deploy.canary_min_trajectories} of them are rewarded")
+        return
     if out.kind == "awaiting_review":
         context.log.info(f"{rkey} awaits review: {describe_decision(svc.ledger.decision(rkey))}; model version "
                          f"{version} is `challenger` with review=pending (approve: move `champion` to it or "
@@ -153,6 +158,11 @@ def deployment(context: AssetExecutionContext, settings: ProdRLSettings, store: 
     dep = out.live
     meta = out.rollout.metadata() if out.rollout is not None else {}
     lineage_hooks.record_deployment(svc, rkey, version, request, out, meta)
+    if request is not None and request.kind == "canary_promote":
+        from prodrl_pipelines.loop import canary
+
+        lineage_hooks.record_canary(svc, rkey, version, "passed",
+                                    canary.CanaryVerdict(**svc.ledger.decision(rkey)["canary_verdict"]))
     yield MaterializeResult(metadata={
         "policy_version": dep.policy_version, "live": True, "how": out.kind if out.kind != "reproduced" else dep.kind,
         "rollback": dep.kind == "rollback", "decided_by": dep.decided_by or "unknown", "deployed_at": dep.deployed_at,

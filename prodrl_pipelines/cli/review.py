@@ -5,6 +5,7 @@ the MLflow UI (a tag, an alias), so the registry sensor acts on either the same 
     prodrl review approve  VERSION --settings FILE [--by NAME]  tag review=approved (deployed at the next tick)
     prodrl review reject   VERSION --reason TEXT --settings FILE [--by NAME]
     prodrl review rollback VERSION --settings FILE [--by NAME]  move champion back to a deployed version
+    prodrl review end-canary VERSION --promote|--fail --settings FILE [--by NAME]  end a running canary now
 """
 
 from __future__ import annotations
@@ -97,6 +98,23 @@ def cmd_decide(args) -> int:
     return 0
 
 
+def cmd_end_canary(args) -> int:
+    """end-canary: promote the canary now (full rollout) or fail it (removed); the canary sensor acts."""
+    from prodrl_pipelines.loop import canary
+
+    svc = _services(args.settings)
+    mv = _version(svc, args.version)
+    rkey = mv.tags.get(ROUND_TAG, "")
+    state = round_state.round_state(svc.ledger.decision(rkey))
+    _refuse_unless(state == round_state.CANARY, f"version {args.version} ({rkey}) is not a running canary: "
+                   f"{round_state.describe_decision(svc.ledger.decision(rkey))}")
+    outcome = "promote" if args.promote else "fail"
+    svc.lineage.tag_version(args.version, {canary.END_BY_TAG: args.by, canary.END_TAG: outcome})
+    print(f"canary of version {args.version} ({rkey}) ended by {args.by}: the canary sensor "
+          f"{'rolls it out to every replica' if args.promote else 'removes it'} at its next tick")
+    return 0
+
+
 def cmd_rollback(args) -> int:
     from prodrl_pipelines.loop.lineage import CHAMPION
 
@@ -146,3 +164,11 @@ def add_review_parser(sub) -> None:
     common(rb)
     who(rb)
     rb.set_defaults(fn=cmd_rollback)
+    ec = rs.add_parser("end-canary", help="end a running canary now: --promote (every replica) or --fail (removed)")
+    ec.add_argument("version")
+    how = ec.add_mutually_exclusive_group(required=True)
+    how.add_argument("--promote", action="store_true")
+    how.add_argument("--fail", action="store_true")
+    common(ec)
+    who(ec)
+    ec.set_defaults(fn=cmd_end_canary)

@@ -82,3 +82,27 @@ def probe_and_commit(settings, target, sw: Switch, prompts: list[list[int]], api
         raise DeployRejected(f"parity probe failed: {probe.reason}", sw, probe, target.rollback(sw))
     target.commit(sw)
     return Rollout(sw, probe, time.monotonic() - t0)
+
+
+def start_canary(settings, target, export_dir: Path, policy_version: str, prompts: list[list[int]],
+                 fraction: float, api_key: str | None = None) -> Rollout:
+    """The candidate beside the fleet, probed like any deploy, then given ``fraction`` of trajectories;
+    ``DeployRejected`` (canary stopped, the fleet untouched) when it fails its health check or probe."""
+    t0 = time.monotonic()
+    try:
+        sw = target.switch_canary(Path(export_dir), policy_version)
+    except DeployError as e:
+        raise DeployRejected(f"canary failed to start: {e}", None, None, "nothing changed") from e
+    probe = None
+    try:
+        wait_healthy(sw.endpoint, min(settings.deploy.health_timeout_s, 60.0), api_key=api_key)
+        if settings.deploy.probe_prompts and prompts:
+            probe = parity_probe(settings, Path(sw.export_dir), prompts[: settings.deploy.probe_prompts],
+                                 sw.endpoint, sw.served_model_name, api_key=api_key, seed=settings.eval.eval_seed)
+    except Exception as e:  # noqa: BLE001 - a canary that cannot serve: stopped, reported
+        raise DeployRejected(f"canary health check / probe failed: {type(e).__name__}: {e}", sw, probe,
+                             target.stop_canary()) from e
+    if probe is not None and not probe.passed:
+        raise DeployRejected(f"canary parity probe failed: {probe.reason}", sw, probe, target.stop_canary())
+    target.commit_canary(sw, fraction)
+    return Rollout(sw, probe, time.monotonic() - t0)

@@ -239,8 +239,75 @@ class ManagedServerTarget:
                 done.append(f"replica {s['slot']}: {prev['policy_version']}")
         return ("restored " + ", ".join(done)) if done else "no committed wave to restore"
 
+    # the canary: one more server on the pair of ports after the fleet's, outside the rolling slots
+    CANARY = "canary"
+
+    def canary_dir(self) -> Path:
+        return self.dir / self.CANARY
+
+    def canary(self) -> ServerRecord | None:
+        raw = read_json(self.canary_dir() / "current.json")
+        rec = ServerRecord(**raw) if raw else None
+        return rec if rec is not None and rec.alive() else None
+
+    def switch_canary(self, export_dir: Path, policy_version: str) -> Switch:
+        """Start the candidate beside the fleet and wait until it is healthy (nothing routed to it yet)."""
+        t0 = time.monotonic()
+        port = int(self.deploy.target_port) + 2 * self.replicas
+        old = self.canary()
+        if old is not None:
+            stop_process_group(old.pid)
+        rec = self.start(Path(export_dir), policy_version, port + (1 if old is not None and old.port == port else 0))
+        write_json(self.canary_dir() / "pending.json", asdict(rec))
+        try:
+            self._wait([rec], policy_version)
+        except BaseException:
+            stop_process_group(rec.pid)
+            (self.canary_dir() / "pending.json").unlink(missing_ok=True)
+            raise
+        return Switch(self.name, policy_version, str(export_dir), rec.url, policy_version,
+                      seconds=time.monotonic() - t0, detail={"pid": rec.pid, "port": rec.port, "log": rec.log,
+                                                             "role": "canary", "slots": []})
+
+    def commit_canary(self, switch: Switch, fraction: float) -> None:
+        """Route ``fraction`` of trajectories (sticky per trajectory id) to the canary."""
+        raw = read_json(self.canary_dir() / "pending.json")
+        if not raw or int(raw["pid"]) != int(switch.detail["pid"]):
+            raise DeployError(f"{self.name}: no pending canary for {switch.policy_version} to commit")
+        write_json(self.canary_dir() / "current.json", raw)
+        (self.canary_dir() / "pending.json").unlink(missing_ok=True)
+        ep = endpoint_file(self.home).read()
+        if ep is None:
+            raise DeployError("a canary needs a live deployment beside it (no endpoint file)")
+        ep.canary = {"fraction": float(fraction), "policy_version": switch.policy_version,
+                     "export_dir": switch.export_dir,
+                     "replicas": [{"url": switch.endpoint, "served_model_name": switch.policy_version,
+                                   "policy_version": switch.policy_version}]}
+        endpoint_file(self.home).write(ep)
+
+    def stop_canary(self) -> str:
+        """No more traffic to the canary (endpoint file first), then its server drains and stops."""
+        ep = endpoint_file(self.home).read()
+        if ep is not None and ep.canary:
+            ep.canary = None
+            endpoint_file(self.home).write(ep)
+            time.sleep(DRAIN_S)
+        stopped = []
+        for name in ("pending.json", "current.json"):
+            raw = read_json(self.canary_dir() / name)
+            if raw and pid_alive(int(raw["pid"])):
+                stop_process_group(int(raw["pid"]))
+                stopped.append(raw["policy_version"])
+            (self.canary_dir() / name).unlink(missing_ok=True)
+        return f"stopped the canary ({', '.join(stopped)})" if stopped else "no canary was running"
+
     def stop(self) -> None:
-        """Stop every replica's servers (current and pending): the end of this deployment."""
+        """Stop every replica's servers (current and pending) and a canary: the end of this deployment."""
+        for name in ("pending.json", "current.json"):
+            raw = read_json(self.canary_dir() / name)
+            if raw and pid_alive(int(raw["pid"])):
+                stop_process_group(int(raw["pid"]))
+            (self.canary_dir() / name).unlink(missing_ok=True)
         for slot in range(max(self.replicas, 1)):
             for name in ("pending.json", "current.json"):
                 raw = read_json(self.slot_dir(slot) / name)

@@ -139,6 +139,9 @@ class Lineage:
             return []
         return sorted(found, key=lambda mv: int(mv.version))
 
+    def version_tags(self, version: str) -> dict[str, str]:
+        return dict(self.client.get_model_version(self.model_name, version).tags)
+
     def model_tags(self) -> dict[str, str]:
         try:
             return dict(self.client.get_registered_model(self.model_name).tags)

@@ -141,3 +141,21 @@ def record_deployment(svc: Services, rkey: str, version: str | None, request, ou
             svc.lineage.tag_version(version, {f"rollback.{n}": json.dumps(
                 {"by": dep.decided_by, "at": dep.deployed_at, "from": events[-1]["previous"]})})
             svc.lineage.promote(version)
+
+
+def record_canary(svc: Services, rkey: str, version: str | None, state: str, verdict=None) -> None:
+    """The canary on the model version: ``canary`` = running | passed | failed, with its numbers
+    (live reward of candidate and champion on the same window, trajectories, lower bound); a failed
+    canary ends the round's run (nothing was deployed)."""
+    if version:
+        svc.lineage.tag_version(version, {"canary": state, **(verdict.tags() if verdict is not None else {})})
+        if state != "running":
+            svc.lineage.describe_version(version, version_description(rkey, svc.ledger.decision(rkey)))
+    if state == "failed":
+        run_id = svc.lineage.round_run(rkey)
+        svc.lineage.set_tags(run_id, {"deployed": "false", "canary": "failed"})
+        if verdict is not None and verdict.passed is not None:
+            svc.lineage.log_metrics(run_id, numeric({"canary_reward": verdict.candidate_mean,
+                                                     "canary_champion_reward": verdict.champion_mean,
+                                                     "canary_lower_bound": verdict.diff_lower}), 0)
+        svc.lineage.finish(run_id)

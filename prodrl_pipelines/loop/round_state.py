@@ -21,10 +21,11 @@ def round_index(key: str) -> int:
     return int(key.split("-", 1)[1])
 
 
-# a round's states; the last four are final (a decided round's history never changes)
-RUNNING, AWAITING_DEPLOY, PENDING_REVIEW = "running", "awaiting_deploy", "pending_review"
+# a round's states; the last five are final (a decided round's history never changes)
+RUNNING, AWAITING_DEPLOY, PENDING_REVIEW, CANARY = "running", "awaiting_deploy", "pending_review", "canary"
 GATE_FAILED, REJECTED, DEPLOYED, DEPLOY_FAILED = "gate_failed", "rejected", "deployed", "deploy_failed"
-FINAL = frozenset({GATE_FAILED, REJECTED, DEPLOYED, DEPLOY_FAILED})
+CANARY_FAILED = "canary_failed"
+FINAL = frozenset({GATE_FAILED, REJECTED, DEPLOYED, DEPLOY_FAILED, CANARY_FAILED})
 
 
 def utc_now() -> str:
@@ -41,6 +42,8 @@ def round_state(decision: dict | None) -> str:
         return DEPLOYED
     if decision.get("deploy_failed"):
         return DEPLOY_FAILED
+    if decision.get("canary") in ("running", "failed"):  # loop.canary: on live traffic, or removed
+        return CANARY if decision["canary"] == "running" else CANARY_FAILED
     return {"rejected": REJECTED, "pending": PENDING_REVIEW}.get(decision.get("review", "none"), AWAITING_DEPLOY)
 
 
@@ -69,5 +72,9 @@ def describe_decision(decision: dict | None) -> str:
         REJECTED: lambda: f"rejected{who}{when}" + (f": {d['review_reason']}" if d.get("review_reason") else ""),
         DEPLOYED: lambda: f"deployed{who}{when}",
         DEPLOY_FAILED: lambda: f"deploy failed and rolled back: {d.get('deploy_failed')}",
+        CANARY: lambda: f"gate passed, canary on {d.get('canary_fraction', 0):.0%} of live trajectories",
+        CANARY_FAILED: lambda: f"canary failed{who}{when}" + (
+            f": live reward {d['canary_verdict']['candidate_mean']:.4f} vs champion "
+            f"{d['canary_verdict']['champion_mean']:.4f}" if d.get("canary_verdict") else ""),
     }[state]()
     return text

@@ -10,7 +10,7 @@ def next_round_decision(svc: Services, existing_rounds: list[str], in_flight: bo
     """(round key to start, reason). Starts round k+1 only when round k is decided (a pending review
     waits) and S*B eligible data exists; each reason says what would unblock it."""
     from prodrl_pipelines.loop.round_state import round_key
-    from prodrl_pipelines.loop.round_state import PENDING_REVIEW, round_state
+    from prodrl_pipelines.loop.round_state import CANARY, PENDING_REVIEW, round_state
     from prodrl_pipelines.trajectories.selection import count_eligible
 
     live = svc.ledger.live()
@@ -23,6 +23,11 @@ def next_round_decision(svc: Services, existing_rounds: list[str], in_flight: bo
     state = round_state(svc.ledger.decision(latest)) if latest else None
     if latest is not None and state == "running":
         return None, f"{latest} has not finished (no gate decision yet); re-execute its failed run to resume it"
+    if state == CANARY:
+        from prodrl_pipelines.loop import canary
+
+        return None, (f"{latest} is a canary on live traffic ({canary.judge(svc, latest).summary()}); the next "
+                      "round starts once it is promoted or removed")
     if state == PENDING_REVIEW:
         mv = svc.ledger.round_summary(latest).get("model_version", "VERSION")
         return None, (f"{latest} awaits review: approve model version {mv} (move alias champion to it, tag "

@@ -1,0 +1,119 @@
+"""A canary on live traffic: a round that passed its gate (and its review) serves a sticky fraction of
+trajectories (``deploy.canary_fraction``) beside the champion before it takes all of them.
+
+Judged once the candidate has ``deploy.canary_min_trajectories`` rewarded trajectories: the mean
+live reward of the candidate's trajectories against the champion's recorded in the same window
+(since the canary started), with the gate's one-sided normal bound on the unpaired difference
+(``eval.gate_z``, ``eval.gate_tolerance``): pass iff mean(candidate) - mean(champion) - z * se >=
+-tolerance, se = sqrt(var_c / n_c + var_l / n_l). Pass: a full rolling update to the candidate.
+Fail: the canary is removed, the round is decided (not deployed, ``canary: failed``), and the next
+round trains from the live policy. A reviewer may end it early either way (``prodrl review``).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+
+import numpy as np
+import pyarrow.compute as pc
+
+from prodrl_pipelines.loop.services import Services
+
+RUNNING, PASSED, FAILED = "running", "passed", "failed"
+# a reviewer ends a canary early on its model version: promote (full rollout now) or fail (remove it)
+END_TAG, END_BY_TAG = "canary_end", "canary_end_by"
+
+
+@dataclass
+class CanaryVerdict:
+    passed: bool | None  # None: not enough rewarded candidate trajectories yet
+    candidate_mean: float
+    champion_mean: float
+    n_candidate: int
+    n_champion: int
+    diff: float
+    diff_lower: float
+    tolerance: float
+    needed: int
+    ended_by: str = "live reward"
+
+    def summary(self) -> str:
+        if self.passed is None:
+            return f"{self.n_candidate}/{self.needed} rewarded candidate trajectories"
+        return (f"canary {'passed' if self.passed else 'failed'} ({self.ended_by}): live reward "
+                f"{self.candidate_mean:.4f} on {self.n_candidate} trajectories vs champion {self.champion_mean:.4f} on "
+                f"{self.n_champion}; difference {self.diff:+.4f}, lower bound {self.diff_lower:+.4f} "
+                f"(tolerance {self.tolerance:.4f})")
+
+    def tags(self) -> dict[str, str]:
+        """The numbers a reviewer sees on the model version."""
+        return {"canary_reward": f"{self.candidate_mean:.4f}", "canary_champion_reward": f"{self.champion_mean:.4f}",
+                "canary_trajectories": str(self.n_candidate), "canary_champion_trajectories": str(self.n_champion),
+                "canary_lower_bound": f"{self.diff_lower:+.4f}"}
+
+
+def unpaired_lower_bound(candidate: np.ndarray, champion: np.ndarray, z: float) -> tuple[float, float]:
+    """(mean difference, its one-sided lower bound) of two independent samples (normal approximation)."""
+    c, ch = np.asarray(candidate, np.float64), np.asarray(champion, np.float64)
+    diff = float(c.mean() - ch.mean())
+    var = (c.var(ddof=1) / c.size if c.size > 1 else 0.0) + (ch.var(ddof=1) / ch.size if ch.size > 1 else 0.0)
+    return diff, diff - z * math.sqrt(var)
+
+
+def window_rewards(svc: Services, candidate: str, champion: str, since_us: int) -> tuple[np.ndarray, np.ndarray]:
+    """Latest rewards of the trajectories each version served since ``since_us`` (epoch microseconds):
+    the candidate's (all of its traffic is the canary's) and the champion's in the same window."""
+    calls = svc.store.read_calls([candidate, champion], columns=["trajectory_id", "policy_version", "created_at"])
+    t = pc.cast(calls["created_at"], "int64")
+    calls = calls.filter(pc.greater_equal(t, since_us))
+    by_version: dict[str, set[str]] = {candidate: set(), champion: set()}
+    for tid, v in zip(calls["trajectory_id"].to_pylist(), calls["policy_version"].to_pylist()):
+        by_version[v].add(tid)
+    both = by_version[candidate] & by_version[champion]  # never both (sticky), but never count one twice
+    ids = (by_version[candidate] | by_version[champion]) - both
+    rewards = svc.store.read_rewards(trajectory_ids=sorted(ids)) if ids else None
+    got = dict(zip(rewards["trajectory_id"].to_pylist(), rewards["reward"].to_pylist())) if rewards is not None else {}
+    pick = lambda v: np.asarray([got[i] for i in sorted(by_version[v] - both) if i in got and got[i] is not None  # noqa: E731
+                                 and math.isfinite(got[i])], np.float64)
+    return pick(candidate), pick(champion)
+
+
+def judge(svc: Services, rkey: str) -> CanaryVerdict:
+    """The canary of ``rkey`` on the rewards recorded so far (``passed`` None: too few yet)."""
+    s, d = svc.settings, svc.ledger.decision(rkey)
+    live = svc.ledger.live()
+    cand, champ = window_rewards(svc, rkey, live.policy_version, int(d["canary_started_us"]))
+    need = s.deploy.canary_min_trajectories
+    if cand.size < need or champ.size < 2:
+        return CanaryVerdict(None, float(cand.mean()) if cand.size else math.nan,
+                             float(champ.mean()) if champ.size else math.nan, int(cand.size), int(champ.size),
+                             math.nan, math.nan, s.eval.gate_tolerance, need)
+    diff, lower = unpaired_lower_bound(cand, champ, s.eval.gate_z)
+    return CanaryVerdict(lower >= -s.eval.gate_tolerance, float(cand.mean()), float(champ.mean()), int(cand.size),
+                         int(champ.size), diff, lower, s.eval.gate_tolerance, need)
+
+
+def running_canary(svc: Services) -> str | None:
+    """The round whose canary is running, if any (at most one: rounds run one at a time)."""
+    from prodrl_pipelines.loop.round_state import CANARY, round_key, round_state
+
+    for summary in reversed(svc.ledger.round_summaries()):
+        rkey = round_key(int(summary["round"]))
+        if round_state(svc.ledger.decision(rkey)) == CANARY:
+            return rkey
+    return None
+
+
+def fail(svc: Services, rkey: str, verdict: CanaryVerdict, by: str) -> dict:
+    """End a failed canary: no more traffic to it, the round decided (not deployed); champion unchanged."""
+    from prodrl_pipelines.deploy_targets import make_target
+    from prodrl_pipelines.loop.round_state import utc_now
+
+    stopped = make_target(svc.settings).stop_canary()
+    decision = {**svc.ledger.decision(rkey), "canary": FAILED, "deployed": False, "decided_by": by,
+                "decided_at": utc_now(), "canary_verdict": asdict(verdict), "canary_stopped": stopped}
+    svc.ledger.record_decision(rkey, decision)
+    svc.ledger.update_round(rkey, deployed=False, canary=FAILED, canary_reward=verdict.candidate_mean,
+                            canary_champion_reward=verdict.champion_mean, decided_by=by)
+    return decision
