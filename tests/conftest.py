@@ -84,6 +84,19 @@ def tiny_policy_dir(tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
+def tiny_exports(tiny_policy_dir, tmp_path_factory):
+    """The tiny policy exported as bf16 and as NVFP4 W4A4 (what managed servers serve in tests)."""
+    from prodrl_pipelines.quant.export import export_policy
+
+    root = tmp_path_factory.mktemp("tiny_exports")
+    out = {}
+    for scheme in ("bf16", "nvfp4-w4a4"):
+        out[scheme] = root / scheme
+        export_policy(tiny_policy_dir, out[scheme], scheme, calibration_prompts=[[1, 5, 6, 7, 8, 9] * 4] * 4)
+    return out
+
+
+@pytest.fixture(scope="session")
 def s3_endpoint():
     """A moto S3 server on a free loopback port, with fake credentials in the environment."""
     saved = {k: os.environ.get(k) for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION",

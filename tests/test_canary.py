@@ -5,6 +5,7 @@ trajectory) and asks for the rollout of one that is as good, which then serves e
 
 from __future__ import annotations
 
+import json
 import math
 import shutil
 
@@ -37,6 +38,41 @@ def test_unpaired_lower_bound_is_the_normal_bound_and_covers():
     hits = sum(canary.unpaired_lower_bound(rng.normal(0.6, 0.2, 40), rng.normal(0.5, 0.3, 90), 1.645)[1] <= 0.1
                for _ in range(4000))
     assert abs(hits / 4000 - 0.95) < 0.015
+
+
+def test_judge_on_the_rewards_recorded_since_the_canary_started(tmp_path):
+    from datetime import timedelta
+
+    from prodrl_pipelines.config.settings import Settings
+    from prodrl_pipelines.loop.ledger import LiveDeployment
+    from prodrl_pipelines.loop.services import build_services
+    from prodrl_pipelines.storage.locations import StoreLocation
+    from tests.helpers import T0, make_call, make_reward
+
+    svc = build_services(Settings(home=str(tmp_path), deploy={"canary_min_trajectories": 4}, eval={"gate_tolerance": 0.1}),
+                         StoreLocation())
+    svc.ledger.deploy(LiveDeployment("v0", str(tmp_path / "c"), str(tmp_path / "e")))
+    start = T0 + timedelta(minutes=10)
+    svc.ledger.record_decision("round-000001", {"passed": True, "canary": "running",
+                                                "canary_started_us": int(start.timestamp() * 1e6)})
+
+    def served(version, ids, minute, reward):
+        svc.store.write_calls([make_call(t, policy_version=version, created_at=T0 + timedelta(minutes=minute)) for t in ids])
+        svc.store.write_rewards([make_reward(t, r) for t, r in zip(ids, reward)])
+
+    served("v0", [f"old{i}" for i in range(8)], 1, [0.0] * 8)  # the champion before the canary: not in the window
+    served("v0", [f"c{i}" for i in range(8)], 11, [1.0, 0.9] * 4)
+    served("round-000001", ["n0", "n1", "n2"], 12, [1.0, 0.9, 1.0])
+    v = canary.judge(svc, "round-000001")
+    assert v.passed is None and (v.n_candidate, v.needed) == (3, 4) and "3/4" in v.summary()
+    served("round-000001", ["n3"], 13, [0.9])
+    svc.store.write_calls([make_call("n4", policy_version="round-000001", created_at=T0 + timedelta(minutes=13))])  # no reward yet
+    v = canary.judge(svc, "round-000001")
+    assert v.passed and (v.n_candidate, v.n_champion) == (4, 8) and math.isclose(v.champion_mean, 0.95)
+    assert math.isclose(v.diff, 0.0) and v.diff_lower < 0
+    served("round-000001", [f"w{i}" for i in range(8)], 14, [0.0] * 8)  # worse from here on
+    v = canary.judge(svc, "round-000001")
+    assert v.passed is False and v.n_candidate == 12 and v.diff_lower < -0.1
 
 
 @pytest.fixture
@@ -85,7 +121,7 @@ def _gate_passed(svc, rkey):
     svc.ledger.update_round(rkey, gate_passed=True)
 
 
-def test_a_worse_canary_is_removed_and_an_equal_one_rolled_out(fleet, pg_instance):
+def test_a_worse_canary_is_removed_and_a_reviewer_promotes_the_next(fleet, pg_instance, capsys):
     svc, res, rec, app = fleet
     # round 1 passed its gate: a canary on 40% of trajectories, the champion keeps serving the rest
     _gate_passed(svc, "round-000001")
@@ -115,26 +151,35 @@ def test_a_worse_canary_is_removed_and_an_equal_one_rolled_out(fleet, pg_instanc
     assert _traffic(rec, app, 10, 100, worse.get) == {"round-000000": 10}  # the champion serves everything
     assert svc.ledger.live().policy_version == "round-000000"
 
-    # round 2 is as good as the champion on live reward: the sensor asks for its rollout
+    # round 2: a reviewer ends its canary early with the CLI (promote); the sensor asks for its rollout
     _gate_passed(svc, "round-000002")
     assert promotion.deploy(svc, "round-000002").kind == "canary"
+    from prodrl_pipelines.cli.main import main as prodrl
+    from prodrl_pipelines.loop.services import publish_export
+
+    run_id = svc.lineage.round_run("round-000002")
+    version = svc.lineage.register_candidate(publish_export(svc, "round-000002", svc.settings.exports_root / "round-000002"),
+                                             run_id, "round-000002", {"gate": "passed", "review": "none"})
+    svc.ledger.update_round("round-000002", model_version=version)
+    settings_file = svc.settings.home_path / "settings.json"
+    settings_file.write_text(json.dumps({k: v for k, v in res["settings"].fields().items() if v is not None}))
     equal = {"round-000000": 1.0, "round-000002": 1.0}
-    n = 200
-    while make_canary_count(svc, "round-000002") < 12:
-        _traffic(rec, app, 20, n, equal.get)
-        n += 20
+    _traffic(rec, app, 6, 200, equal.get)
+    assert "rewarded candidate trajectories" in canary_sensor(ctx()).skip_message  # too few for a verdict
+    assert prodrl(["review", "end-canary", version, "--promote", "--settings", str(settings_file), "--by", "ann"]) == 0
     req = canary_sensor(ctx())
     assert req.tags[ACTION_TAG] == "canary_promote" and req.partition_key == "round-000002", req
+    assert req.tags[BY_TAG] == "ann"
     out = promotion.deploy(svc, "round-000002", request=promotion.DeployRequest(
         "canary_promote", req.tags[BY_TAG], utc_now()))
     assert out.kind == "deployed" and svc.ledger.live().policy_version == "round-000002"
     d = svc.ledger.decision("round-000002")
-    assert round_state(d) == DEPLOYED and d["canary"] == "passed" and d["canary_verdict"]["passed"]
+    assert round_state(d) == DEPLOYED and d["canary"] == "passed" and d["decided_by"] == "ann"
     ep = endpoint_file(svc.settings.home_path).read()
     assert ep.canary is None and [r["policy_version"] for r in ep.replica_list()] == ["round-000002"] * 2
     assert make_target(svc.settings).canary() is None
     assert _traffic(rec, app, 6, 900, equal.get) == {"round-000002": 6}
+    with pytest.raises(SystemExit) as ended:  # it is deployed now: no canary to end
+        prodrl(["review", "end-canary", version, "--fail", "--settings", str(settings_file)])
+    assert ended.value.code == 1 and "is not a running canary: deployed by ann" in capsys.readouterr().err
 
-
-def make_canary_count(svc, rkey) -> int:
-    return canary.judge(svc, rkey).n_candidate

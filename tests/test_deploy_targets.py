@@ -24,18 +24,6 @@ pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PROMPTS = [[1, 5, 6, 7, 8], [1, 40, 41, 42, 9, 9], [1, 12, 13]]
 
 
-@pytest.fixture(scope="module")
-def exports(tiny_policy_dir, tmp_path_factory):
-    from prodrl_pipelines.quant.export import export_policy
-
-    root = tmp_path_factory.mktemp("exports")
-    out = {}
-    for scheme in ("bf16", "nvfp4-w4a4"):
-        out[scheme] = root / scheme
-        export_policy(tiny_policy_dir, out[scheme], scheme, calibration_prompts=[[1, 5, 6, 7, 8, 9] * 4] * 4)
-    return out
-
-
 def test_compare_is_the_mean_and_p99_of_absolute_differences():
     rng = np.random.default_rng(0)
     served = [rng.normal(-2, 1, 50), rng.normal(-2, 1, 150)]
@@ -65,14 +53,14 @@ def test_settings_choose_a_known_target_and_fail_early():
     assert Settings(deploy={"export_scheme": "nvfp4-w4a4", "probe_mean_bound": 0.3}).deploy.probe_bounds() == (0.3, 5.0)
 
 
-def test_prodrl_serve_target_switches_blue_green_and_rolls_back(exports, tmp_path):
+def test_prodrl_serve_target_switches_blue_green_and_rolls_back(tiny_exports, tmp_path):
     from prodrl_pipelines.deploy_targets.processes import pick_port
 
     s = Settings(home=str(tmp_path / "home"), deploy={"target": "prodrl-serve", "target_port": pick_port(),
                                                       "probe_prompts": 3, "max_tokens": 6, "export_scheme": "bf16"})
     target = make_target(s)
     try:
-        a = roll_out(s, target, exports["bf16"], "v1", PROMPTS)
+        a = roll_out(s, target, tiny_exports["bf16"], "v1", PROMPTS)
         assert a.probe.passed and a.probe.mean_abs < 1e-5 and a.switch.endpoint.endswith(str(s.deploy.target_port))
         app = build_recorder_app(RecorderConfig(upstream="", follow=str(endpoint_file(s.home_path).path),
                                                 store_dir=str(tmp_path / "store"), token="t", top_logprobs=4))
@@ -85,7 +73,7 @@ def test_prodrl_serve_target_switches_blue_green_and_rolls_back(exports, tmp_pat
             return r.json()
 
         assert call("before")["model"] == "v1"
-        b = roll_out(s, ProdrlServeTarget(s, s.home_path), exports["bf16"], "v2", PROMPTS)  # a later run
+        b = roll_out(s, ProdrlServeTarget(s, s.home_path), tiny_exports["bf16"], "v2", PROMPTS)  # a later run
         assert call("after")["model"] == "v2"  # the recorder followed the switch to the new port
         assert app.state.recorder.ingestor.flush(30)
         tags = {r["trajectory_id"]: r["policy_version"] for r in app.state.recorder.store.read_calls().to_pylist()}
@@ -99,7 +87,7 @@ def test_prodrl_serve_target_switches_blue_green_and_rolls_back(exports, tmp_pat
         # W4A4 under bf16's bound: the probe fails, the new server is stopped, v2 keeps serving
         strict = Settings(home=s.home, deploy={**s.deploy.model_dump(), "probe_mean_bound": 1e-6})
         with pytest.raises(DeployRejected) as err:
-            roll_out(strict, ProdrlServeTarget(strict, strict.home_path), exports["nvfp4-w4a4"], "v3", PROMPTS)
+            roll_out(strict, ProdrlServeTarget(strict, strict.home_path), tiny_exports["nvfp4-w4a4"], "v3", PROMPTS)
         assert "probe_mean_bound" in err.value.reason and "v2 kept serving" in err.value.rollback
         assert err.value.probe.mean_abs > 1e-6 and not pid_alive(err.value.switch.detail["pid"])
         assert target.current().policy_version == "v2" and endpoint_file(s.home_path).read().policy_version == "v2"
@@ -111,25 +99,25 @@ def test_prodrl_serve_target_switches_blue_green_and_rolls_back(exports, tmp_pat
         target.stop()
 
 
-def test_command_target_runs_the_template_and_reports_failures(exports, tmp_path):
+def test_command_target_runs_the_template_and_reports_failures(tiny_exports, tmp_path):
     log = tmp_path / "deploys.txt"
     script = (f"{sys.executable} -c \"import sys; open({str(log)!r}, 'a').write(' '.join(sys.argv[1:]) + '\\n')\" "
               "{export_dir} {policy_version} {port}")
     s = Settings(home=str(tmp_path / "home"), deploy={"target": "command", "target_command": script,
                                                       "target_port": 9123, "probe_prompts": 2, "export_scheme": "bf16"})
-    ro = roll_out(s, make_target(s), exports["bf16"], "v1", PROMPTS)  # no endpoint: probed on the local engine
-    assert log.read_text().split() == [str(exports["bf16"]), "v1", "9123"] and ro.probe.engine == "local"
+    ro = roll_out(s, make_target(s), tiny_exports["bf16"], "v1", PROMPTS)  # no endpoint: probed on the local engine
+    assert log.read_text().split() == [str(tiny_exports["bf16"]), "v1", "9123"] and ro.probe.engine == "local"
     failing = Settings(home=s.home, deploy={"target": "command", "target_command":
                                             f"{sys.executable} -c \"import sys; sys.stderr.write('quota exceeded'); sys.exit(3)\""})
     with pytest.raises(DeployError, match="exited 3: quota exceeded"):
-        roll_out(failing, make_target(failing), exports["bf16"], "v2", PROMPTS)
+        roll_out(failing, make_target(failing), tiny_exports["bf16"], "v2", PROMPTS)
     missing = Settings(home=s.home, deploy={"target": "command", "target_command": "no-such-binary-xyz {export_dir}"})
     with pytest.raises(DeployError, match="not found: 'no-such-binary-xyz'"):
-        roll_out(missing, make_target(missing), exports["bf16"], "v2", PROMPTS)
+        roll_out(missing, make_target(missing), tiny_exports["bf16"], "v2", PROMPTS)
 
 
-def test_pointer_target_probes_the_export_as_the_local_engine_serves_it(exports, tmp_path):
+def test_pointer_target_probes_the_export_as_the_local_engine_serves_it(tiny_exports, tmp_path):
     s = Settings(home=str(tmp_path / "home"), deploy={"probe_prompts": 2, "export_scheme": "nvfp4-w4a4"})
-    ro = roll_out(s, make_target(s), exports["nvfp4-w4a4"], "v1", PROMPTS)
+    ro = roll_out(s, make_target(s), tiny_exports["nvfp4-w4a4"], "v1", PROMPTS)
     assert ro.switch.endpoint is None and ro.probe.engine == "local" and ro.probe.passed
     assert 0 < ro.probe.mean_abs < 0.5  # W4A4's activation quantization, which the trainer does not simulate

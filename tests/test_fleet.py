@@ -82,18 +82,6 @@ def test_canary_slice_is_sticky_per_trajectory_and_its_fraction():
 
 # ------------------------------------------------------------------------------------ a real fleet
 
-@pytest.fixture(scope="module")
-def exports(tiny_policy_dir, tmp_path_factory):
-    from prodrl_pipelines.quant.export import export_policy
-
-    root = tmp_path_factory.mktemp("fleet_exports")
-    out = {}
-    for scheme in ("bf16", "nvfp4-w4a4"):
-        out[scheme] = root / scheme
-        export_policy(tiny_policy_dir, out[scheme], scheme, calibration_prompts=[[1, 5, 6, 7, 8, 9] * 4] * 4)
-    return out
-
-
 class Traffic:
     """Steady completions through the recorder, each its own trajectory; failures kept with reasons."""
 
@@ -135,12 +123,12 @@ def _fleet(tmp_path, replicas=3, **deploy):
     return s, make_target(s)
 
 
-def test_rolling_update_of_three_replicas_fails_no_call_and_tags_each_with_its_version(exports, tmp_path):
+def test_rolling_update_of_three_replicas_fails_no_call_and_tags_each_with_its_version(tiny_exports, tmp_path):
     s, target = _fleet(tmp_path)
     app = build_recorder_app(RecorderConfig(upstream="", follow=str(endpoint_file(s.home_path).path),
                                             store_dir=str(tmp_path / "store"), token="t", top_logprobs=4))
     try:
-        first = roll_out(s, target, exports["bf16"], "v1", PROMPTS)
+        first = roll_out(s, target, tiny_exports["bf16"], "v1", PROMPTS)
         assert first.waves == 3 and [r.policy_version for r in target.currents()] == ["v1"] * 3
         with BackgroundServer(app) as rec:
             traffic = Traffic(rec.url)
@@ -155,7 +143,7 @@ def test_rolling_update_of_three_replicas_fails_no_call_and_tags_each_with_its_v
                     time.sleep(0.05)
             w = threading.Thread(target=watcher)
             w.start()
-            ro = roll_out(s, ProdrlServeTarget(s, s.home_path), exports["bf16"], "v2", PROMPTS)  # a later run
+            ro = roll_out(s, ProdrlServeTarget(s, s.home_path), tiny_exports["bf16"], "v2", PROMPTS)  # a later run
             time.sleep(1.0)
             watch.set()
             w.join()
@@ -182,7 +170,7 @@ def test_rolling_update_of_three_replicas_fails_no_call_and_tags_each_with_its_v
             while victim.url not in httpx.get(rec.url + "/stats", headers={"Authorization": "Bearer t"}).json()["replicas_down"]:
                 assert time.monotonic() < deadline, "the dead replica was never taken out"
                 time.sleep(0.2)
-            back = target.start(exports["bf16"], "v2", victim.port, 1)
+            back = target.start(tiny_exports["bf16"], "v2", victim.port, 1)
             deadline = time.monotonic() + 60
             while victim.url in httpx.get(rec.url + "/stats", headers={"Authorization": "Bearer t"}).json()["replicas_down"]:
                 assert time.monotonic() < deadline, "the restarted replica never came back"
@@ -195,7 +183,7 @@ def test_rolling_update_of_three_replicas_fails_no_call_and_tags_each_with_its_v
         target.stop()
 
 
-def test_a_probe_failure_in_the_second_wave_restores_the_first(exports, tmp_path):
+def test_a_probe_failure_in_the_second_wave_restores_the_first(tiny_exports, tmp_path):
     """Replica 1's server is broken (it serves W4A4 weights under the bf16 name): wave 1 passes, wave 2's
     probe fails, wave 2 is stopped and wave 1 brought back to v1; every replica serves v1 again."""
     s, target = _fleet(tmp_path, probe_mean_bound=1e-4)
@@ -203,13 +191,13 @@ def test_a_probe_failure_in_the_second_wave_restores_the_first(exports, tmp_path
     class BrokenSecondReplica(ProdrlServeTarget):
         def command(self, export_dir, port, policy_version):
             broken = policy_version == "v2" and port in self._ports(1)
-            return super().command(exports["nvfp4-w4a4"] if broken else export_dir, port, policy_version)
+            return super().command(tiny_exports["nvfp4-w4a4"] if broken else export_dir, port, policy_version)
 
     try:
-        roll_out(s, target, exports["bf16"], "v1", PROMPTS)
+        roll_out(s, target, tiny_exports["bf16"], "v1", PROMPTS)
         v1_pids = [r.pid for r in target.currents()]
         with pytest.raises(DeployRejected) as err:
-            roll_out(s, BrokenSecondReplica(s, s.home_path), exports["bf16"], "v2", PROMPTS)
+            roll_out(s, BrokenSecondReplica(s, s.home_path), tiny_exports["bf16"], "v2", PROMPTS)
         e = err.value
         assert "parity probe failed" in e.reason and "wave 2/3" in e.reason, e.reason
         assert "restored replica 0: v1" in e.rollback, e.rollback

@@ -81,14 +81,19 @@ def _refuse_unless(ok: bool, msg: str) -> None:
         raise SystemExit(1)
 
 
+def _round_in_state(args, state: str, what: str):
+    """(services, round key) of ``args.version``, refused unless its round is in ``state``."""
+    svc = _services(args.settings)
+    rkey = _version(svc, args.version).tags.get(ROUND_TAG, "")
+    decision = svc.ledger.decision(rkey)
+    _refuse_unless(round_state.round_state(decision) == state, f"version {args.version} ({rkey}) is not {what}: "
+                   f"{round_state.describe_decision(decision)}")
+    return svc, rkey
+
+
 def cmd_decide(args) -> int:
     """approve / reject: the review tags (who, then the decision: the sensor reads them in that order)."""
-    svc = _services(args.settings)
-    mv = _version(svc, args.version)
-    rkey = mv.tags.get(ROUND_TAG, "")
-    state = round_state.round_state(svc.ledger.decision(rkey))
-    _refuse_unless(state == round_state.PENDING_REVIEW, f"version {args.version} ({rkey}) is not awaiting review: "
-                   f"{round_state.describe_decision(svc.ledger.decision(rkey))}")
+    svc, rkey = _round_in_state(args, round_state.PENDING_REVIEW, "awaiting review")
     tags = {review.REVIEW_BY: args.by}
     if args.cmd_review == "reject":
         tags[review.REVIEW_REASON] = args.reason
@@ -102,12 +107,7 @@ def cmd_end_canary(args) -> int:
     """end-canary: promote the canary now (full rollout) or fail it (removed); the canary sensor acts."""
     from prodrl_pipelines.loop import canary
 
-    svc = _services(args.settings)
-    mv = _version(svc, args.version)
-    rkey = mv.tags.get(ROUND_TAG, "")
-    state = round_state.round_state(svc.ledger.decision(rkey))
-    _refuse_unless(state == round_state.CANARY, f"version {args.version} ({rkey}) is not a running canary: "
-                   f"{round_state.describe_decision(svc.ledger.decision(rkey))}")
+    svc, rkey = _round_in_state(args, round_state.CANARY, "a running canary")
     outcome = "promote" if args.promote else "fail"
     svc.lineage.tag_version(args.version, {canary.END_BY_TAG: args.by, canary.END_TAG: outcome})
     print(f"canary of version {args.version} ({rkey}) ended by {args.by}: the canary sensor "

@@ -41,9 +41,15 @@ def pick_port_range(span: int, preferred: int = 0) -> int:
 
     if preferred and free(preferred):
         return preferred
+    # below the kernel's ephemeral range: a client connection's local port there would take a
+    # replica's port later (bind: address already in use)
+    try:
+        low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
     rng = random.Random()
     for _ in range(500):
-        base = rng.randrange(20000, 60000 - span)
+        base = rng.randrange(10000, max(10001, low - span))
         if free(base):
             return base
     raise RuntimeError(f"no {span} consecutive free ports on loopback")
