@@ -248,3 +248,17 @@ def mlflow_server(s3_endpoint, tmp_path_factory):
         with conn.cursor() as cur:
             cur.execute(f"DROP SCHEMA IF EXISTS {schema} CASCADE")
         conn.close()
+
+
+def pytest_collection_modifyitems(session, config, items):
+    """Files with long end-to-end tests (``@pytest.mark.long(seconds=N)``) first, longest first:
+    ``make test`` hands whole files to its xdist workers in this order, so the long ones start at
+    once instead of ending the run alone (longest-processing-time-first scheduling)."""
+    longest: dict[str, float] = {}
+    for item in items:
+        m = item.get_closest_marker("long")
+        if m is not None:
+            path = str(item.path)
+            longest[path] = max(longest.get(path, 0.0), float(m.kwargs.get("seconds", 60)))
+    order = {id(item): i for i, item in enumerate(items)}
+    items.sort(key=lambda it: (-longest.get(str(it.path), 0.0), order[id(it)]))

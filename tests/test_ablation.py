@@ -172,6 +172,7 @@ def test_aggregate_exact_numbers():
 
 
 # ------------------------------------------------------------------------------ end to end (quick)
+@pytest.mark.long(seconds=90)
 def test_quick_ablation_end_to_end(tmp_path, monkeypatch, capsys):
     """2 recipes + 1 failing recipe + retokenized replay on the task in production text (its own base),
     1 seed, 1 round (tiny): real worker subprocesses, then a rerun."""

@@ -64,6 +64,7 @@ def _train_steps(home, rkey):
     return json.loads((home / "store" / "rounds" / rkey / "train_steps.json").read_text())
 
 
+@pytest.mark.long(seconds=115)
 @pytest.mark.parametrize("correction", ["tis", "ref_is"])
 def test_async_loop_trains_each_round_on_the_previous_policys_data(tmp_path, monkeypatch, correction):
     from prodrl_pipelines.lab.demo import run_loop

@@ -121,6 +121,7 @@ def _gate_passed(svc, rkey):
     svc.ledger.update_round(rkey, gate_passed=True)
 
 
+@pytest.mark.long(seconds=95)
 def test_a_worse_canary_is_removed_and_a_reviewer_promotes_the_next(fleet, pg_instance, capsys):
     svc, res, rec, app = fleet
     # round 1 passed its gate: a canary on 40% of trajectories, the champion keeps serving the rest

@@ -1,3 +1,4 @@
+import pytest
 """FSDP2 training (2 gloo ranks on CPU, launched by torchrun through Dagster Pipes) gives the same
 weights and Adam state as the single-process run on the same data; a rank killed mid-round resumes
 from the sharded checkpoint with identical results; a round trained at world size 2 continues at 1,
@@ -89,6 +90,7 @@ def test_two_rank_torchrun_matches_single_process(tmp_path, pg_instance):
     opt.step()
 
 
+@pytest.mark.long(seconds=90)
 def test_a_rank_killed_mid_round_resumes_from_the_sharded_checkpoint(tmp_path, pg_instance):
     res, svc, key = _round_with_data(tmp_path, pg_instance, steps_per_round=4, batch_size=2, checkpoint_every=1,
                                      activation_checkpointing=True)  # and layers recomputed under FSDP2

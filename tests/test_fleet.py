@@ -123,6 +123,7 @@ def _fleet(tmp_path, replicas=3, **deploy):
     return s, make_target(s)
 
 
+@pytest.mark.long(seconds=105)
 def test_rolling_update_of_three_replicas_fails_no_call_and_tags_each_with_its_version(tiny_exports, tmp_path):
     s, target = _fleet(tmp_path)
     app = build_recorder_app(RecorderConfig(upstream="", follow=str(endpoint_file(s.home_path).path),
@@ -183,6 +184,7 @@ def test_rolling_update_of_three_replicas_fails_no_call_and_tags_each_with_its_v
         target.stop()
 
 
+@pytest.mark.long(seconds=60)
 def test_a_probe_failure_in_the_second_wave_restores_the_first(tiny_exports, tmp_path):
     """Replica 1's server is broken (it serves W4A4 weights under the bf16 name): wave 1 passes, wave 2's
     probe fails, wave 2 is stopped and wave 1 brought back to v1; every replica serves v1 again."""

@@ -210,7 +210,7 @@ class Background:
                 self.failures.append(f"{type(e).__name__}: {e}")
             n += 1
             self.sent += 1
-            time.sleep(0.05)
+            time.sleep(0.25)  # steady, light: the round trains on the same two cores
 
     def finish(self) -> None:
         self.stop.set()
@@ -230,6 +230,7 @@ def _mlflow(url: str, path: str, **params) -> dict:
     return r.json()
 
 
+@pytest.mark.long(seconds=330)
 def test_make_up_runs_the_loop_and_continues_after_a_restart(tmp_path, fresh_database):
     home = tmp_path / "stack"
     home.mkdir()

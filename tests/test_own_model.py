@@ -61,6 +61,7 @@ def _traffic(recorder: str, token: str, n: int, seed: int) -> int:
             time.sleep(0.1)
 
 
+@pytest.mark.long(seconds=80)
 def test_two_rounds_of_someone_elses_model(tmp_path, pg_instance, monkeypatch):
     model_dir = build_model(tmp_path / "their_qwen3")
     user = write_user_package(tmp_path / "user", n_tasks=10, explode=(3,))

@@ -34,6 +34,7 @@ def request_round(instance, defs, res):
     return result.run_requests[0]
 
 
+@pytest.mark.long(seconds=75)
 def test_two_rounds_on_postgres(tmp_path, pg_instance):
     instance = pg_instance
     assert type(instance.run_storage).__name__ == "PostgresRunStorage"

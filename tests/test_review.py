@@ -95,6 +95,7 @@ def s3_stores(endpoint: str, bucket: str) -> dict:
     return {"s3_bucket": bucket, "s3_prefix": "prodrl", "s3_endpoint_url": endpoint, "s3_region": "us-east-1"}
 
 
+@pytest.mark.long(seconds=270)
 def test_review_through_the_daemon(tmp_path, pg_instance, mlflow_server, s3_endpoint, bucket, capsys, monkeypatch):
     home = tmp_path / "home"
     settings = {**TINY, "home": str(home), "promotion": "review"}
@@ -259,6 +260,7 @@ def test_review_through_the_daemon(tmp_path, pg_instance, mlflow_server, s3_endp
     assert stored.startswith("rounds/round-000001/reevaluations/") and svc.blobs.exists(stored)
 
 
+@pytest.mark.long(seconds=55)
 def test_refused_contradictions_in_one_tick(tmp_path, pg_instance, mlflow_server, s3_endpoint, bucket):
     """A gate-failed version approved, approve and reject at once, a state that is none: each is
     refused with a message on the version and in the sensor's skip reason."""

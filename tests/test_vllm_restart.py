@@ -81,6 +81,7 @@ def _explained_by(rows, exports: dict) -> None:
         assert min(errs, key=errs.get) == r["policy_version"] and errs[r["policy_version"]] < 2e-2, (r["policy_version"], errs)
 
 
+@pytest.mark.long(seconds=210)
 def test_every_export_scheme_serves_on_vllm_through_the_restart_target(vllm_exports, tmp_path):
     """bf16 dense and MoE, NVFP4 W4A16 and W4A4 (dense) through vLLM's own loader, each deploy a
     blue/green restart (the old server stops only after the new one serves) probed for parity; the
