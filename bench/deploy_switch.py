@@ -167,9 +167,9 @@ def main() -> None:
         common = {"num_top_logprobs": 8, "max_tokens": 8, "probe_prompts": 4, "export_scheme": "bf16",
                   "vllm_python": py, "server_args": SERVER_ARGS}
         rows.append(measure("prodrl-serve", Settings(home=str(root / "a"), deploy={
-            **common, "target": "prodrl-serve", "target_port": pick_port(), "server_args": ()}), exports))
+            **common, "target": "prodrl-serve", "target_port": pick_port_range(2), "server_args": ()}), exports))
         rows.append(measure("vllm-restart", Settings(home=str(root / "b"), deploy={
-            **common, "target": "vllm-restart", "target_port": pick_port()}), exports))
+            **common, "target": "vllm-restart", "target_port": pick_port_range(2)}), exports))
         port = pick_port()
         env = {**vllm_serve_env(), "VLLM_SERVER_DEV_MODE": "1"}
         with open(root / "dev.log", "wb") as log:

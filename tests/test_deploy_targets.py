@@ -54,9 +54,9 @@ def test_settings_choose_a_known_target_and_fail_early():
 
 
 def test_prodrl_serve_target_switches_blue_green_and_rolls_back(tiny_exports, tmp_path):
-    from prodrl_pipelines.deploy_targets.processes import pick_port
+    from prodrl_pipelines.deploy_targets.processes import pick_port_range
 
-    s = Settings(home=str(tmp_path / "home"), deploy={"target": "prodrl-serve", "target_port": pick_port(),
+    s = Settings(home=str(tmp_path / "home"), deploy={"target": "prodrl-serve", "target_port": pick_port_range(2),
                                                       "probe_prompts": 3, "max_tokens": 6, "export_scheme": "bf16"})
     target = make_target(s)
     try:

@@ -89,9 +89,9 @@ def test_every_export_scheme_serves_on_vllm_through_the_restart_target(vllm_expo
     call fails and each is tagged with the version that served it (checked against the weights)."""
     from prodrl_pipelines.engines.server import BackgroundServer
     from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
-    from prodrl_pipelines.deploy_targets.processes import pick_port
+    from prodrl_pipelines.deploy_targets.processes import pick_port_range
 
-    settings, target = _scheme_target(tmp_path, pick_port())
+    settings, target = _scheme_target(tmp_path, pick_port_range(2))
     params = SamplingParams(max_tokens=8, num_top_logprobs=8)
     app = build_recorder_app(RecorderConfig(upstream="", follow=str(endpoint_file(settings.home_path).path),
                                             store_dir=str(tmp_path / "store"), token="t", top_logprobs=8))
