@@ -66,6 +66,19 @@ def stop_process_group(pid: int, grace_s: float = 20.0) -> None:
             time.sleep(0.1)
 
 
+def stop_recorded(state_dir: Path) -> list[str]:
+    """Stop the servers a state directory records (pending, then current) and forget them; the
+    versions that were still running."""
+    stopped = []
+    for name in ("pending.json", "current.json"):
+        raw = read_json(state_dir / name)
+        if raw and pid_alive(int(raw["pid"])):
+            stop_process_group(int(raw["pid"]))
+            stopped.append(raw["policy_version"])
+        (state_dir / name).unlink(missing_ok=True)
+    return stopped
+
+
 @dataclass
 class ServerRecord:
     pid: int
@@ -292,28 +305,14 @@ class ManagedServerTarget:
             ep.canary = None
             endpoint_file(self.home).write(ep)
             time.sleep(DRAIN_S)
-        stopped = []
-        for name in ("pending.json", "current.json"):
-            raw = read_json(self.canary_dir() / name)
-            if raw and pid_alive(int(raw["pid"])):
-                stop_process_group(int(raw["pid"]))
-                stopped.append(raw["policy_version"])
-            (self.canary_dir() / name).unlink(missing_ok=True)
+        stopped = stop_recorded(self.canary_dir())
         return f"stopped the canary ({', '.join(stopped)})" if stopped else "no canary was running"
 
     def stop(self) -> None:
         """Stop every replica's servers (current and pending) and a canary: the end of this deployment."""
-        for name in ("pending.json", "current.json"):
-            raw = read_json(self.canary_dir() / name)
-            if raw and pid_alive(int(raw["pid"])):
-                stop_process_group(int(raw["pid"]))
-            (self.canary_dir() / name).unlink(missing_ok=True)
+        stop_recorded(self.canary_dir())
         for slot in range(max(self.replicas, 1)):
-            for name in ("pending.json", "current.json"):
-                raw = read_json(self.slot_dir(slot) / name)
-                if raw and pid_alive(int(raw["pid"])):
-                    stop_process_group(int(raw["pid"]))
-                (self.slot_dir(slot) / name).unlink(missing_ok=True)
+            stop_recorded(self.slot_dir(slot))
 
 
 class ProdrlServeTarget(ManagedServerTarget):
