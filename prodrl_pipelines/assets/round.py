@@ -61,6 +61,7 @@ def trained_checkpoint(context: AssetExecutionContext, settings: ProdRLSettings,
         **stats, **rec["means"], "correction": svc.settings.recipe.correction, "mlflow_run_id": run_id,
         "mlflow_run": MetadataValue.url(svc.lineage.run_url(run_id)),
         "mismatch_plot": MetadataValue.md(markdown_image(rec["png"], "mismatch")),
+        **({"routing_plot": MetadataValue.md(markdown_image(rec["routing_png"], "routing"))} if rec["routing_png"] else {}),
     })
 
 

@@ -27,6 +27,9 @@ class DeploySettings(BaseModel):
     max_tokens: int = Field(8, ge=1)
     num_top_logprobs: int = Field(8, ge=1, le=20)
     record_extra_draw: bool = False
+    # MoE: record the experts the deployment routed every position to (the local engine's own forward;
+    # vLLM with --enable-return-routed-experts), for routing replay (recipe.routing_replay)
+    record_routing: bool = True
     # what the deployment serves: NVFP4 weights (W4A16 data-free, W4A4 calibrated) or bf16
     export_scheme: Literal["nvfp4-w4a16", "nvfp4-w4a4", "bf16"] = "nvfp4-w4a16"
     # how an export becomes live (deploy_targets.TARGETS): pointer | prodrl-serve | vllm-restart |
@@ -105,7 +108,8 @@ class DeploySettings(BaseModel):
 
     def sampling(self, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:
         return SamplingParams(self.temperature, self.top_p, self.top_k, self.max_tokens,
-                              self.num_top_logprobs, tuple(stop_token_ids), self.record_extra_draw)
+                              self.num_top_logprobs, tuple(stop_token_ids), self.record_extra_draw,
+                              self.record_routing)
 
 
 class EvalSettings(BaseModel):

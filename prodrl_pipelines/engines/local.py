@@ -11,6 +11,7 @@ slower on these AVX2 machines); the deployment still differs from the trainer th
 
 from __future__ import annotations
 
+import contextlib
 from collections.abc import Sequence
 from os import PathLike
 
@@ -18,6 +19,7 @@ import torch
 from torch import Tensor
 
 from prodrl_pipelines.engines.sampling import processed_logprobs, top_logprobs
+from prodrl_pipelines.rl.routing_replay import capture_routing
 from prodrl_pipelines.engines.types import CallRecord, SamplingParams
 
 __all__ = ["LocalEngine", "TOP_LOGPROB_FLOOR"]
@@ -56,6 +58,31 @@ def _sample(proc: Tensor, top_ids: Tensor, top_lps: Tensor, complete: Tensor, ge
     u = torch.minimum(u, torch.nextafter(total, torch.zeros_like(total)))
     at = torch.searchsorted(cdf, u, right=True).clamp_(max=cdf.shape[-1] - 1)
     return (at if ids is None else ids.gather(-1, at)).squeeze(-1)
+
+
+def _routing_per_row(cap: capture_routing, steps: list, n: int, width: int, lens: Tensor) -> list:
+    """Each row's experts per forwarded position, [len(prompt) + len(output) - 1, layers, k] (uint8
+    numpy when they fit): the prefill's positions of the row's prompt (left padding dropped), then one
+    per decode forward the row took part in (the last sampled token is never forwarded)."""
+    import numpy as np
+
+    prefill = cap.forward_routing(0).reshape(n, width, len(cap.layers), -1).cpu().numpy()
+    rows = [[prefill[i, width - int(lens[i]):]] for i in range(n)]
+    for f in range(1, len(cap.layers[0])):  # decode forward f fed the tokens of step f-1's active rows
+        chosen = cap.forward_routing(f).cpu().numpy()
+        for j, row in enumerate(_fed_rows(steps, f)):
+            rows[row].append(chosen[j:j + 1])
+    out = []
+    for parts in rows:
+        a = np.concatenate(parts)
+        out.append(a.astype(np.uint8) if a.size == 0 or a.max() < 256 else a)
+    return out
+
+
+def _fed_rows(steps: list, f: int) -> list[int]:
+    """The rows decode forward ``f`` fed: step f-1's active rows that had not finished."""
+    active, finished = steps[f - 1][0], steps[f - 1][6]
+    return active[~finished].tolist()
 
 
 class LocalEngine:
@@ -169,47 +196,50 @@ class LocalEngine:
         stop = torch.tensor(sorted(set(params.stop_token_ids)), dtype=torch.long, device=dev)
         k = params.num_top_logprobs
 
-        cache = DynamicCache(config=self.model.config)
-        out = self.model(
-            input_ids=input_ids,
-            attention_mask=attn,
-            position_ids=position_ids,
-            past_key_values=cache,
-            use_cache=True,
-            logits_to_keep=1,
-        )
-        logits = out.logits[:, -1, :]
-        active = torch.arange(n, device=dev)  # original row of each batch row
-        next_pos = lens.to(dev)
-
-        steps: list[tuple[Tensor, ...]] = []
-        for step in range(params.max_tokens):
-            proc = self._processed(logits, params)
-            top_ids, top_lps, complete = top_logprobs(proc, k)
-            tok = _sample(proc, top_ids, top_lps, complete, gen)
-            extra = _sample(proc, top_ids, top_lps, complete, gen) if params.record_extra_draw else tok
-            tok_lp = proc.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
-            finished = torch.isin(tok, stop) if stop.numel() else torch.zeros_like(tok, dtype=torch.bool)
-            steps.append((active, tok, tok_lp, top_ids, top_lps, complete, finished, extra))
-            if step == params.max_tokens - 1:
-                break
-            keep = ~finished
-            if not bool(keep.any()):
-                break
-            if not bool(keep.all()):
-                idx = keep.nonzero().squeeze(-1)
-                cache.batch_select_indices(idx)
-                attn, active, tok, next_pos = attn[idx], active[idx], tok[idx], next_pos[idx]
-            attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=-1)
+        cap = capture_routing(self.model) if params.record_routing else None
+        with cap if cap is not None else contextlib.nullcontext():
+            cache = DynamicCache(config=self.model.config)
             out = self.model(
-                input_ids=tok.unsqueeze(-1),
+                input_ids=input_ids,
                 attention_mask=attn,
-                position_ids=next_pos.unsqueeze(-1),
+                position_ids=position_ids,
                 past_key_values=cache,
                 use_cache=True,
+                logits_to_keep=1,
             )
             logits = out.logits[:, -1, :]
-            next_pos = next_pos + 1
+            active = torch.arange(n, device=dev)  # original row of each batch row
+            next_pos = lens.to(dev)
+
+            steps: list[tuple[Tensor, ...]] = []
+            for step in range(params.max_tokens):
+                proc = self._processed(logits, params)
+                top_ids, top_lps, complete = top_logprobs(proc, k)
+                tok = _sample(proc, top_ids, top_lps, complete, gen)
+                extra = _sample(proc, top_ids, top_lps, complete, gen) if params.record_extra_draw else tok
+                tok_lp = proc.gather(-1, tok.unsqueeze(-1)).squeeze(-1)
+                finished = torch.isin(tok, stop) if stop.numel() else torch.zeros_like(tok, dtype=torch.bool)
+                steps.append((active, tok, tok_lp, top_ids, top_lps, complete, finished, extra))
+                if step == params.max_tokens - 1:
+                    break
+                keep = ~finished
+                if not bool(keep.any()):
+                    break
+                if not bool(keep.all()):
+                    idx = keep.nonzero().squeeze(-1)
+                    cache.batch_select_indices(idx)
+                    attn, active, tok, next_pos = attn[idx], active[idx], tok[idx], next_pos[idx]
+                attn = torch.cat([attn, attn.new_ones((attn.shape[0], 1))], dim=-1)
+                out = self.model(
+                    input_ids=tok.unsqueeze(-1),
+                    attention_mask=attn,
+                    position_ids=next_pos.unsqueeze(-1),
+                    past_key_values=cache,
+                    use_cache=True,
+                )
+                logits = out.logits[:, -1, :]
+                next_pos = next_pos + 1
+        routing = _routing_per_row(cap, steps, n, width, lens) if cap is not None and cap.layers else [None] * n
 
         out_ids: list[list[int]] = [[] for _ in range(n)]
         out_lps: list[list[float]] = [[] for _ in range(n)]
@@ -243,6 +273,7 @@ class LocalEngine:
                 extra_token_ids=extras[i] if params.record_extra_draw else None,
                 finish_reason="stop" if stopped[i] else "length",
                 output_text=self._decode(out_ids[i]),
+                routed_experts=routing[i],
             )
             for i in range(n)
         ]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Protocol
+from typing import Any, Protocol
 
 
 @dataclass(frozen=True)
@@ -20,6 +20,8 @@ class SamplingParams:
     # Also draw one extra, independent token a' ~ mu per position (not fed back): the `sampled`
     # score-centering estimator uses it. Off by default (it consumes random numbers).
     record_extra_draw: bool = False
+    # MoE: record the experts every forwarded position was routed to (``CallRecord.routed_experts``)
+    record_routing: bool = False
 
     def __post_init__(self) -> None:
         if not self.temperature > 0:
@@ -48,6 +50,10 @@ class CallRecord:
     finish_reason: str = "length"  # "stop" when a stop token was sampled (it is kept in the output)
     output_text: str = ""
     extra: dict = field(default_factory=dict)
+    # MoE, when asked: the experts chosen per forwarded position (prompt + output - 1) and MoE layer,
+    # [positions, layers, k] (numpy), covering positions from ``routed_experts_start``
+    routed_experts: Any = None
+    routed_experts_start: int = 0
 
 
 class Engine(Protocol):

@@ -16,6 +16,7 @@ from prodrl_pipelines.engines.types import CallRecord, Engine, SamplingParams
 from prodrl_pipelines.evaluation import episodes as _core
 from prodrl_pipelines.lab.tasks import ARITHMETIC, TaskEnv
 from prodrl_pipelines.lab.tokenizer import IM_END
+from prodrl_pipelines.trajectories.routing import ROUTING_COLUMN, ROUTING_START_COLUMN, encode_routing
 from prodrl_pipelines.trajectories.schema import CALL_FIELDS, CALL_SCHEMA, REWARD_SCHEMA
 
 _HAS_EXTRA = "extra_token_ids" in CALL_FIELDS  # optional extra draw a' ~ mu (sampled score centering)
@@ -79,6 +80,14 @@ def assistant_content(tokenizer, output_ids: list[int]) -> str:
     return _core.assistant_content(tokenizer, output_ids, stop_token_ids(tokenizer))
 
 
+def routing_fields(rec: CallRecord) -> dict:
+    """The call's recorded MoE routing as the two stored columns (null for a dense model or when off)."""
+    routing = getattr(rec, "routed_experts", None)
+    if routing is None:
+        return {ROUTING_COLUMN: None, ROUTING_START_COLUMN: None}
+    return {ROUTING_COLUMN: encode_routing(routing), ROUTING_START_COLUMN: int(rec.routed_experts_start)}
+
+
 def _extra_ids(rec: CallRecord) -> list[int] | None:
     extra = getattr(rec, "extra_token_ids", None)
     return None if extra is None else [int(t) for t in extra]
@@ -128,6 +137,7 @@ def run_episodes(
             })
             if _HAS_EXTRA:
                 rows[-1]["extra_token_ids"] = _extra_ids(rec)
+            rows[-1].update(routing_fields(rec))
         episodes.append(Episode(trajectory_id=ep.trajectory_id, task_id=ep.task_id, reward=ep.reward, calls=rows,
                                 assistant_texts=ep.assistant_texts))
     return EpisodeBatch(episodes=episodes, policy_version=policy_version, source=env.reward_source)

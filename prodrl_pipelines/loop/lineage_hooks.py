@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from prodrl_pipelines.loop.plots import mismatch_history_png, reward_curve_png
+from prodrl_pipelines.loop.plots import mismatch_history_png, routing_png, reward_curve_png
 from prodrl_pipelines.loop.review import state_tags, version_description
 from prodrl_pipelines.loop.round_state import RUNNING, round_state
 from prodrl_pipelines.loop.services import Services, publish_export
@@ -32,16 +32,25 @@ def training_run(svc: Services, rkey: str) -> str:
     return svc.lineage.round_run(rkey, params={**svc.settings.recipe.model_dump(), **svc.settings.deploy.model_dump()})
 
 
+ROUND_METRIC_PREFIXES = ("layout_", "routing_", "mismatch_replay_", "mismatch_no_replay_")
+
+
 def record_training(svc: Services, rkey: str, run_id: str, stats: dict) -> dict:
-    """The mismatch history plot and the round's means; returns ``{"png", "means"}``."""
+    """The mismatch history plot (and, for MoE data with recorded routing, the routing plot) and the
+    round's means; returns ``{"png", "routing_png", "means"}``."""
     steps = [m for m in stats["steps"] if not m.get("skipped")]
     history, starts = training_history(svc)
     png = mismatch_history_png(history, starts)
     svc.lineage.log_bytes(run_id, png, "mismatch.png", "plots")
+    routing = None
+    if "routing_disagreement" in stats:
+        routing = routing_png(stats)
+        svc.lineage.log_bytes(run_id, routing, "routing.png", "plots")
     svc.lineage.log_metrics(run_id, {"round_mismatch_abs_logp": stats["mismatch_abs_logp"],
-                                     **{k: v for k, v in stats.items() if k.startswith("layout_")}}, stats["global_step"])
+                                     **{k: v for k, v in stats.items() if k.startswith(ROUND_METRIC_PREFIXES)}},
+                            stats["global_step"])
     means = {f"mean_{k}": float(sum(m[k] for m in steps) / len(steps)) for k in STEP_MEANS if steps and k in steps[0]}
-    return {"png": png, "means": means}
+    return {"png": png, "routing_png": routing, "means": means}
 
 
 def record_export(svc: Services, rkey: str, stats: dict) -> dict:

@@ -58,3 +58,30 @@ def mismatch_history_png(steps: Sequence[dict], round_starts: Sequence[int]) -> 
     axes[-1].set_xlabel("optimizer step (all rounds)")
     fig.tight_layout()
     return _png(fig)
+
+
+def routing_png(stats: dict) -> bytes:
+    """A round's MoE routing: per layer, the share of recorded expert sets the trainer's own router
+    would not have chosen; and |log pi_k - log mu| (mean, p99) on the same tokens with and without
+    replaying the recorded routing."""
+    layers = sorted((int(k.rsplit("_", 1)[1]), v) for k, v in stats.items() if k.startswith("routing_disagreement_layer_"))
+    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
+    a.bar([i for i, _ in layers], [v for _, v in layers], color="tab:orange")
+    a.axhline(stats["routing_disagreement"], color="grey", ls="--", lw=1, label=f"all layers {stats['routing_disagreement']:.1%}")
+    a.set_xlabel("MoE layer")
+    a.set_ylabel("share of positions")
+    a.set_title("recorded experts != trainer's own top-k", fontsize=9)
+    a.legend(fontsize=8)
+    names = ["mean", "p99"]
+    off = [stats.get(f"mismatch_no_replay_{n}", float("nan")) for n in names]
+    on = [stats.get(f"mismatch_replay_{n}", float("nan")) for n in names]
+    x = range(len(names))
+    b.bar([i - 0.2 for i in x], off, 0.4, label="trainer's routing", color="tab:red")
+    b.bar([i + 0.2 for i in x], on, 0.4, label="recorded routing (R3)", color="tab:green")
+    b.set_xticks(list(x), names)
+    b.set_title("|log pi_k - log mu| on tokens with recorded routing", fontsize=9)
+    b.legend(fontsize=8)
+    for ax in (a, b):
+        ax.grid(alpha=0.3, axis="y")
+    fig.tight_layout()
+    return _png(fig)

@@ -88,6 +88,7 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
         "steps_taken": len(done), "steps_skipped": res.skipped_steps,
         "mismatch_abs_logp": res.mismatch_abs_logp,
         **res.layout.as_metrics(),
+        **res.routing,
         "final_loss": done[-1]["loss"] if done else float("nan"),
         "mean_grad_norm": float(np.mean([m["grad_norm"] for m in done])) if done else float("nan"),
         "tokens_per_s": float(np.mean([m["tokens_per_s"] for m in done])) if done else float("nan"),

@@ -54,6 +54,8 @@ class PackedBatch:
     has_extra: torch.Tensor  # [G] bool
     position_ids: torch.Tensor | None = None  # [N, L] long (packed)
     segment_ids: torch.Tensor | None = None  # [N, L] long, the sequence of each position (packed)
+    routing: torch.Tensor | None = None  # [N, L, layers, k] long, recorded MoE experts per input position
+    routing_known: torch.Tensor | None = None  # [N, L] bool, positions with a recording
     filler: bool = False  # a zero-weight stand-in that keeps the ranks' collectives in step
 
     @property
@@ -116,7 +118,7 @@ def balanced_rows(lengths: list[int], n_rows: int) -> list[list[int]]:
 
 
 def pack_sequences(seqs: list[Sequence], pad_id: int, vocab_size: int | None = None,
-                   layout: str = "packed", one_row: bool = False) -> PackedBatch:
+                   layout: str = "packed", one_row: bool = False, with_routing: bool = False) -> PackedBatch:
     """The tensors of ``seqs`` in ``layout``: ``padded`` (a right-padded row each) or ``packed``.
 
     Packed sequences fill rows of near-equal length (``balanced_rows``) about as long as the
@@ -124,7 +126,8 @@ def pack_sequences(seqs: list[Sequence], pad_id: int, vocab_size: int | None = N
     ``MAX_ROW_PADDING`` of the tokens: a dense
     block-diagonal mask then costs rows x row^2 instead of total^2 (many short sequences). Failing
     that (a few sequences of unequal length), or with ``one_row`` (flash-attention's
-    variable-length path has no quadratic mask), they go into one row without any padding."""
+    variable-length path has no quadratic mask), they go into one row without any padding.
+    ``with_routing``: also lay out the calls' recorded MoE routing (``Sequence.routing``)."""
     if layout not in ("packed", "padded"):
         raise ValueError(f"unknown layout {layout!r}; known: ['packed', 'padded']")
     if not seqs:
@@ -198,6 +201,9 @@ def pack_sequences(seqs: list[Sequence], pad_id: int, vocab_size: int | None = N
     if layout == "packed":  # positions of the padding tail count on from 0
         tail = segment_ids == len(seqs)
         position_ids[tail] = (tail.cumsum(1) - 1)[tail]
+    routing = routing_known = None
+    if with_routing:
+        routing, routing_known = _routing_rows(seqs, where, lens, len(bins), L)
 
     def cat(parts):
         return torch.from_numpy(np.concatenate(parts))
@@ -211,12 +217,32 @@ def pack_sequences(seqs: list[Sequence], pad_id: int, vocab_size: int | None = N
     return PackedBatch(
         ids, mask, cat(gen_row), cat(gen_pos), tgt, cat(temps), cat(lmu), cat(adv), cat(weight), cat(tidx),
         hids, hmu, head_mask, cat(complete), cat(filtered), in_head, cat(extra), cat(has_extra),
-        position_ids=position_ids, segment_ids=segment_ids,
+        position_ids=position_ids, segment_ids=segment_ids, routing=routing, routing_known=routing_known,
     )
 
 
+def _routing_rows(seqs: list[Sequence], where: dict, lens: list[int], n_rows: int, L: int):
+    """[rows, L, layers, k] recorded experts at each input position and [rows, L] which have one;
+    (None, None) when no sequence recorded routing."""
+    per_seq = [s.routing() for s in seqs]
+    shapes = {r[0].shape[1:] for r in per_seq if r is not None}
+    if not shapes:
+        return None, None
+    if len(shapes) > 1:
+        raise ValueError(f"sequences of one micro-batch recorded routing of different shapes {sorted(shapes)}")
+    (shape,) = shapes
+    routing = np.zeros((n_rows, L, *shape), dtype=np.int64)
+    known = np.zeros((n_rows, L), dtype=bool)
+    for i, r in enumerate(per_seq):
+        if r is not None:
+            row, off = where[i]
+            routing[row, off:off + lens[i]] = r[0]
+            known[row, off:off + lens[i]] = r[1]
+    return torch.from_numpy(routing), torch.from_numpy(known)
+
+
 def pack_minibatch(trajs: list[Trajectory], advantages: np.ndarray, pad_id: int, total_batch: int | None = None,
-                   vocab_size: int | None = None) -> PackedBatch:
+                   vocab_size: int | None = None, with_routing: bool = False) -> PackedBatch:
     """Pack B trajectories; tokens get weight 1/(B*T_i) so J = (1/B) sum_i (1/T_i) sum_t ...
 
     One right-padded row per model call: the simple layout of tests and scripts, and the reference
@@ -226,4 +252,4 @@ def pack_minibatch(trajs: list[Trajectory], advantages: np.ndarray, pad_id: int,
     policy's, so that a recorded top-k of at least the vocabulary counts as no top-k.
     """
     return pack_sequences(minibatch_sequences(trajs, advantages, total_batch, merge=False), pad_id, vocab_size,
-                          layout="padded")
+                          layout="padded", with_routing=with_routing)

@@ -47,6 +47,10 @@ class Recipe(BaseModel):
                                            "backward instead of keeping them (less memory, ~1/3 more compute)")
     max_policy_lag: Literal[0, 1] = 0
     replay: Literal["recorded", "retokenized"] = "recorded"
+    routing_replay: Literal["none", "recorded"] = Field(
+        "none", description="MoE: 'recorded' makes every MoE layer use the experts the deployment recorded "
+        "at each position (R3; the mixing weights stay the trainer's router probabilities); a dense model "
+        "or data without routing ignores it")
     seed: int = 0
 
     @field_validator("correction")

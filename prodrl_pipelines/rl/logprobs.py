@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from prodrl_pipelines.rl.batch import PackedBatch
+from prodrl_pipelines.rl.routing_replay import RoutingStats, set_routing
 
 DEFAULT_CHUNK = 1024
 
@@ -132,22 +133,29 @@ class PolicyLogprobs(nn.Module):
         return gather_logprobs(h, self.policy.lm_head.weight, ids, temperature, chunk)
 
 
-def _gathered(model, batch: PackedBatch, ids: torch.Tensor, chunk: int) -> torch.Tensor:
+def _gathered(model, batch: PackedBatch, ids: torch.Tensor, chunk: int, replay: bool | None = None,
+              routing_stats: RoutingStats | None = None) -> torch.Tensor:
     """log pi at ``ids`` [G, M] for every generated position: through the model itself when it is a
-    (sharded) ``PolicyLogprobs``, else through one wrapped around it."""
+    (sharded) ``PolicyLogprobs``, else through one wrapped around it. The batch's recorded MoE
+    routing is installed for this forward (and the backward that follows it): replayed when
+    ``replay`` (default: whenever the batch carries routing), else only compared into ``routing_stats``."""
     runner = model if isinstance(model, PolicyLogprobs) else PolicyLogprobs(model)
+    replay = batch.routing is not None if replay is None else replay
+    set_routing(runner.policy, batch.routing, batch.routing_known, routing_stats, replay=replay)
     return runner(batch.input_ids, batch.attention_mask, batch.gen_row, batch.gen_pos, ids, batch.temperature, chunk,
                   position_ids=batch.position_ids, segment_ids=batch.segment_ids)
 
 
-def policy_logprobs(model, batch: PackedBatch, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+def policy_logprobs(model, batch: PackedBatch, chunk: int = DEFAULT_CHUNK, replay: bool | None = None,
+                    routing_stats: RoutingStats | None = None) -> torch.Tensor:
     """[G, 1+K+1]: column 0 = log pi(a|h) of the sampled token, columns 1..K = log pi over the
     recorded head ids (padding entries point at the sampled token; mask with ``batch.head_mask``),
-    column K+1 = log pi(a') of the recorded extra draw (the sampled token where none was recorded)."""
+    column K+1 = log pi(a') of the recorded extra draw (the sampled token where none was recorded).
+    ``replay`` / ``routing_stats``: see ``_gathered``."""
     ids = torch.cat([batch.targets[:, None], batch.head_ids, batch.extra_ids[:, None]], dim=1)
-    return _gathered(model, batch, ids, chunk)
+    return _gathered(model, batch, ids, chunk, replay, routing_stats)
 
 
-def token_logprobs(model, batch: PackedBatch, chunk: int = DEFAULT_CHUNK) -> torch.Tensor:
+def token_logprobs(model, batch: PackedBatch, chunk: int = DEFAULT_CHUNK, replay: bool | None = None) -> torch.Tensor:
     """log pi(a|h) = log_softmax(z / tau)[a] for every generated token: [G]."""
-    return _gathered(model, batch, batch.targets[:, None], chunk)[:, 0]
+    return _gathered(model, batch, batch.targets[:, None], chunk, replay)[:, 0]

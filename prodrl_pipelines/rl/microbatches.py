@@ -62,9 +62,10 @@ def filler_batch(pad_id: int) -> PackedBatch:
 
 
 def pack_micro(seqs: list[Sequence], idx: list[int], pad_id: int, vocab_size: int | None,
-               one_row: bool = False) -> PackedBatch:
+               one_row: bool = False, with_routing: bool = False) -> PackedBatch:
     """Micro-batch ``idx`` of ``seqs`` packed (a filler when ``idx`` is empty); ``one_row`` for
-    flash-attention (see ``pack_sequences``)."""
+    flash-attention, ``with_routing`` for routing replay (see ``pack_sequences``)."""
     if not idx:
         return filler_batch(pad_id)
-    return pack_sequences([seqs[i] for i in idx], pad_id, vocab_size, layout="packed", one_row=one_row)
+    return pack_sequences([seqs[i] for i in idx], pad_id, vocab_size, layout="packed", one_row=one_row,
+                          with_routing=with_routing)

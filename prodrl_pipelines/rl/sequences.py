@@ -18,6 +18,8 @@ from __future__ import annotations
 from collections import Counter
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from prodrl_pipelines.rl.trajectory import Call, Trajectory
 
 # Why a call could not extend the sequence before it.
@@ -43,15 +45,41 @@ class Span:
 
 @dataclass
 class Sequence:
-    """Token ids ``ids`` (the last merged call's prompt + output) and the calls trained inside it."""
+    """Token ids ``ids`` (the last merged call's prompt + output) and the calls trained inside it;
+    ``calls``: every call merged into it, in order (their recorded MoE routing covers its positions)."""
 
     ids: list[int]
     spans: list[Span] = field(default_factory=list)
+    calls: list[Call] = field(default_factory=list)
 
     @property
     def num_inputs(self) -> int:
         """Positions fed to the model: the last token is only a target."""
         return len(self.ids) - 1
+
+    def routing(self) -> tuple[np.ndarray, np.ndarray] | None:
+        """The recorded experts of every input position, [num_inputs, layers, k], and which positions
+        have one ([num_inputs] bool); None when no call of the sequence recorded routing.
+
+        Each position takes the routing of the earliest call that forwarded it: a later call's prompt
+        repeats the earlier calls' tokens, but the log-probs of those tokens were computed (and their
+        keys and values cached) when the earlier call ran."""
+        recorded = [c for c in (self.calls or [sp.call for sp in self.spans]) if c.routing is not None]
+        if not recorded:
+            return None
+        shape = recorded[0].routing.shape[1:]
+        n = self.num_inputs
+        out = np.zeros((n, *shape), dtype=np.int64)
+        known = np.zeros(n, dtype=bool)
+        for c in recorded:
+            if c.routing.shape[1:] != shape:
+                raise ValueError(f"calls of one sequence recorded routing of shapes {shape} and {c.routing.shape[1:]}")
+            lo = c.routing_start
+            hi = min(n, lo + c.routing.shape[0])
+            fresh = ~known[lo:hi]
+            out[lo:hi][fresh] = c.routing[:hi - lo][fresh]
+            known[lo:hi] = True
+        return out, known
 
 
 @dataclass
@@ -110,12 +138,13 @@ def trajectory_sequences(traj: Trajectory, adv: float, total_batch: int, index: 
         if merge and prev is not None and reason is None:
             seq = seqs[-1]
             seq.ids = list(c.prompt_ids) + list(c.output_ids)
+            seq.calls.append(c)
             if n_out:
                 stats.merged_calls += 1
         else:
             if n_out and prev is not None and reason is not None and seqs and seqs[-1].spans:
                 stats.split_calls[reason] += 1
-            seq = Sequence(list(c.prompt_ids) + list(c.output_ids))
+            seq = Sequence(list(c.prompt_ids) + list(c.output_ids), calls=[c])
             seqs.append(seq)
         if n_out:
             stats.calls += 1

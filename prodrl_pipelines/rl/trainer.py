@@ -10,6 +10,7 @@ import json
 import math
 import os
 import time
+import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
 from collections.abc import Iterable, Mapping
@@ -27,6 +28,7 @@ from prodrl_pipelines.rl.sequences import LayoutStats, Sequence, minibatch_seque
 from prodrl_pipelines.rl.checkpoint import TrainerState
 from prodrl_pipelines.rl.config import Recipe
 from prodrl_pipelines.rl.logprobs import policy_logprobs, uses_flash_attention
+from prodrl_pipelines.rl.routing_replay import RoutingStats, moe_shape
 from prodrl_pipelines.rl.losses import TokenTerms, kl_penalty, policy_objective
 
 
@@ -38,6 +40,7 @@ class RoundResult:
     advantages: np.ndarray | None = None
     resumed_from_step: int = 0
     layout: LayoutStats | None = None  # merged / split calls, sequences and micro-batches of the round
+    routing: dict[str, float] = field(default_factory=dict)  # MoE routing diagnostics (``routing_diagnostics``)
 
 
 def build_optimizer(model, recipe: Recipe, state: TrainerState,
@@ -172,17 +175,17 @@ def _merge_diagnostics(parts: list[tuple[int, dict[str, float]]]) -> dict[str, f
 
 
 def train_step(model, optimizer, micro: Iterable[PackedBatch], old_all: list[torch.Tensor],
-               ref_all: list[torch.Tensor] | None, recipe: Recipe, cparams) -> dict[str, float]:
+               ref_all: list[torch.Tensor] | None, recipe: Recipe, cparams, replay: bool = False) -> dict[str, float]:
     """One Adam step on one minibatch, its gradient accumulated over ``micro`` (this process's
     micro-batches; ``old_all``/``ref_all``: their pi_k / pi_ref log-probs): loss = -J + beta * KL,
     a sum over tokens, so the micro-batches' losses add up to the minibatch's. Returns the step's
-    diagnostics."""
+    diagnostics. ``replay``: the forwards use the micro-batches' recorded MoE routing."""
     t0 = time.perf_counter()
     optimizer.zero_grad(set_to_none=True)
     loss_sum, kl_sum, tokens, inputs, parts, n_micro = 0.0, 0.0, 0, 0, [], 0
     for m, b in enumerate(micro):
         n_micro = m + 1
-        lp_all = policy_logprobs(model, b, recipe.logprob_chunk)
+        lp_all = policy_logprobs(model, b, recipe.logprob_chunk, replay=replay)
         terms = terms_for(lp_all, old_all[m], b, None if ref_all is None else ref_all[m])
         objective, diag = policy_objective(terms, b.weight, recipe.correction, cparams)
         kl = kl_penalty(terms, b.weight)
@@ -221,11 +224,11 @@ def train_step(model, optimizer, micro: Iterable[PackedBatch], old_all: list[tor
     }
 
 
-def _reference_logprobs(reference, b: PackedBatch, versions: list[str], chunk: int) -> torch.Tensor:
+def _reference_logprobs(reference, b: PackedBatch, versions: list[str], chunk: int, replay: bool = False) -> torch.Tensor:
     """policy_logprobs under the reference; with ``{version: model}``, each token's row comes from
     the model of its trajectory's policy version (``versions[j]`` for trajectory j of the shard)."""
     if not isinstance(reference, Mapping):
-        return policy_logprobs(reference, b, chunk)
+        return policy_logprobs(reference, b, chunk, replay=replay)
     missing = sorted(set(versions) - set(reference))
     if missing:
         raise ValueError(f"no reference model for policy versions {missing} (have {sorted(reference)})")
@@ -233,8 +236,25 @@ def _reference_logprobs(reference, b: PackedBatch, versions: list[str], chunk: i
     tok_version = torch.tensor([names.index(v) for v in versions], dtype=torch.long, device=b.traj_index.device)[b.traj_index]
     out = None
     for i, v in enumerate(names):
-        lp = policy_logprobs(reference[v], b, chunk)
+        lp = policy_logprobs(reference[v], b, chunk, replay=replay)
         out = lp if out is None else torch.where((tok_version == i)[:, None], lp, out)
+    return out
+
+
+def routing_diagnostics(stats: RoutingStats, mismatch: torch.Tensor, other: torch.Tensor,
+                        replay: bool) -> dict[str, float]:
+    """The round's routing metrics: the share of recorded (position, layer) expert sets that differ
+    from the trainer's own top-k (overall and per layer), and |log pi_k - log mu| mean and p99 with
+    and without replay, over the same tokens (those with recorded routing; ``mismatch`` as the round
+    trains, ``other`` with replay the other way)."""
+    def q(x: torch.Tensor, f) -> float:
+        return float(f(x.double())) if x.numel() else float("nan")
+
+    on, off = (mismatch, other) if replay else (other, mismatch)
+    out = stats.as_metrics()
+    for name, x in (("replay", on), ("no_replay", off)):
+        out[f"mismatch_{name}_mean"] = q(x, torch.mean)
+        out[f"mismatch_{name}_p99"] = q(x, lambda t: np.quantile(t.cpu().numpy(), 0.99))  # torch's caps the size
     return out
 
 
@@ -320,9 +340,15 @@ def train_round(
     device = next(model.parameters()).device
     layout, stats = layout_round(trajs, adv_all, plan, recipe, rank, world_size)
 
+    moe = moe_shape(getattr(model, "policy", model)) is not None
+    with_routing = moe and any(c.routing is not None for i in {i for mb in plan for i in mb} for c in trajs[i].calls)
+    replay = recipe.routing_replay == "recorded" and with_routing
+    if recipe.routing_replay == "recorded" and not moe:
+        warnings.warn("routing_replay='recorded' is ignored: the policy has no MoE router", stacklevel=2)
+
     def micro_batches(s: int):  # packed when used, on the model's device: peak memory follows the budget
         seqs, micro = layout[s]
-        return (pack_micro(seqs, idx, pad_id, vocab, one_row).to(device) for idx in micro)
+        return (pack_micro(seqs, idx, pad_id, vocab, one_row, with_routing).to(device) for idx in micro)
 
     chunk = recipe.logprob_chunk
     cparams = recipe.correction_params()
@@ -330,23 +356,32 @@ def train_round(
     model.eval()
     old_all: list[list[torch.Tensor]] = []
     ref_all: list[list[torch.Tensor]] | None = None if reference_model is None else []
-    mismatch_sum, mismatch_tokens = 0.0, 0
+    mismatch = []  # |log pi_k - log mu| per token (with the round's routing)
+    recorded, other = [], []  # on tokens with recorded routing: as trained, and with replay the other way
+    rstats = RoutingStats()
     with torch.no_grad():
         for s in tqdm(range(len(plan)), desc="pi_k", disable=not progress, leave=False):
             versions = [trajs[i].policy_version for i in plan[s]]
             olds, refs = [], []
             for b in micro_batches(s):
-                olds.append(policy_logprobs(model, b, chunk))
+                olds.append(policy_logprobs(model, b, chunk, replay=replay, routing_stats=rstats))
                 if ref_all is not None:
-                    refs.append(_reference_logprobs(reference_model, b, versions, chunk))
+                    refs.append(_reference_logprobs(reference_model, b, versions, chunk, replay))
                 if not b.filler:
-                    mismatch_sum += float((support_renormalised(olds[-1], b) - b.logp_mu).abs().sum())
-                    mismatch_tokens += b.num_tokens
+                    mismatch.append((support_renormalised(olds[-1], b) - b.logp_mu).abs())
+                    if b.routing is not None:
+                        known = b.routing_known[b.gen_row, b.gen_pos]
+                        alt = policy_logprobs(model, b, chunk, replay=not replay)
+                        recorded.append(mismatch[-1][known])
+                        other.append((support_renormalised(alt, b) - b.logp_mu).abs()[known])
             old_all.append(olds)
             if ref_all is not None:
                 ref_all.append(refs)
-    result = RoundResult(mismatch_abs_logp=mismatch_sum / mismatch_tokens if mismatch_tokens else float("nan"),
-                         advantages=adv_all, layout=stats)
+    mm = torch.cat(mismatch) if mismatch else torch.zeros(0)
+    result = RoundResult(mismatch_abs_logp=float(mm.mean()) if mm.numel() else float("nan"),
+                         advantages=adv_all, layout=stats,
+                         routing=routing_diagnostics(rstats, torch.cat(recorded), torch.cat(other), replay)
+                         if other else {})
     fingerprint = _plan_fingerprint(plan, adv_all, recipe)
     start = _resume(resume_path, fingerprint, model, optimizer, state, result) if resume_path else 0
 
@@ -372,7 +407,7 @@ def train_round(
                 on_step(state.global_step, result.steps[-1])
             continue
         metrics = {**base, **train_step(model, optimizer, micro_batches(s), old_all[s],
-                                        None if ref_all is None else ref_all[s], recipe, cparams)}
+                                        None if ref_all is None else ref_all[s], recipe, cparams, replay)}
         state.global_step += 1
         result.steps.append(metrics)
         if on_step is not None:

@@ -27,6 +27,10 @@ CALL_SCHEMA = pa.schema(
         pa.field("top_k", pa.int32()),
         # Optional: one extra independent draw a' ~ mu per generated position (sampled score centering).
         pa.field("extra_token_ids", pa.list_(pa.int32())),
+        # Optional, MoE: the experts the deployment chose per forwarded position and layer
+        # (``trajectories.routing``: a compressed .npy blob) and the first position it covers.
+        pa.field("routed_experts", pa.binary()),
+        pa.field("routed_experts_start", pa.int32()),
         pa.field("prompt_text", pa.string()),
         pa.field("output_text", pa.string()),
         pa.field("created_at", pa.timestamp("us", tz="UTC")),

@@ -149,8 +149,9 @@ class DeltaTables:
 
         self.ensure(name, table.schema, partition_by)
         props = CommitProperties(app_transactions=[Transaction(txn[0], int(txn[1]))]) if txn else None
+        # appends evolve the table's schema when the contract gained an optional column since
         write_deltalake(self.uri(name), table, mode=mode, partition_by=list(partition_by) or None,
-                        predicate=predicate, storage_options=self.storage_options(), commit_properties=props,
+                        predicate=predicate, schema_mode="merge" if mode == "append" else None, storage_options=self.storage_options(), commit_properties=props,
                         writer_properties=WriterProperties(compression="ZSTD"))
         return self.version(name)
 
@@ -175,7 +176,11 @@ class DeltaTables:
         d = self.dataset(name, version, partitions)
         if d is None:
             return (schema if columns is None else pa.schema([schema.field(c) for c in columns])).empty_table()
-        return d.to_table(columns=list(columns) if columns is not None else None, filter=filter)
+        if columns is None:
+            return d.to_table(filter=filter)
+        # a column added to the contract after this table was written reads as nulls (``conform``)
+        present = set(d.schema.names)
+        return d.to_table(columns=[c for c in columns if c in present], filter=filter)
 
     def read_files(self, name: str, paths: Sequence[str], columns: Sequence[str] | None = None,
                    partition_values: Sequence[dict] | None = None) -> list[pa.Table]:
