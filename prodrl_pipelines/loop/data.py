@@ -10,6 +10,7 @@ import numpy as np
 
 from prodrl_pipelines.loop.services import (
     RoundError, Services, check_recipe_fits_deployment, refuse_if_decided, round_seed, upstream_table, vocab_size,
+    moe_routing_shape,
 )
 from prodrl_pipelines.storage import documents, keys
 
@@ -25,6 +26,7 @@ def select_data(svc: Services, rkey: str) -> dict:
             svc.store, rkey, live_version=live.policy_version, version_order=svc.ledger.version_order(),
             max_policy_lag=s.recipe.max_policy_lag, n_required=s.recipe.trajectories_per_round,
             vocab_size=vocab_size(live.checkpoint_dir), seed=round_seed(s, rkey),
+            routing_shape=moe_routing_shape(live.checkpoint_dir),
         )
     except InsufficientDataError as e:
         raise RoundError(

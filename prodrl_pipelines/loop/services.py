@@ -142,6 +142,18 @@ def vocab_size(checkpoint_dir: str) -> int:
     return int(json.loads((Path(checkpoint_dir) / "config.json").read_text())["vocab_size"])
 
 
+def moe_routing_shape(checkpoint_dir: str) -> tuple[int, int, int] | None:
+    """(MoE layers, experts per token, experts) of a Qwen3-MoE-style config; None for a dense model.
+    A layer is sparse unless listed in ``mlp_only_layers`` or off the ``decoder_sparse_step`` grid."""
+    cfg = json.loads((Path(checkpoint_dir) / "config.json").read_text())
+    experts, k = cfg.get("num_experts") or 0, cfg.get("num_experts_per_tok") or 0
+    if not experts or not k:
+        return None
+    step, dense = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or [])
+    layers = sum(1 for i in range(int(cfg["num_hidden_layers"])) if i not in dense and (i + 1) % step == 0)
+    return layers, int(k), int(experts)
+
+
 def upstream_json(svc: Services, key: str):
     """A round document written by an upstream step, or a RoundError saying which step to run."""
     try:

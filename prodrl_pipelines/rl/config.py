@@ -37,6 +37,12 @@ class Recipe(BaseModel):
     cis_kappa: float = Field(5e-3, ge=0, le=1)
     icepop_low: float = Field(0.5, ge=0)
     icepop_high: float = Field(2.0, gt=0)
+    gspo_eps_low: float = Field(3e-4, gt=0, lt=1)
+    gspo_eps_high: float = Field(4e-4, gt=0)
+    cispo_low: float = Field(0.0, ge=0)
+    cispo_high: float = Field(2.0, gt=0)
+    seq_mis_low: float = Field(0.905, ge=0, description="seq_mis: lowest geometric-mean pi_k/mu kept")
+    seq_mis_high: float = Field(1.105, gt=0, description="seq_mis: highest geometric-mean pi_k/mu kept")
     logprob_chunk: int = Field(1024, ge=1, description="tokens per chunk of the vocab projection")
     max_tokens_per_microbatch: int = Field(8192, ge=16, description="per process: the input positions of one "
                                            "packed micro-batch; a minibatch's gradient is accumulated over them")
@@ -71,15 +77,19 @@ class Recipe(BaseModel):
     def _consistent(self) -> "Recipe":
         if self.baseline == "loo" and self.steps_per_round * self.batch_size < 2:
             raise ValueError("baseline 'loo' needs at least 2 trajectories per round")
-        if self.icepop_low >= self.icepop_high:
-            raise ValueError(f"icepop_low ({self.icepop_low}) must be below icepop_high ({self.icepop_high})")
+        for lo, hi in (("icepop_low", "icepop_high"), ("cispo_low", "cispo_high"), ("seq_mis_low", "seq_mis_high")):
+            if getattr(self, lo) >= getattr(self, hi):
+                raise ValueError(f"{lo} ({getattr(self, lo)}) must be below {hi} ({getattr(self, hi)})")
         return self
 
     def correction_params(self):
         from prodrl_pipelines.rl.losses import CorrectionParams
 
         return CorrectionParams(tis_cap=self.tis_cap, ppo_eps=self.ppo_eps, cis_lambda=self.cis_lambda,
-                                cis_kappa=self.cis_kappa, icepop_low=self.icepop_low, icepop_high=self.icepop_high)
+                                cis_kappa=self.cis_kappa, icepop_low=self.icepop_low, icepop_high=self.icepop_high,
+                                gspo_eps_low=self.gspo_eps_low, gspo_eps_high=self.gspo_eps_high,
+                                cispo_low=self.cispo_low, cispo_high=self.cispo_high,
+                                seq_mis_low=self.seq_mis_low, seq_mis_high=self.seq_mis_high)
 
     @property
     def needs_reference_model(self) -> bool:

@@ -22,6 +22,12 @@ class CorrectionParams:
     cis_kappa: float = 5e-3
     icepop_low: float = 0.5
     icepop_high: float = 2.0
+    gspo_eps_low: float = 3e-4  # GSPO's sequence-ratio clip range [1 - low, 1 + high] (its paper's values)
+    gspo_eps_high: float = 4e-4
+    cispo_low: float = 0.0  # CISPO's IS-weight clip [low, high]
+    cispo_high: float = 2.0
+    seq_mis_low: float = 0.905  # seq_mis: keep a trajectory when its geometric-mean pi_k/mu is in [low, high]
+    seq_mis_high: float = 1.105
     log_ratio_clamp: float = 20.0  # |log-ratio| cap before exp(), for numerical safety
     alpha_floor: float = 1e-6  # floor of 1 - P_H in the proportional-tail alpha
 
@@ -42,6 +48,8 @@ class TokenTerms:
     support_complete: [G] the head holds the whole support (no tail)
     logp_ref:    log pi_ref(a), trainer forward with the deployed weights (``ref_is`` only)
     logp_extra:  log pi(a') of an extra recorded draw a' ~ mu (``score_centering_sampled`` only)
+    seq:         [G] long, the trajectory of each token (sequence-level corrections)
+    trained:     [G] bool, tokens of the objective (T_i counts these; context-only calls are not)
     """
 
     logp: torch.Tensor
@@ -56,6 +64,8 @@ class TokenTerms:
     support_complete: torch.Tensor | None = None
     logp_ref: torch.Tensor | None = None
     logp_extra: torch.Tensor | None = None
+    seq: torch.Tensor | None = None
+    trained: torch.Tensor | None = None
 
     def __post_init__(self) -> None:
         if self.logp_is is None:
@@ -164,6 +174,54 @@ def score_centering_sampled(t: TokenTerms, p: CorrectionParams) -> tuple[torch.T
     return t.logp - t.logp_extra, {}
 
 
+def sequence_mean(x: torch.Tensor, t: TokenTerms) -> torch.Tensor:
+    """Per token, the mean of ``x`` over the trained tokens of its trajectory: (1/T_i) sum_t x_{i,t}."""
+    if t.seq is None:
+        raise ValueError("a sequence-level correction needs each token's trajectory (TokenTerms.seq)")
+    w = (t.trained if t.trained is not None else torch.ones_like(t.seq, dtype=torch.bool)).to(x.dtype)
+    n = int(t.seq.max()) + 1 if t.seq.numel() else 0
+    total = x.new_zeros(n).index_add(0, t.seq, x * w)
+    count = x.new_zeros(n).index_add(0, t.seq, w).clamp(min=1)
+    return (total / count)[t.seq]
+
+
+def gspo_correction(t: TokenTerms, p: CorrectionParams) -> tuple[torch.Tensor, Diag]:
+    """GSPO: j = clipPPO(s_i, A) at every token of trajectory i, with the sequence ratio
+    s_i = exp((1/T_i) sum_t log(pi_S(a_t) / pi_k,S(a_t))) clipped to [1 - eps_low, 1 + eps_high].
+
+    With the trainer's token weights 1/(B*T_i) this is GSPO's objective (1/B) sum_i A_i clipPPO(s_i);
+    grad s_i = s_i * (1/T_i) sum_t grad log pi(a_t): one length-normalised ratio per trajectory, so a
+    single token's noise (an MoE routing flip) moves it by 1/T_i of its log-ratio, not by the ratio."""
+    s = sequence_mean(t.logp_is - t.logp_old_is.detach(), t).clamp(-p.log_ratio_clamp, p.log_ratio_clamp).exp()
+    clipped = s.clamp(1 - p.gspo_eps_low, 1 + p.gspo_eps_high)
+    j = torch.where(t.adv >= 0, torch.minimum(s, clipped), torch.maximum(s, clipped))
+    out = ((s.detach() < 1 - p.gspo_eps_low) | (s.detach() > 1 + p.gspo_eps_high)).float().mean()
+    return j, {"seq_ratio_mean": float(s.detach().mean()), "seq_clip_frac": float(out)}
+
+
+def cispo_correction(t: TokenTerms, p: CorrectionParams) -> tuple[torch.Tensor, Diag]:
+    """CISPO: j = sg(clip(r, low, high)) * log pi(a), r = pi_S(a) / mu(a): the REINFORCE score of every
+    token, weighted by its clipped importance weight with the gradient stopped, so no token's
+    gradient is ever dropped (PPO's clip zeroes it) and none is weighted above ``high``."""
+    r = _exp_ratio(t.logp_is.detach(), t.logp_mu, p)
+    w = r.clamp(p.cispo_low, p.cispo_high)
+    return w * t.logp, {"is_weight_mean": float(w.mean()), "is_weight_max": float(w.max()),
+                        "is_truncated_frac": float(((r < p.cispo_low) | (r > p.cispo_high)).float().mean())}
+
+
+def seq_mis_correction(t: TokenTerms, p: CorrectionParams) -> tuple[torch.Tensor, Diag]:
+    """Sequence-level masked IS (verl's ``seq-mis`` / geometric ``geo_rs``): j = 1[lo <= g_i <= hi] *
+    clipPPO(pi_S(a)/pi_k,S(a), A), g_i = exp((1/T_i) sum_t log(pi_k,S(a_t) / mu(a_t))) the geometric
+    mean of trajectory i's deployment ratios: a trajectory the deployment sampled too differently
+    (a routing flip, a broken kernel) is rejected whole instead of being trained on token by token."""
+    g = sequence_mean((t.logp_old_is - t.logp_mu).detach(), t).clamp(-p.log_ratio_clamp, p.log_ratio_clamp).exp()
+    keep = (g >= p.seq_mis_low) & (g <= p.seq_mis_high)
+    j, diag = _weighted_ppo(t, p, keep.to(t.logp.dtype), ~keep)
+    return j, {**diag, "seq_rejected_frac": float((~keep).float().mean()), "seq_geo_ratio_mean": float(g.mean())}
+
+
+SEQUENCE_LEVEL = frozenset({"gspo", "seq_mis"})  # corrections that need a trajectory's tokens together
+
 POLICY_CORRECTIONS: dict[str, PolicyCorrection] = {
     "none": none_correction,
     "tis": tis_correction,
@@ -172,6 +230,9 @@ POLICY_CORRECTIONS: dict[str, PolicyCorrection] = {
     "icepop": icepop_correction,
     "score_centering": score_centering,
     "score_centering_sampled": score_centering_sampled,
+    "gspo": gspo_correction,
+    "cispo": cispo_correction,
+    "seq_mis": seq_mis_correction,
 }
 
 

@@ -34,10 +34,18 @@ class MicroBatchPlan:
         return len(self.ranks[0])
 
 
-def plan_microbatches(lengths: list[int], budget: int, world_size: int = 1) -> MicroBatchPlan:
-    """Deterministic micro-batches of sequences with ``lengths`` input positions each."""
+def plan_microbatches(lengths: list[int], budget: int, world_size: int = 1,
+                      groups: list[int] | None = None) -> MicroBatchPlan:
+    """Deterministic micro-batches of sequences with ``lengths`` input positions each; with
+    ``groups`` (a key per sequence), the sequences of one group always share a micro-batch."""
     if budget < 1:
         raise ValueError(f"max_tokens_per_microbatch must be >= 1, got {budget}")
+    if groups is not None:
+        keys = list(dict.fromkeys(groups))
+        members = [[i for i, g in enumerate(groups) if g == k] for k in keys]
+        plan = plan_microbatches([sum(lengths[i] for i in m) for m in members], budget, world_size)
+        ranks = [[[i for gi in mb for i in members[gi]] for mb in r] for r in plan.ranks]
+        return MicroBatchPlan(ranks, sum(1 for x in lengths if x > budget))
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     load = [0] * world_size
     mine: list[list[int]] = [[] for _ in range(world_size)]

@@ -29,7 +29,7 @@ from prodrl_pipelines.rl.checkpoint import TrainerState
 from prodrl_pipelines.rl.config import Recipe
 from prodrl_pipelines.rl.logprobs import policy_logprobs, uses_flash_attention
 from prodrl_pipelines.rl.routing_replay import RoutingStats, moe_shape
-from prodrl_pipelines.rl.losses import TokenTerms, kl_penalty, policy_objective
+from prodrl_pipelines.rl.losses import SEQUENCE_LEVEL, TokenTerms, kl_penalty, policy_objective
 
 
 @dataclass
@@ -90,6 +90,7 @@ def terms_for(lp_all: torch.Tensor, old_all: torch.Tensor, b: PackedBatch, logp_
         logp_is=support_renormalised(lp_all, b), logp_old_is=support_renormalised(old_all, b),
         head_logp=lp_all[:, 1:1 + K], head_mu=b.head_mu, head_mask=b.head_mask, support_complete=b.support_complete,
         logp_ref=ref, logp_extra=lp_all[:, 1 + K] if bool(b.has_extra.all()) else None,
+        seq=b.traj_index, trained=b.weight > 0,
     )
 
 
@@ -285,9 +286,11 @@ def layout_round(trajs: list[Trajectory], adv_all: np.ndarray, plan: list[list[i
     rank computes the whole layout (cheap, deterministic) and keeps its own micro-batches."""
     stats = LayoutStats()
     out = []
+    whole = recipe.correction in SEQUENCE_LEVEL  # a trajectory's sequences share one micro-batch
     for mb in plan:
         seqs = minibatch_sequences([trajs[i] for i in mb], adv_all[mb], len(mb), recipe.merge_turns, stats)
-        micro = plan_microbatches([q.num_inputs for q in seqs], recipe.max_tokens_per_microbatch, world_size)
+        groups = [q.spans[0].traj for q in seqs] if whole else None
+        micro = plan_microbatches([q.num_inputs for q in seqs], recipe.max_tokens_per_microbatch, world_size, groups)
         stats.micro_batches += micro.num_micro
         stats.oversize_sequences += micro.oversize
         out.append((seqs, micro.ranks[rank]))

@@ -91,6 +91,7 @@ def select_round_dataset(
     requirement: str | None = None,
     as_of: dict[str, int] | None = None,
     record: bool = True,
+    routing_shape: tuple[int, int, int] | None = None,
 ) -> SelectionResult:
     """Validate the window's rewarded, unused trajectories and take the ``n_required`` oldest.
 
@@ -102,6 +103,8 @@ def select_round_dataset(
     deterministic without it. The table versions read are pinned first (``table_versions`` of the
     result); ``as_of`` re-reads earlier pinned versions, and ``record=False`` writes nothing: together
     they reproduce a decided round's selection exactly, whatever arrived or was compacted since.
+    ``routing_shape``: the policy's (MoE layers, experts per token, experts), which recorded routing
+    must fit (``validation_rules.routing_rule``).
     """
     if n_required < 1:
         raise ValueError(f"n_required must be >= 1, got {n_required}")
@@ -111,7 +114,8 @@ def select_round_dataset(
     rewards = store.read_rewards(trajectory_ids=pc.unique(calls.column("trajectory_id")).to_pylist(), as_of=pinned)
     include, n_used, n_pending = _candidates(store, calls, rewards, exclude_round=round_key, as_of=pinned)
     verdict = validate_rows(
-        calls, rewards, vocab_size, set(version_order), check_top=True, check_prompt=True, include=include
+        calls, rewards, vocab_size, set(version_order), check_top=True, check_prompt=True, include=include,
+        routing_shape=routing_shape,
     )
     n_quarantined = verdict.n_quarantined_trajectories()
 

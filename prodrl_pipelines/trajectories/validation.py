@@ -20,6 +20,9 @@ non_finite_logprob          an output or top-K logprob null, NaN or +-inf
 top_k_shape                 top_token_ids / top_logprobs row count != number of output tokens, or
                             a row shorter than K (K = longest row of that call, per column), K = 0,
                             or K differs between top_token_ids and top_logprobs
+bad_routing                 recorded MoE routing (optional) that cannot be decoded, does not cover
+                            the call's forwarded positions, repeats an expert at a position, or
+                            does not fit the policy's MoE shape
 missing_reward              no reward row, or a null reward
 non_finite_reward           reward NaN or +-inf
 ==========================  ===================================================================
@@ -49,6 +52,7 @@ from prodrl_pipelines.trajectories.validation_rules import (
     one_chunk,
     policy_version_rule,
     reward_rules,
+    routing_rule,
     token_id_rule,
     top_k_shape_rule,
     trajectory_rewards,
@@ -64,6 +68,7 @@ REASONS: tuple[str, ...] = (
     "token_id_out_of_range",
     "non_finite_logprob",
     "top_k_shape",
+    "bad_routing",
     "missing_reward",
     "non_finite_reward",
 )
@@ -165,6 +170,7 @@ def validate_rows(
     check_top: bool,
     check_prompt: bool,
     include: np.ndarray | None = None,
+    routing_shape: tuple[int, int, int] | None = None,
 ) -> RowVerdict:
     """Row-level verdict without materialising the valid table. ``include``: optional row mask;
     rows outside it (whole trajectories, e.g. already used) are ignored: neither valid nor quarantined."""
@@ -181,12 +187,12 @@ def validate_rows(
         return RowVerdict(calls, pa.nulls(0, pa.float64()), np.zeros(0, bool), e, [], counts, e, [], e)
     rows = CallRows(calls, include)
     rewarded = trajectory_rewards(rows, rewards)
-    rules = _rules_in_order(rows, rewarded, vocab_size, known_versions, check_top, check_prompt)
+    rules = _rules_in_order(rows, rewarded, vocab_size, known_versions, check_top, check_prompt, routing_shape)
     return _verdict(rows, rules, rewarded, counts)
 
 
 def _rules_in_order(rows: CallRows, rewards: TrajectoryRewards, vocab_size: int, known_versions: Collection[str],
-                    check_top: bool, check_prompt: bool) -> list[Rule]:
+                    check_top: bool, check_prompt: bool, routing_shape: tuple[int, int, int] | None = None) -> list[Rule]:
     """Every rule, in the order of the module docstring (the first one failing names the reason)."""
     rules = [
         duplicate_rule(rows),
@@ -198,6 +204,7 @@ def _rules_in_order(rows: CallRows, rewards: TrajectoryRewards, vocab_size: int,
     ]
     if check_top:
         rules.append(top_k_shape_rule(rows))
+    rules.append(routing_rule(rows, routing_shape))
     return rules + reward_rules(rows, rewards)
 
 

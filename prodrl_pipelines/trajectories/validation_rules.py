@@ -371,6 +371,35 @@ def top_k_shape_rule(rows: CallRows) -> Rule:
     return "top_k_shape", bad, describe
 
 
+def routing_rule(rows: CallRows, routing_shape: tuple[int, int, int] | None = None) -> Rule:
+    """bad_routing: recorded MoE routing that cannot be decoded, does not cover the call's forwarded
+    positions, repeats an expert within a position, or (with ``routing_shape`` = the policy's (MoE
+    layers, experts per token, experts)) does not fit the model. Calls without routing pass."""
+    from prodrl_pipelines.trajectories.routing import ROUTING_COLUMN, ROUTING_START_COLUMN, RoutingError, check_fits, decode_routing
+
+    bad = np.zeros(rows.n, dtype=bool)
+    why: dict[int, str] = {}
+    if ROUTING_COLUMN not in rows.calls.column_names:
+        return "bad_routing", bad, lambda row: ""
+    blobs = rows.col(ROUTING_COLUMN)
+    present = np.flatnonzero(~blobs.is_null().to_numpy(zero_copy_only=False))
+    if len(present):
+        starts = pc.fill_null(rows.col(ROUTING_START_COLUMN), 0).to_numpy(zero_copy_only=False)
+        n_prompt, n_out = rows.flat("prompt_token_ids").length, rows.flat("output_token_ids").length
+        layers, k, experts = routing_shape or (None, None, None)
+        for row in present.tolist():
+            try:
+                problem = check_fits(decode_routing(blobs[row].as_py()), int(n_prompt[row]), int(n_out[row]),
+                                     int(starts[row]), layers, k, experts)
+            except RoutingError as exc:
+                problem = str(exc)
+            if problem:
+                bad[row] = True
+                why[row] = problem
+    ci = rows.ci
+    return "bad_routing", bad, lambda row: f"call {ci[row]} routed_experts: {why.get(row, '')}"
+
+
 @dataclass(frozen=True)
 class TrajectoryRewards:
     """Per trajectory code: whether it has a reward row, its latest reward (NaN when none), null or not."""
