@@ -311,6 +311,7 @@ class FakeUpstream:
     def __init__(self) -> None:
         self.mode = "ok"
         self.extra = None  # None: ignores ``extra_draw`` (like vLLM); else the extra_token_ids it returns
+        self.routing = None  # None: no ``routed_experts``; else the value it returns
         self.delay = 0.0
         self.app = Starlette(routes=[Route("/v1/completions", self.completions, methods=["POST"]),
                                      Route("/v1/models", self.models, methods=["GET"])])
@@ -342,6 +343,8 @@ class FakeUpstream:
                             "prompt_token_ids": prompt if rti else None})
             if self.extra is not None:
                 choices[-1]["extra_token_ids"] = self.extra
+            if self.routing is not None:
+                choices[-1]["routed_experts"] = self.routing
         return JSONResponse({"id": "cmpl-1", "object": "text_completion", "created": 1, "model": "fake-v3",
                              "choices": choices, "usage": None})
 
@@ -773,3 +776,41 @@ def _print_diff(a, b, path=""):
             _print_diff(x, y, f"{path}[{i}]")
     elif a != b:
         print("DIFF", path, repr(a)[:300], repr(b)[:300])
+
+
+def test_routing_from_the_upstream_is_stored_and_bad_routing_is_quarantined(fake, start_recorder):
+    """vLLM's ``routed_experts`` (base64 .npy) is stored per call as the compact blob; routing that
+    does not decode or does not fit the call is stored as received, counted, and quarantined by
+    selection (``bad_routing``), never trained on."""
+    import base64
+    import io
+
+    import numpy as np
+
+    from prodrl_pipelines.trajectories.routing import decode_routing
+    from prodrl_pipelines.trajectories.validation import validate_rows
+
+    def npy(a) -> str:
+        buf = io.BytesIO()
+        np.save(buf, np.asarray(a, dtype=np.int32))
+        return base64.b64encode(buf.getvalue()).decode()
+
+    good = np.array([[[0, 1], [2, 3]]] * 5)  # 3 prompt + 3 output ids: 5 forwarded positions, 2 layers, k=2
+    r = start_recorder(fake.url, tokenizer_dir=None)
+    for value in (npy(good), npy(good[:4]), "%%% not base64", None):
+        fake.routing = value
+        resp = r.http.post("/v1/completions", json={"prompt": [5, 6, 7], "max_tokens": 3},
+                           headers={"X-Trajectory-Id": f"r{value is None}{len(value or '')}"})
+        assert resp.status_code == 200 and resp.headers["x-prodrl-recorded"] == "true"
+    s = r.stats()
+    assert s["routing_recorded"] == 1 and s["routing_malformed"] == 2
+    calls = r.store().read_calls()
+    by_id = {x["trajectory_id"]: x for x in calls.to_pylist()}
+    assert sum(x["routed_experts"] is None for x in by_id.values()) == 1
+    assert by_id["rFalse%d" % len("%%% not base64")]["routed_experts"] == b"%%% not base64"  # as received
+    assert np.array_equal(decode_routing(by_id["rFalse%d" % len(npy(good))]["routed_experts"]), good)
+    assert len(decode_routing(by_id["rFalse%d" % len(npy(good[:4]))]["routed_experts"])) == 4
+    rewards = pa.Table.from_pylist([{"trajectory_id": t, "reward": 1.0, "source": "t", "created_at": None}
+                                    for t in by_id])
+    counts = validate_rows(calls, rewards, 64, {"fake-v3"}, check_top=True, check_prompt=True).result().counts
+    assert counts["bad_routing"] == 2 and sum(counts.values()) == 2

@@ -1,6 +1,7 @@
 """MoE routing replay (R3): recorded routing through the store, replay in the trainer, its
 diagnostics, and the sequence-level corrections (GSPO, CISPO, seq-MIS) against closed forms."""
 
+import json
 import math
 
 import numpy as np
@@ -372,3 +373,66 @@ def test_sequence_level_corrections_keep_a_trajectory_in_one_micro_batch():
         owners = [{seqs[i].spans[0].traj for i in mb} for mb in micro]
         split = any(len([mb for mb in micro if any(seqs[i].spans[0].traj == t for i in mb)]) > 1 for t in range(4))
         assert split is not together, (correction, owners)
+
+
+# ----------------------------------------------------------------------------- served and recorded
+
+
+@pytest.fixture(scope="module")
+def routed_upstream(moe_dir):
+    from prodrl_pipelines.engines.server import BackgroundServer, build_app
+
+    eng = LocalEngine.from_pretrained(moe_dir)
+    app = build_app(eng, model_dir=moe_dir, served_model_name="v0", batch_wait_ms=1, return_routed_experts=True)
+    with BackgroundServer(app) as srv:
+        yield srv, eng
+
+
+@pytest.mark.parametrize("kind,stream", [("completion", False), ("completion", True), ("chat", False)])
+def test_prodrl_serve_returns_routing_as_vllm_and_the_recorder_stores_it(routed_upstream, moe_dir, tmp_path,
+                                                                          kind, stream):
+    """``prodrl serve --enable-return-routed-experts`` answers vLLM's ``routed_experts`` (base64 .npy
+    [P + O - 1 - start, layers, k]); the recorder stores it per call, equal to the local engine's
+    routing for the same seed, honouring ``routed_experts_prompt_start``."""
+    import httpx
+
+    from prodrl_pipelines.engines.openai_protocol import iter_sse_data
+    from prodrl_pipelines.engines.server import BackgroundServer
+    from prodrl_pipelines.lab.episodes import render_prompt, stop_token_ids
+    from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
+
+    srv, eng = routed_upstream
+    prompt = _prompts(1, eng.vocab_size, seed=9)[0]
+    start = 3
+    if kind == "completion":
+        path, body, ids = "/v1/completions", {"prompt": prompt, "max_tokens": 6, "seed": 5}, prompt
+    else:
+        messages = [{"role": "user", "content": "7+5="}]
+        path, body = "/v1/chat/completions", {"messages": messages, "max_tokens": 6, "seed": 5}
+        ids = render_prompt(eng.tokenizer, messages)[1]
+    body = {**body, "routed_experts_prompt_start": start, "stream": stream}
+    params = SamplingParams(max_tokens=6, num_top_logprobs=20, record_routing=True,
+                            stop_token_ids=tuple(stop_token_ids(eng.tokenizer)))
+    want = eng.generate([ids], params, seed=5)[0]
+    with httpx.Client(base_url=srv.url, timeout=60) as direct:
+        if not stream:
+            answer = direct.post(path, json=body).json()
+            got = from_vllm(answer["choices"][0]["routed_experts"])
+            assert np.array_equal(got, want.routed_experts[start:])
+        bad = direct.post(path, json={**body, "stream": False, "routed_experts_prompt_start": len(ids) + 1})
+        assert bad.status_code == 400 and "routed_experts_prompt_start" in bad.text
+    cfg = RecorderConfig(upstream=srv.url, store_dir=str(tmp_path / "store"), tokenizer_dir=str(moe_dir), token="t")
+    app = build_recorder_app(cfg)
+    with BackgroundServer(app) as rec, httpx.Client(base_url=rec.url, timeout=60,
+                                                    headers={"Authorization": "Bearer t"}) as c:
+        resp = c.post(path, json=body, headers={"X-Trajectory-Id": "x"})
+        assert resp.status_code == 200
+        if stream:
+            chunks = [json.loads(d) for d in iter_sse_data(resp.text.split("\n")) if d != "[DONE]"]
+            assert sum(ch["choices"][0].get("routed_experts") is not None for ch in chunks if ch["choices"]) == 1
+        assert app.state.recorder.ingestor.flush(30)
+        row = app.state.recorder.store.read_calls().to_pylist()[0]
+        assert c.get("/stats").json()["counters"]["routing_recorded"] == 1
+    assert row["output_token_ids"] == want.output_token_ids and row["routed_experts_start"] == start
+    assert np.array_equal(decode_routing(row["routed_experts"]), want.routed_experts[start:])
+    assert check_fits(decode_routing(row["routed_experts"]), len(ids), len(want.output_token_ids), start) is None

@@ -34,6 +34,8 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--timeout-keep-alive", type=int, default=KEEP_ALIVE_S,
                    help="seconds an idle keep-alive connection stays open (above the clients' reuse window)")
     s.add_argument("--log-level", default="warning")
+    s.add_argument("--enable-return-routed-experts", action="store_true",
+                   help="MoE: every choice carries the experts of its forwarded positions, as vLLM's flag")
     s.set_defaults(fn=cmd_serve)
     return s
 
@@ -49,7 +51,8 @@ def cmd_serve(args) -> int:
     app = build_app(engine, model_dir=args.model_dir, served_model_name=args.served_model_name,
                     max_logprobs=args.max_logprobs, api_key=args.api_key, batch_wait_ms=args.batch_wait_ms,
                     max_batch_size=args.max_batch_size, generation_config=args.generation_config, device=args.device,
-                    batch_quiet_ms=args.batch_quiet_ms, max_body_bytes=args.max_body_bytes)
+                    batch_quiet_ms=args.batch_quiet_ms, max_body_bytes=args.max_body_bytes,
+                    return_routed_experts=args.enable_return_routed_experts)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_keep_alive=args.timeout_keep_alive)
     return 0

@@ -46,6 +46,8 @@ from pydantic import BaseModel, ConfigDict, Field
 __all__ = [
     "EXTRA_DRAW_FIELD",
     "EXTRA_IDS_FIELD",
+    "ROUTED_EXPERTS_FIELD",
+    "ROUTED_EXPERTS_START_FIELD",
     "LOGPROB_FLOOR",
     "TOKEN_ID_PREFIX",
     "CompletionRequest",
@@ -73,6 +75,11 @@ TOKEN_ID_PREFIX = "token_id:"
 # The prodrl extension asking for / returning the extra draw a' ~ mu (see the module docstring).
 EXTRA_DRAW_FIELD = "extra_draw"
 EXTRA_IDS_FIELD = "extra_token_ids"
+# vLLM's MoE routing (``--enable-return-routed-experts``): per choice, base64 of a .npy
+# [prompt + output - 1 - start, layers, k]; the request's ``routed_experts_prompt_start`` skips
+# prompt positions (``trajectories.routing``)
+ROUTED_EXPERTS_FIELD = "routed_experts"
+ROUTED_EXPERTS_START_FIELD = "routed_experts_prompt_start"
 # A head whose probabilities sum to at least 1 - this is taken to hold the whole support.
 COMPLETE_MASS_TOL = 1e-6
 

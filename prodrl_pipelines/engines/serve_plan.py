@@ -5,7 +5,9 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from prodrl_pipelines.engines.openai_protocol import ProtocolError, position_entries, token_id_string
+from prodrl_pipelines.engines.openai_protocol import (
+    ROUTED_EXPERTS_START_FIELD, ProtocolError, position_entries, token_id_string,
+)
 from prodrl_pipelines.engines.serve_state import ServeState
 from prodrl_pipelines.engines.types import CallRecord, SamplingParams
 
@@ -28,6 +30,7 @@ class RequestPlan:
     extra_draw: bool  # return ``extra_token_ids`` (the prodrl extension)
     explicit_stops: frozenset[int]
     stop_strings: list[str]
+    routing_start: int = 0  # ``routed_experts_prompt_start``: prompt positions left out of the routing
 
 
 _UNSUPPORTED_NONDEFAULT = {
@@ -133,12 +136,19 @@ def plan_request(state: ServeState, req, kind: str, prompts: list[list[int]],
         params = SamplingParams(
             temperature=float(temperature), top_p=float(top_p), top_k=int(top_k), max_tokens=int(max_tokens),
             num_top_logprobs=max(int(n_lp or 1), 1), stop_token_ids=tuple(sorted(stops)),
-            record_extra_draw=bool(req.extra_draw),
+            record_extra_draw=bool(req.extra_draw), record_routing=state.return_routed_experts,
         )
     except ValueError as exc:
         raise ProtocolError(str(exc)) from None
+    start = (req.model_extra or {}).get(ROUTED_EXPERTS_START_FIELD) or 0
+    if not isinstance(start, int) or isinstance(start, bool) or start < 0:
+        raise ProtocolError(f"{ROUTED_EXPERTS_START_FIELD} must be an integer >= 0", param=ROUTED_EXPERTS_START_FIELD)
+    shortest = min(len(p) for p in prompts)
+    if start > shortest:
+        raise ProtocolError(f"{ROUTED_EXPERTS_START_FIELD} must be between 0 and the prompt length ({shortest}), "
+                            "inclusive.", param=ROUTED_EXPERTS_START_FIELD)
     return RequestPlan(prompts, prompt_texts, params, req.seed, req.n, n_lp, bool(req.extra_draw), explicit,
-                       stop_strings)
+                       stop_strings, start)
 
 
 async def run_plan(state: ServeState, plan: RequestPlan) -> list[list[CallRecord]]:
@@ -163,6 +173,7 @@ class Choice:
     finish_reason: str
     stop_reason: int | str | None
     extra_ids: list[int] | None = None  # the extra draw, one per generated token (when asked)
+    routed_experts: str | None = None  # vLLM's base64 .npy of the kept positions' experts (when served)
 
 
 def finish_choice(state: ServeState, plan: RequestPlan, rec: CallRecord, skip_special: bool,
@@ -186,10 +197,27 @@ def finish_choice(state: ServeState, plan: RequestPlan, rec: CallRecord, skip_sp
                 at, s = min(hits)
                 ids, lps, hid, hlp = ids[: i + 1], lps[: i + 1], hid[: i + 1], hlp[: i + 1]
                 text = t[: at + len(s)] if include_stop_str else t[:at]
-                return Choice(ids, lps, hid, hlp, text, "stop", s, None if extra is None else extra[: i + 1])
+                return Choice(ids, lps, hid, hlp, text, "stop", s, None if extra is None else extra[: i + 1],
+                              _routing(rec, plan, i + 1))
     if stopped_by_token:
         stop_reason = ids[-1] if ids[-1] in plan.explicit_stops else None
-    return Choice(ids, lps, hid, hlp, text, finish, stop_reason, extra)
+    return Choice(ids, lps, hid, hlp, text, finish, stop_reason, extra, _routing(rec, plan, len(ids)))
+
+
+def _routing(rec: CallRecord, plan: RequestPlan, n_out: int) -> str | None:
+    """vLLM's ``routed_experts`` of a choice that kept ``n_out`` output tokens: the forwarded
+    positions from ``routing_start`` up to the last kept token (which is never forwarded itself)."""
+    import base64
+    import io
+
+    import numpy as np
+
+    if rec.routed_experts is None:
+        return None
+    rows = np.asarray(rec.routed_experts)[plan.routing_start:len(rec.prompt_token_ids) + n_out - 1]
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(rows), allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode()
 
 
 def choice_positions(plan: RequestPlan, c: Choice, upto: slice = slice(None)) -> list[list[tuple[int, float]]]:

@@ -84,7 +84,8 @@ def load_engine(model_dir: str | os.PathLike, device: str = "cpu"):
 class ServeState:
     def __init__(self, engine, info: ModelInfo, *, max_logprobs: int, api_key: str | None,
                  batch_wait_ms: float, max_batch_size: int, generation_config: str, device: str,
-                 batch_quiet_ms: float = 1.0, max_body_bytes: int | None = None) -> None:
+                 batch_quiet_ms: float = 1.0, max_body_bytes: int | None = None,
+                 return_routed_experts: bool = False) -> None:
         from prodrl_pipelines.engines.openai_protocol import MAX_BODY_BYTES
 
         self.batcher = EngineBatcher(engine, batch_wait_ms, max_batch_size, batch_quiet_ms)
@@ -95,6 +96,9 @@ class ServeState:
         self.api_key = api_key
         self.generation_config = generation_config
         self.device = device
+        # vLLM's --enable-return-routed-experts: each choice carries the experts of its forwarded
+        # positions (MoE models only; a dense model answers null)
+        self.return_routed_experts = bool(return_routed_experts)
 
     @property
     def engine(self):

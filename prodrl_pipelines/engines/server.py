@@ -55,6 +55,7 @@ from starlette.routing import Route
 
 from prodrl_pipelines.engines.openai_protocol import (
     EXTRA_IDS_FIELD,
+    ROUTED_EXPERTS_FIELD,
     read_body,
     SSE_DONE,
     ChatCompletionRequest,
@@ -195,6 +196,8 @@ async def completions(request: Request) -> Response:
             }
             if plan.extra_draw:
                 item[EXTRA_IDS_FIELD] = c.extra_ids
+            if state.return_routed_experts:
+                item[ROUTED_EXPERTS_FIELD] = c.routed_experts
             out.append(item)
             n_gen += len(c.token_ids)
     return JSONResponse({
@@ -227,6 +230,8 @@ async def _completion_stream(state, req, plan, choices, rid, created, model, tst
                 }
                 if plan.extra_draw:
                     item[EXTRA_IDS_FIELD] = c.extra_ids[t : t + 1]
+                if state.return_routed_experts and last:  # known once the request finished (as vLLM)
+                    item[ROUTED_EXPERTS_FIELD] = c.routed_experts
                 yield sse({"id": rid, "object": "text_completion", "created": created, "model": model,
                            "choices": [item], "usage": None})
                 offset += len(deltas[t])
@@ -291,6 +296,8 @@ async def chat_completions(request: Request) -> Response:
                 "stop_reason": c.stop_reason, "token_ids": c.token_ids if req.return_token_ids else None}
         if plan.extra_draw:
             item[EXTRA_IDS_FIELD] = c.extra_ids
+        if state.return_routed_experts:
+            item[ROUTED_EXPERTS_FIELD] = c.routed_experts
         out.append(item)
     n_gen = sum(len(c.token_ids) for c in choices)
     body = {
@@ -419,13 +426,15 @@ def build_app(
     device: str = "cpu",
     batch_quiet_ms: float = 1.0,
     max_body_bytes: int | None = None,
+    return_routed_experts: bool = False,
 ) -> Starlette:
     """The ASGI app serving ``engine`` (a ``LocalEngine`` or anything with its interface)."""
     name = served_model_name or (str(model_dir) if model_dir else "prodrl-local")
     info = ModelInfo.from_engine(engine, str(model_dir) if model_dir else None, name, generation_config)
     state = ServeState(engine, info, max_logprobs=max_logprobs, api_key=api_key, batch_wait_ms=batch_wait_ms,
                        max_batch_size=max_batch_size, generation_config=generation_config, device=device,
-                       batch_quiet_ms=batch_quiet_ms, max_body_bytes=max_body_bytes)
+                       batch_quiet_ms=batch_quiet_ms, max_body_bytes=max_body_bytes,
+                       return_routed_experts=return_routed_experts)
 
     from contextlib import asynccontextmanager
 

@@ -6,6 +6,7 @@ from typing import Any
 
 from prodrl_pipelines.engines.openai_protocol import (
     EXTRA_IDS_FIELD,
+    ROUTED_EXPERTS_FIELD,
     ProtocolError,
     narrow_entries,
     parse_token_id,
@@ -130,6 +131,7 @@ class StreamAccumulator:
         self.finish: str | None = None
         self.error: Any = None
         self.extra_choices = False
+        self.routed_experts: str | None = None
 
     def add(self, chunk: dict) -> None:
         if not isinstance(chunk, dict):
@@ -156,6 +158,8 @@ class StreamAccumulator:
             if ch.get("token_ids") is not None:
                 self.have_ids = True
                 self.ids.extend(ch["token_ids"])
+            if ch.get(ROUTED_EXPERTS_FIELD) is not None:  # the whole request's, on its last chunk
+                self.routed_experts = ch[ROUTED_EXPERTS_FIELD]
             extra = ch.get(EXTRA_IDS_FIELD)
             if extra is not None:
                 self.have_extra = True
@@ -186,6 +190,8 @@ class StreamAccumulator:
                       "logprobs": {"content": self.chat_lp} if self.have_lp else None, "finish_reason": self.finish}
         if self.have_extra:
             choice[EXTRA_IDS_FIELD] = self.extra
+        if self.routed_experts is not None:
+            choice[ROUTED_EXPERTS_FIELD] = self.routed_experts
         if self.kind == "completion":
             return {"model": self.model, "choices": [choice]}
         return {"model": self.model, "prompt_token_ids": self.prompt_ids, "prompt_text": self.prompt_text,

@@ -98,6 +98,8 @@ import aiohttp
 from prodrl_pipelines.engines.openai_protocol import (
     EXTRA_DRAW_FIELD,
     EXTRA_IDS_FIELD,
+    ROUTED_EXPERTS_FIELD,
+    ROUTED_EXPERTS_START_FIELD,
     ProtocolError,
     head_support_complete,
     parse_chat_logprobs,
@@ -109,6 +111,7 @@ from prodrl_pipelines.recorder.ingest import Attempt, Ingestor, Stats
 from prodrl_pipelines.recorder.requests import Ask, Unrecordable, is_json_int
 from prodrl_pipelines.recorder.tenants import Tenants
 from prodrl_pipelines.storage.blobstore import LocalBlobStore
+from prodrl_pipelines.trajectories import routing
 from prodrl_pipelines.trajectories.store import TrajectoryStore
 
 __all__ = ["RecorderConfig", "Recorder", "TokenStrings", "TOKEN_ENV"]
@@ -514,6 +517,7 @@ class Recorder:
         if prompt_text is None and self.tokens is not None:
             prompt_text = self.tokens.text(prompt_ids)
         extra = self._extra_ids(choice, len(ids)) if up.get(EXTRA_DRAW_FIELD) else None
+        routing, routing_start = self._routing(choice, up, len(prompt_ids), len(ids))
         return {
             "task_id": task_id,
             "policy_version": policy_version or self.cfg.policy_version or self.version_of(data.get("model")),
@@ -527,9 +531,29 @@ class Recorder:
             "top_p": float(up["top_p"]),
             "top_k": top_k,
             "extra_token_ids": extra,
+            "routed_experts": routing,
+            "routed_experts_start": routing_start,
             "prompt_text": prompt_text or "",
             "output_text": out_text,
         }
+
+    def _routing(self, choice: dict, up: dict, n_prompt: int, n_out: int) -> tuple[bytes | None, int | None]:
+        """The choice's MoE routing (vLLM ``--enable-return-routed-experts``) as the stored blob and
+        its first position; (None, None) when the upstream returned none. Routing that cannot be
+        decoded or does not fit the call is still stored (raw) and counted: selection quarantines
+        it with the reason (``bad_routing``), so a bad upstream is visible, never trained on."""
+        value = choice.get(ROUTED_EXPERTS_FIELD)
+        if value is None:
+            return None, None
+        start = up.get(ROUTED_EXPERTS_START_FIELD) or 0
+        try:
+            arr = routing.from_vllm(value)
+            problem = routing.check_fits(arr, n_prompt, n_out, int(start))
+            blob = routing.encode_routing(arr)
+        except (routing.RoutingError, TypeError, ValueError) as exc:
+            problem, blob = str(exc), str(value).encode("utf-8", "replace")
+        self.stats.inc("routing_malformed" if problem else "routing_recorded")
+        return blob, int(start) if isinstance(start, int) else 0
 
     def _extra_ids(self, choice: dict, n: int) -> list[int] | None:
         """The choice's extra draw (one id per generated token), or None (counted) when the upstream
