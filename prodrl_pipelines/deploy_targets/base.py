@@ -166,3 +166,10 @@ def wait_healthy(url: str, timeout_s: float, *, expect_model: str | None = None,
             raise DeployError(f"{url} was not healthy within {timeout_s:.0f}s (last: {last})"
                               + (f"; its log ends:\n{log_tail()}" if log_tail else ""))
         time.sleep(0.25)
+
+
+def is_moe(export_dir: Path) -> bool:
+    """Whether the export is a mixture-of-experts model (its config names experts or a *Moe* class)."""
+    cfg = json.loads((Path(export_dir) / "config.json").read_text())
+    return bool(cfg.get("num_experts") or cfg.get("num_local_experts")
+                or any("Moe" in a for a in cfg.get("architectures") or []))

@@ -28,14 +28,9 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from prodrl_pipelines.deploy_targets.base import DeployError, Endpoint, Switch, endpoint_file, served_models
+from prodrl_pipelines.deploy_targets.base import DeployError, Endpoint, Switch, endpoint_file, is_moe, served_models
 from prodrl_pipelines.deploy_targets.servers import VLLMRestartTarget, cuda_available
 
-
-def is_moe(export_dir: Path) -> bool:
-    cfg = json.loads((Path(export_dir) / "config.json").read_text())
-    return bool(cfg.get("num_experts") or cfg.get("num_local_experts")
-                or any("Moe" in a for a in cfg.get("architectures") or []))
 
 
 class VLLMReloadTarget:

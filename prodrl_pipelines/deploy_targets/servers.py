@@ -20,6 +20,7 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 
 from prodrl_pipelines.deploy_targets.base import (
+    is_moe,
     DeployError,
     Endpoint,
     Switch,
@@ -322,9 +323,10 @@ class ProdrlServeTarget(ManagedServerTarget):
 
     def command(self, export_dir: Path, port: int, policy_version: str) -> list[str]:
         k = self.deploy.num_top_logprobs
+        routing = ["--enable-return-routed-experts"] if self.deploy.record_routing and is_moe(export_dir) else []
         return [sys.executable, "-m", "prodrl_pipelines.cli", "serve", str(export_dir), "--host", self.host,
                 "--port", str(port), "--served-model-name", policy_version, "--max-logprobs", str(max(k + 1, 20)),
-                "--generation-config", "vllm", "--threads", "1", *self.deploy.server_args]
+                "--generation-config", "vllm", "--threads", "1", *routing, *self.deploy.server_args]
 
 
 class VLLMRestartTarget(ManagedServerTarget):
@@ -336,13 +338,17 @@ class VLLMRestartTarget(ManagedServerTarget):
         from prodrl_pipelines.engines.vllm_client import vllm_serve_command
 
         k = self.deploy.num_top_logprobs
+        self._routing = self.deploy.record_routing and is_moe(export_dir) and vllm_serves_routing()
+        routing = ["--enable-return-routed-experts"] if self._routing else []
         return vllm_serve_command(export_dir, port, max(k + 1, 20), host=self.host, served_model_name=policy_version,
-                                  python=vllm_python(self.deploy), extra_args=self.deploy.server_args)
+                                  python=vllm_python(self.deploy), extra_args=[*routing, *self.deploy.server_args])
 
     def environment(self, port: int) -> dict:
         from prodrl_pipelines.engines.vllm_client import vllm_serve_env
 
         env = vllm_serve_env(self.host)
+        if getattr(self, "_routing", False):  # vLLM 0.32 captures routing in its V2 model runner only
+            env["VLLM_USE_V2_MODEL_RUNNER"] = "1"
         if "VLLM_CPU_OMP_THREADS_BIND" not in env and not cuda_available():
             # vLLM's CPU engine pins its OpenMP threads (auto: the same first cores for every server):
             # blue and green, alive together during a switch, get disjoint halves of the cores, else
@@ -351,6 +357,13 @@ class VLLMRestartTarget(ManagedServerTarget):
         if self.dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"  # /pause, /collective_rpc, /resume for in-place reloads
         return env
+
+
+def vllm_serves_routing() -> bool:
+    """Whether vLLM can return routed experts here: its capture needs the V2 model runner, which
+    needs Triton with a backend for the device. The CPU build refuses to start with the flag (checked
+    with vLLM 0.32 CPU: "Model Runner V2 requires Triton"), so MoE deployments on CPU record no routing."""
+    return cuda_available()
 
 
 def cuda_available() -> bool:

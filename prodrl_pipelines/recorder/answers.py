@@ -97,6 +97,9 @@ class Rewriter:
                     choice["prompt_token_ids"] = None
             if not ask.extra and EXTRA_IDS_FIELD in choice:
                 del choice[EXTRA_IDS_FIELD]  # absent, as from an upstream not asked for it
+            # the deployment returns routing for the record (a server flag, megabytes on a large MoE):
+            # a client never asked for it
+            choice.pop(ROUTED_EXPERTS_FIELD, None)
             lp = choice.get("logprobs")
             if lp is not None:
                 if ask.n is None:
