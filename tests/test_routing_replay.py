@@ -438,3 +438,28 @@ def test_prodrl_serve_returns_routing_as_vllm_and_the_recorder_stores_it(routed_
     assert row["output_token_ids"] == want.output_token_ids and row["routed_experts_start"] == start
     assert np.array_equal(decode_routing(row["routed_experts"]), want.routed_experts[start:])
     assert check_fits(decode_routing(row["routed_experts"]), len(ids), len(want.output_token_ids), start) is None
+
+
+def test_rescoring_and_the_parity_probe_replay_the_served_routing(moe_dir, routed_upstream):
+    """``LocalEngine.score(routings=)`` (what the parity probe scores with) reproduces a deployment
+    whose routing differs from the trainer's; the probe replays the routing a server returned when
+    the recipe replays routing."""
+    from prodrl_pipelines.config.settings import Settings
+    from prodrl_pipelines.deploy_targets.probe import parity_probe
+
+    deploy = LocalEngine.from_pretrained(moe_dir)
+    _noisy_selection(deploy.model, 0.3, seed=7)
+    trainer = LocalEngine.from_pretrained(moe_dir)
+    prompts = _prompts(6, deploy.vocab_size, seed=8)
+    params = SamplingParams(max_tokens=8, num_top_logprobs=4, record_routing=True)
+    recs = deploy.generate(prompts, params, seed=3)
+    outs = [r.output_token_ids for r in recs]
+    mu = np.concatenate([r.output_logprobs for r in recs])
+    replayed = np.concatenate(trainer.score(prompts, outs, params, routings=[r.routed_experts for r in recs]))
+    own = np.concatenate(trainer.score(prompts, outs, params))
+    assert np.abs(replayed - mu).max() < 2e-5 < np.abs(own - mu).max()
+    srv, _ = routed_upstream
+    for replay in ("none", "recorded"):
+        s = Settings(recipe={"routing_replay": replay}, deploy={"probe_prompts": 4})
+        res = parity_probe(s, moe_dir, prompts[:4], srv.url, served_model_name="v0")
+        assert res.passed and res.mean_abs < 1e-4, res

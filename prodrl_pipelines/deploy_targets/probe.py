@@ -25,6 +25,7 @@ as the local engine serves it.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import time
 from dataclasses import asdict, dataclass
@@ -85,6 +86,8 @@ def parity_probe(settings, export_dir: Path, prompts: list[list[int]], endpoint:
     else:
         trainer = LocalEngine(*load_policy(Path(export_dir), torch.float32))  # scores what was served
     params = d.sampling(stop_token_ids=stop_token_ids(trainer.tokenizer, export_dir))
+    if settings.recipe.routing_replay != "recorded":  # routing is only recorded here to be replayed
+        params = dataclasses.replace(params, record_routing=False)
     if endpoint:
         from prodrl_pipelines.engines.vllm_client import VLLMClient
 
@@ -94,7 +97,10 @@ def parity_probe(settings, export_dir: Path, prompts: list[list[int]], endpoint:
     else:
         records = served.generate(prompts, params, seed=seed)
         engine = "local"
-    pi = trainer.score([r.prompt_token_ids for r in records], [r.output_token_ids for r in records], params)
+    # a trainer that replays the deployment's routing (R3) scores with the experts the deployment used
+    replay = settings.recipe.routing_replay == "recorded" and any(r.routed_experts is not None for r in records)
+    pi = trainer.score([r.prompt_token_ids for r in records], [r.output_token_ids for r in records], params,
+                       routings=[r.routed_experts for r in records] if replay else None)
     served = [np.asarray(r.output_logprobs, dtype=np.float64) for r in records]
     cmp = compare(served, [np.asarray(x, dtype=np.float64) for x in pi], *d.probe_bounds())
     return ProbeResult(prompts=len(prompts), seconds=time.monotonic() - t0, engine=engine, **cmp)

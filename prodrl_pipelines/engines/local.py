@@ -19,7 +19,7 @@ import torch
 from torch import Tensor
 
 from prodrl_pipelines.engines.sampling import processed_logprobs, top_logprobs
-from prodrl_pipelines.rl.routing_replay import capture_routing
+from prodrl_pipelines.rl.routing_replay import capture_routing, set_routing
 from prodrl_pipelines.engines.types import CallRecord, SamplingParams
 
 __all__ = ["LocalEngine", "TOP_LOGPROB_FLOOR"]
@@ -291,6 +291,7 @@ class LocalEngine:
         prompts: Sequence[Sequence[int]],
         outputs: Sequence[Sequence[int]],
         params: SamplingParams,
+        routings: Sequence | None = None,
     ) -> list[list[float]]:
         """Processed logprobs of each output token given its prompt and the earlier output tokens.
 
@@ -298,6 +299,8 @@ class LocalEngine:
         pairs are packed without padding into micro-batches of ``SCORE_TOKENS`` positions exactly as
         the trainer packs its sequences (``rl.batch.pack_sequences``: restarting position ids,
         attention never crossing a pair), so every log-prob of a round is computed one way.
+        ``routings``: per pair, MoE experts recorded by a deployment ([prompt + output - 1, layers,
+        k] or None), replayed as the trainer replays them (``rl.routing_replay``).
         """
         from prodrl_pipelines.rl.trajectory import Call
         from prodrl_pipelines.rl.batch import pack_sequences
@@ -311,11 +314,15 @@ class LocalEngine:
         outputs = self._check_ids(outputs, "output", allow_empty=True)
         result: list[list[float]] = [[] for _ in prompts]
         todo = [i for i, o in enumerate(outputs) if o]
-        seqs = [TokenSequence(prompts[i] + outputs[i], [Span(Call(prompts[i], outputs[i], [0.0] * len(outputs[i]), 1.0),
-                                                          len(prompts[i]), 0.0, 0.0, i)]) for i in todo]
+        routed = [None] * len(prompts) if routings is None else list(routings)
+        calls = [Call(prompts[i], outputs[i], [0.0] * len(outputs[i]), 1.0, routing=routed[i]) for i in todo]
+        seqs = [TokenSequence(prompts[i] + outputs[i], [Span(c, len(prompts[i]), 0.0, 0.0, i)], [c])
+                for i, c in zip(todo, calls)]
         config = self.model.config
         for micro in plan_microbatches([q.num_inputs for q in seqs], SCORE_TOKENS).ranks[0]:
-            b = pack_sequences([seqs[j] for j in micro], pad_id=0, one_row=uses_flash_attention(config)).to(self.device)
+            b = pack_sequences([seqs[j] for j in micro], pad_id=0, one_row=uses_flash_attention(config),
+                               with_routing=routings is not None).to(self.device)
+            set_routing(self.model, b.routing, b.routing_known)
             hidden = self.model.model(input_ids=b.input_ids, position_ids=b.position_ids, use_cache=False,
                                       attention_mask=packed_attention_mask(config, b.segment_ids)).last_hidden_state
             logits = self.model.lm_head(hidden[b.gen_row, b.gen_pos])
@@ -325,4 +332,5 @@ class LocalEngine:
                 i = seqs[j].spans[0].traj
                 result[i] = lp[g:g + len(outputs[i])]
                 g += len(outputs[i])
+        set_routing(self.model, None)
         return result

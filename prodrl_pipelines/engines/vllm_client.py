@@ -47,6 +47,7 @@ import httpx
 from prodrl_pipelines.engines.openai_protocol import (
     EXTRA_DRAW_FIELD,
     EXTRA_IDS_FIELD,
+    ROUTED_EXPERTS_FIELD,
     head_support_complete,
     parse_completion_logprobs,
 )
@@ -305,6 +306,14 @@ def record_from_completion(data: dict, params: SamplingParams) -> CallRecord:
     elif params.record_extra_draw:
         raise VLLMError(f"the server returned no {EXTRA_IDS_FIELD}: the extra draw (record_extra_draw) needs a server "
                         f"with prodrl's `{EXTRA_DRAW_FIELD}` extension (prodrl serve); vLLM has none")
+    routing = None
+    if choice.get(ROUTED_EXPERTS_FIELD) is not None:  # --enable-return-routed-experts (MoE)
+        from prodrl_pipelines.trajectories.routing import RoutingError, from_vllm
+
+        try:
+            routing = from_vllm(choice[ROUTED_EXPERTS_FIELD])
+        except RoutingError as exc:
+            raise VLLMError(f"cannot read {ROUTED_EXPERTS_FIELD}: {exc}") from None
     return CallRecord(
         prompt_token_ids=[int(t) for t in prompt_ids],
         output_token_ids=ids,
@@ -316,4 +325,5 @@ def record_from_completion(data: dict, params: SamplingParams) -> CallRecord:
         finish_reason=finish,
         output_text=str(choice.get("text") or ""),
         extra={"stop_reason": choice.get("stop_reason"), "response_id": data.get("id"), "model": data.get("model")},
+        routed_experts=routing,
     )
