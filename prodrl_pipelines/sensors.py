@@ -121,10 +121,11 @@ def registry_sensor(context: SensorEvaluationContext, settings: ProdRLSettings, 
             notes.append(f"{a.kind} {a.round} (model version {a.version}) requested by {a.by}")
     for n in notes:
         context.log.info(n)
-    # refusals and rejections rewrote the registry: the cursor is the state after them
-    rewrote = any(a.kind in ("refuse", "reject") for a in actions)
-    context.update_cursor(_registry_digest(lin.alias_version(CHAMPION), lin.versions(), lin.model_tags())
-                          if rewrote else digest)
+    # The cursor is the state read at the start of this tick: a change made while it ran (a reviewer's
+    # edit between our own rewrites and a re-read) changes the next digest and is not lost. Our own
+    # refusals and rejections change it too, so the next tick evaluates once more and finds them
+    # decided (the actions are idempotent).
+    context.update_cursor(digest)
     if not requests:
         return SkipReason("; ".join(notes) or f"no pending decision in the registry; live: {live.policy_version}")
     return SensorResult(run_requests=requests, dynamic_partitions_requests=(

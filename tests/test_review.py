@@ -261,7 +261,7 @@ def test_review_through_the_daemon(tmp_path, pg_instance, mlflow_server, s3_endp
 
 
 @pytest.mark.long(seconds=55)
-def test_refused_contradictions_in_one_tick(tmp_path, pg_instance, mlflow_server, s3_endpoint, bucket):
+def test_refused_contradictions_in_one_tick(tmp_path, pg_instance, mlflow_server, s3_endpoint, bucket, monkeypatch):
     """A gate-failed version approved, approve and reject at once, a state that is none: each is
     refused with a message on the version and in the sensor's skip reason."""
     res = make_resources({**TINY, "home": str(tmp_path / "home"), "promotion": "review"}, tracking_uri=mlflow_server,
@@ -316,6 +316,20 @@ def test_refused_contradictions_in_one_tick(tmp_path, pg_instance, mlflow_server
     # a state that is no review state
     lin.tag_version(pending, {"review": "maybe"})
     assert "'maybe' is not a review state" in tick().skip_message
+    assert lin.version(pending).tags["review"] == "pending"
+    # a reviewer's edit that lands while a tick runs, after the tick's own rewrite, is not lost: the
+    # next tick sees it (the cursor is the state the tick started from)
+    real_refusal = review.apply_refusal
+
+    def refusal_then_an_edit(svc_, action):
+        real_refusal(svc_, action)
+        lin.tag_version(pending, {"review": "maybe-again"})
+
+    monkeypatch.setattr(review, "apply_refusal", refusal_then_an_edit)
+    lin.tag_version(pending, {"review": "maybe"})
+    registry_sensor(racing := build_sensor_context(instance=pg_instance, definitions=defs, resources=res))
+    monkeypatch.undo()
+    assert "'maybe-again' is not a review state" in tick(racing.cursor).skip_message
     assert lin.version(pending).tags["review"] == "pending"
     # the cursor: an unchanged registry is a cheap skip
     result = registry_sensor(ctx := build_sensor_context(instance=pg_instance, definitions=defs, resources=res))
