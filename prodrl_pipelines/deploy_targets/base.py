@@ -169,7 +169,11 @@ def wait_healthy(url: str, timeout_s: float, *, expect_model: str | None = None,
 
 
 def is_moe(export_dir: Path) -> bool:
-    """Whether the export is a mixture-of-experts model (its config names experts or a *Moe* class)."""
-    cfg = json.loads((Path(export_dir) / "config.json").read_text())
+    """Whether the export is a mixture-of-experts model (its config names experts or a *Moe* class);
+    False when it has no readable config (the server that is given it reports that)."""
+    try:
+        cfg = json.loads((Path(export_dir) / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
     return bool(cfg.get("num_experts") or cfg.get("num_local_experts")
                 or any("Moe" in a for a in cfg.get("architectures") or []))
