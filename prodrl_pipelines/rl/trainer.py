@@ -56,6 +56,10 @@ def build_optimizer(model, recipe: Recipe, state: TrainerState,
     return opt
 
 
+# The with/without-replay mismatch pair costs one extra forward: measured on the round's first
+# micro-batches until this many generated tokens (a sample of the round, in plan order).
+ROUTING_DIAGNOSTIC_TOKENS = 16384
+
 # 1 - Q_H floor of the support estimate: a head holding less than this of mu says little about S.
 MIN_HEAD_MASS = 1e-6
 
@@ -245,14 +249,15 @@ def _reference_logprobs(reference, b: PackedBatch, versions: list[str], chunk: i
 def routing_diagnostics(stats: RoutingStats, mismatch: torch.Tensor, other: torch.Tensor,
                         replay: bool) -> dict[str, float]:
     """The round's routing metrics: the share of recorded (position, layer) expert sets that differ
-    from the trainer's own top-k (overall and per layer), and |log pi_k - log mu| mean and p99 with
-    and without replay, over the same tokens (those with recorded routing; ``mismatch`` as the round
+    from the trainer's own top-k (overall and per layer, every token of the round), and
+    |log pi_k - log mu| mean and p99 with and without replay, over the same tokens (those with
+    recorded routing among the first ``ROUTING_DIAGNOSTIC_TOKENS``; ``mismatch`` as the round
     trains, ``other`` with replay the other way)."""
     def q(x: torch.Tensor, f) -> float:
         return float(f(x.double())) if x.numel() else float("nan")
 
     on, off = (mismatch, other) if replay else (other, mismatch)
-    out = stats.as_metrics()
+    out = {**stats.as_metrics(), "routing_diagnostic_tokens": float(mismatch.numel())}
     for name, x in (("replay", on), ("no_replay", off)):
         out[f"mismatch_{name}_mean"] = q(x, torch.mean)
         out[f"mismatch_{name}_p99"] = q(x, lambda t: np.quantile(t.cpu().numpy(), 0.99))  # torch's caps the size
@@ -372,7 +377,7 @@ def train_round(
                     refs.append(_reference_logprobs(reference_model, b, versions, chunk, replay))
                 if not b.filler:
                     mismatch.append((support_renormalised(olds[-1], b) - b.logp_mu).abs())
-                    if b.routing is not None:
+                    if b.routing is not None and sum(x.numel() for x in other) < ROUTING_DIAGNOSTIC_TOKENS:
                         known = b.routing_known[b.gen_row, b.gen_pos]
                         alt = policy_logprobs(model, b, chunk, replay=not replay)
                         recorded.append(mismatch[-1][known])
