@@ -28,8 +28,10 @@ class DeploySettings(BaseModel):
     num_top_logprobs: int = Field(8, ge=1, le=20)
     record_extra_draw: bool = False
     # MoE: record the experts the deployment routed every position to (the local engine's own forward;
-    # vLLM with --enable-return-routed-experts), for routing replay (recipe.routing_replay)
-    record_routing: bool = True
+    # managed servers started with --enable-return-routed-experts), for routing replay
+    # (recipe.routing_replay) and the per-round routing diagnostics. Off by default: it costs a blob per
+    # call (bandwidth on a large MoE) and one extra forward per round for the diagnostics
+    record_routing: bool = False
     # what the deployment serves: NVFP4 weights (W4A16 data-free, W4A4 calibrated) or bf16
     export_scheme: Literal["nvfp4-w4a16", "nvfp4-w4a4", "bf16"] = "nvfp4-w4a16"
     # how an export becomes live (deploy_targets.TARGETS): pointer | prodrl-serve | vllm-restart |
