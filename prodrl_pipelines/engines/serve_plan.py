@@ -207,17 +207,11 @@ def finish_choice(state: ServeState, plan: RequestPlan, rec: CallRecord, skip_sp
 def _routing(rec: CallRecord, plan: RequestPlan, n_out: int) -> str | None:
     """vLLM's ``routed_experts`` of a choice that kept ``n_out`` output tokens: the forwarded
     positions from ``routing_start`` up to the last kept token (which is never forwarded itself)."""
-    import base64
-    import io
-
-    import numpy as np
+    from prodrl_pipelines.trajectories.routing import to_vllm
 
     if rec.routed_experts is None:
         return None
-    rows = np.asarray(rec.routed_experts)[plan.routing_start:len(rec.prompt_token_ids) + n_out - 1]
-    buf = io.BytesIO()
-    np.save(buf, np.ascontiguousarray(rows), allow_pickle=False)
-    return base64.b64encode(buf.getvalue()).decode()
+    return to_vllm(rec.routed_experts[plan.routing_start:len(rec.prompt_token_ids) + n_out - 1])
 
 
 def choice_positions(plan: RequestPlan, c: Choice, upto: slice = slice(None)) -> list[list[tuple[int, float]]]:

@@ -83,6 +83,13 @@ def from_vllm(value: str) -> np.ndarray:
     return _load_npy(raw)
 
 
+def to_vllm(arr) -> str:
+    """``arr`` as vLLM's ``routed_experts`` (base64 of a .npy, the array's own dtype)."""
+    buf = io.BytesIO()
+    np.save(buf, np.ascontiguousarray(_as_routing(arr)), allow_pickle=False)
+    return base64.b64encode(buf.getvalue()).decode()
+
+
 def covered_positions(n_prompt: int, n_output: int, start: int = 0) -> int:
     """Positions a call's routing covers: every forwarded token from ``start``."""
     return max(0, n_prompt + n_output - 1 - start)
