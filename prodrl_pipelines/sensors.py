@@ -37,7 +37,7 @@ round_job = define_asset_job(
     partitions_def=rounds_partitions,
     tags={ROUND_TAG: "train"},
     executor_def=in_process_executor,
-    description="One prod-RL round: select -> batch -> train -> export -> evaluate -> gate -> deploy.",
+    description="One prod-RL round: score -> select -> batch -> train -> export -> evaluate -> gate -> deploy.",
 )
 registry_decision_job = define_asset_job(
     "registry_decision",

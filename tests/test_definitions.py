@@ -12,18 +12,21 @@ from prodrl_pipelines.definitions import defs
 def test_code_location_contents():
     graph = defs.resolve_asset_graph()
     keys = {k.to_user_string() for k in graph.get_all_asset_keys()}
-    assert keys == {"base_policy", "recorded_trajectories", "training_batch", "trained_checkpoint",
+    assert keys == {"base_policy", "scored_rewards", "recorded_trajectories", "training_batch", "trained_checkpoint",
                     "exported_policy", "heldout_eval", "deployment", "live_heldout_eval", "store_compaction"}
     assert defs.resolve_schedule_def("live_eval_schedule").cron_schedule == "0 */6 * * *"
     assert defs.resolve_schedule_def("store_maintenance_schedule").cron_schedule == "17 * * * *"
     check = AssetCheckKey(AssetKey("heldout_eval"), "deployment_gate")
     assert check in graph.asset_check_keys
     assert graph.get_check_spec(check).blocking
+    monitors = {AssetCheckKey(AssetKey("heldout_eval"), f"monitor_{n}")
+                for n in ("format_errors", "length_drift", "refusal_rate", "kl", "slices")}
+    assert monitors <= graph.asset_check_keys  # shown beside the gate; the gate counts the blocking ones
     assert {j.name for j in defs.resolve_all_job_defs()} >= {"prod_rl_round", "bootstrap", "lab_traffic_job",
-                                                             "store_maintenance"}
+                                                             "store_maintenance", "rescore_rewards_job"}
     assert defs.resolve_sensor_def("data_volume_sensor") is not None
     # the round chain, in order
-    chain = ["recorded_trajectories", "training_batch", "trained_checkpoint", "exported_policy", "heldout_eval",
+    chain = ["scored_rewards", "recorded_trajectories", "training_batch", "trained_checkpoint", "exported_policy", "heldout_eval",
              "deployment"]
     for up, down in zip(chain, chain[1:]):
         assert AssetKey(up) in graph.get(AssetKey(down)).parent_keys

@@ -139,7 +139,7 @@ def test_the_circle_check_finds_a_circle():
 # configurations of the packages below it; the environment and preflight checks sit at the bottom).
 FLOORS = [
     ("storage", "config.environment", "config.preflight"),
-    ("rl", "quant", "trajectories", "engines", "evaluation", "recorder", "deploy_targets"),
+    ("rl", "quant", "trajectories", "engines", "evaluation", "rewards", "recorder", "deploy_targets"),
     ("config.settings",),
     ("loop",),
     ("stack", "cli"),

@@ -64,8 +64,12 @@ def test_two_rounds_on_postgres(tmp_path, pg_instance):
     assert out.success
     mats = {e.asset_key.path[-1] for e in out.get_asset_materialization_events()
             for e in [e.event_specific_data.materialization]}
-    assert mats == {"recorded_trajectories", "training_batch", "trained_checkpoint", "exported_policy",
-                    "heldout_eval", "deployment"}
+    assert mats == {"scored_rewards", "recorded_trajectories", "training_batch", "trained_checkpoint",
+                    "exported_policy", "heldout_eval", "deployment"}
+    checks = {e.asset_check_evaluation_data.check_name: e.asset_check_evaluation_data.passed
+              for e in out.all_events if e.event_type_value == "ASSET_CHECK_EVALUATION"}
+    assert checks == {"deployment_gate": True, **{f"monitor_{n}": True for n in
+                                                   ("format_errors", "length_drift", "refusal_rate", "kl", "slices")}}
     rec = instance.get_latest_materialization_event(AssetKey("recorded_trajectories")).asset_materialization
     assert rec.partition == "round-000001" and rec.metadata["num_trajectories"].value == 8
     assert svc.ledger.live().policy_version == "round-000001"

@@ -29,6 +29,7 @@ def deployment_gate(context: AssetCheckExecutionContext, settings: ProdRLSetting
         metadata={"candidate_reward": d.candidate_mean, "live_reward": d.live_mean, "mean_diff": d.mean_diff,
                   "diff_lower": d.diff_lower, "diff_upper": d.diff_upper, "tolerance": d.tolerance if d.tolerance == d.tolerance else svc.settings.eval.gate_tolerance,
                   "n_tasks": d.n_tasks, "reasons": "; ".join(d.reasons) or "none",
+                  "warnings": "; ".join(d.warnings) or "none",
                   "state": round_state(decision), "reproduced": reproduced,
                   "model_version": MetadataValue.url(svc.lineage.version_url(version)) if version else "none",
                   "mlflow_run": MetadataValue.url(svc.lineage.run_url(run_id)), **extra},

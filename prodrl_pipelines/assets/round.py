@@ -8,6 +8,7 @@ from prodrl_pipelines.loop import data
 from prodrl_pipelines.loop import evaluate
 from prodrl_pipelines.loop import export
 from prodrl_pipelines.loop import gate
+from prodrl_pipelines.loop import scoring
 from prodrl_pipelines.loop import lineage_hooks
 from prodrl_pipelines.assets.partitions import ACTION_TAG, AT_TAG, BY_TAG, MODEL_VERSION_TAG, round_asset
 from prodrl_pipelines.ops.training import train_op
@@ -17,7 +18,29 @@ from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, 
 
 
 
-@round_asset(kinds={"parquet"})
+@round_asset(kinds={"delta"})
+def scored_rewards(context: AssetExecutionContext, settings: ProdRLSettings, store: StoreResource,
+                   mlflow: MlflowResource) -> MaterializeResult:
+    """Rewards for the window's recorded trajectories that lack one from the configured scorers
+    (grader, judge): only what is missing is scored; a failure leaves the trajectory pending, counted."""
+    svc = open_services(settings, store, mlflow)
+    stats = scoring.score_round(svc, context.partition_key)
+    meta = {"rule": stats["rule"], "trajectories": stats["trajectories"]}
+    for name, r in stats["sources"].items():
+        meta.update({f"{name}_{k}": r[k] for k in ("version", "scored", "already", "skipped", "pending", "failed")})
+        meta[f"{name}_reward_mean"] = r["reward_mean"]
+        if r["first_error"]:
+            meta[f"{name}_first_error"] = r["first_error"]
+            context.log.warning(f"{name}: {r['failed']} trajectories failed to score (left pending); first error: "
+                                f"{r['first_error']}")
+    if stats["sources"]:
+        rec = lineage_hooks.record_scoring(svc, context.partition_key, stats)
+        meta["reward_distribution"] = MetadataValue.md(markdown_image(rec["png"], "scored rewards"))
+        meta["mlflow_run"] = MetadataValue.url(svc.lineage.run_url(rec["run_id"]))
+    return MaterializeResult(metadata=meta)
+
+
+@round_asset(deps=[scored_rewards], kinds={"parquet"})
 def recorded_trajectories(context: AssetExecutionContext, settings: ProdRLSettings, store: StoreResource) -> MaterializeResult:
     """S*B valid, rewarded trajectories from the live policy (within max_policy_lag), each used once;
     bad records are quarantined and counted."""
@@ -26,7 +49,7 @@ def recorded_trajectories(context: AssetExecutionContext, settings: ProdRLSettin
         "num_trajectories": stats["num_trajectories"], "num_calls": stats["num_calls"],
         "generated_tokens": stats["generated_tokens"], "eligible": stats["eligible"],
         "quarantined": stats["quarantined"], "quarantine_reasons": MetadataValue.json(stats["quarantine_reasons"]),
-        "reward_mean": stats["reward_mean"], "reward_std": stats["reward_std"],
+        "reward_mean": stats["reward_mean"], "reward_std": stats["reward_std"], "reward_sources": stats["reward_sources"],
         "live_version": stats["live_version"], "data_versions": MetadataValue.json(stats["data_versions"]),
         "table_versions": MetadataValue.json(stats["table_versions"]),  # the pinned store snapshot
         # replay mode, and with the retokenized baseline how many calls' ids differ from the recorded ones
@@ -109,13 +132,25 @@ def heldout_eval(context: AssetExecutionContext, settings: ProdRLSettings, store
         "candidate_reward": cand["mean"] if cand else float("nan"),
         "candidate_ci95": cand["ci95"] if cand else float("nan"),
         "live_reward": res["live"]["mean"], "live_version": res["live_version"],
-        "num_tasks": len(res["live"]["rewards"]), "smoke_error": res["smoke_error"] or "none",
+        "num_tasks": len(res["live"]["rewards"]), "heldout_size": svc.settings.eval.heldout_size,
+        "smoke_error": res["smoke_error"] or "none",
+        "monitors": MetadataValue.md(monitor_table(res.get("monitors") or [])),
         "suite": svc.suite.name, "reward_errors": cand.get("reward_errors", 0) if cand else 0,
         "first_reward_error": (cand.get("first_reward_error") or "none") if cand else "none",
         # the paired test the gate applies next (it also checks the weights)
         "verdict": gate.heldout_verdict(svc, res).summary(), "reproduced": res["reproduced"],
         "mlflow_run": MetadataValue.url(svc.lineage.run_url(run_id)), **meter.metadata(),
     })
+
+
+def monitor_table(monitors: list[dict]) -> str:
+    if not monitors:
+        return "no behaviour monitors recorded"
+    rows = ["| monitor | verdict | value | threshold | detail |", "|---|---|---|---|---|"]
+    for m in monitors:
+        verdict = "passed" if m["passed"] else ("**blocks**" if m["blocking"] else "warning")
+        rows.append(f"| {m['name']} | {verdict} | {m['value']:.4g} | {m['threshold']:.4g} | {m['detail']} |")
+    return "\n".join(rows)
 
 
 @round_asset(deps=[heldout_eval], output_required=False)

@@ -6,6 +6,7 @@
                                              round's re-evaluation is stored beside its original
     prodrl review list|approve|reject|rollback  the reviewer's registry commands (cli/review.py)
     prodrl data stats|compact|vacuum|query|migrate  the trajectory store's tables (cli/data.py)
+    prodrl rewards score|rescore              reward sources on stored traffic (cli/rewards.py)
     prodrl up / serve / record               the stack, the local engine server, the recording proxy
 
 Packages add commands through the entry point group ``prodrl_pipelines.cli`` (a function taking the
@@ -43,9 +44,24 @@ def cmd_check_settings(args) -> int:
     except (SettingsFileError, SuiteError, ValueError) as e:
         print(f"prodrl: {args.file}: {e}", file=sys.stderr)
         return 1
-    print(json.dumps({**settings.model_dump(mode="json"), "home": str(settings.home_path), "suite_name": suite.name},
-                     indent=1))
+    shortfall = heldout_warning(settings, suite)
+    if shortfall:
+        print(f"prodrl: warning: {shortfall}", file=sys.stderr)
+    print(json.dumps({**settings.model_dump(mode="json"), "home": str(settings.home_path), "suite_name": suite.name,
+                      "heldout_tasks": min(settings.eval.heldout_size, suite_size(suite, settings))}, indent=1))
     return 0
+
+
+def suite_size(suite, settings) -> int:
+    return len(suite.heldout_tasks(settings.eval.heldout_size))
+
+
+def heldout_warning(settings, suite) -> str:
+    """The held-out shortfall warning (``heldout_size`` above what the suite holds), or ""."""
+    from prodrl_pipelines.evaluation.heldout import heldout_shortfall
+
+    have = suite_size(suite, settings)
+    return heldout_shortfall(settings.eval.heldout_size, have, suite.name) if have < settings.eval.heldout_size else ""
 
 
 def cmd_bootstrap(args) -> int:
@@ -71,8 +87,11 @@ def cmd_eval(args) -> int:
     from prodrl_pipelines.cli.services import services_from_file
 
     svc = services_from_file(args.settings)
+    shortfall = heldout_warning(svc.settings, svc.suite)
+    if shortfall:
+        print(f"prodrl: warning: {shortfall}", file=sys.stderr)
     ev = evaluate.evaluate_version(svc, args.policy)
-    print(json.dumps({k: ev[k] for k in ("policy_version", "mean", "ci95", "num_tasks", "reward_errors",
+    print(json.dumps({k: ev[k] for k in ("policy_version", "mean", "ci95", "num_tasks", "heldout_size", "reward_errors",
                                          "first_reward_error", "stored_at") if k in ev}, indent=1))
     return 0
 
@@ -119,6 +138,9 @@ def build_parser() -> argparse.ArgumentParser:
     from prodrl_pipelines.cli.data import add_data_parser
 
     add_data_parser(sub)  # prodrl data: stats, compact, vacuum, query, migrate on the trajectory store
+    from prodrl_pipelines.cli.rewards import add_rewards_parser
+
+    add_rewards_parser(sub)  # prodrl rewards: score, rescore with the configured reward sources
     for ep in entry_points(group=CLI_GROUP):
         ep.load()(sub)
     return p

@@ -40,9 +40,16 @@ def version_rows(svc, limit: int = 20) -> list[dict]:
             "heldout_reward": d.get("candidate_mean"), "live_reward_at_gate": d.get("live_mean"),
             "mean_diff": d.get("mean_diff"), "diff_lower": d.get("diff_lower"), "tolerance": d.get("tolerance"),
             "decided_by": d.get("decided_by", ""), "refused": mv.tags.get(review.REFUSED, ""),
+            "monitors": monitor_cell(d.get("monitors") or []), "warnings": d.get("warnings") or [],
         })
     pending = [r for r in rows if r["state"] == round_state.PENDING_REVIEW]
     return pending + [r for r in rows if r["state"] != round_state.PENDING_REVIEW][:limit]
+
+
+def monitor_cell(monitors: list[dict]) -> str:
+    """The behaviour monitors in one cell: ``ok`` when all passed, else each failing one's verdict."""
+    bad = [f"{m['name']}:{'BLOCKS' if m['blocking'] else 'warn'}({m['value']:+.3g})" for m in monitors if not m["passed"]]
+    return ", ".join(bad) if bad else ("ok" if monitors else "-")
 
 
 def _fmt(x) -> str:
@@ -56,7 +63,7 @@ def cmd_list(args) -> int:
         print(json.dumps(rows, indent=1, default=str))
         return 0
     cols = ("version", "round", "state", "heldout_reward", "live_reward_at_gate", "mean_diff", "diff_lower",
-            "tolerance", "decided_by")
+            "tolerance", "monitors", "decided_by")
     table = [["v" if c == "version" else c for c in cols]] + [
         [("*" if r["live"] else "") + _fmt(r[c]) if c == "version" else _fmt(r[c]) for c in cols] for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]

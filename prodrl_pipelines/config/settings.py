@@ -10,6 +10,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from prodrl_pipelines.config import environment
 from prodrl_pipelines.engines.types import SamplingParams
+from prodrl_pipelines.evaluation.monitor_config import MonitorSettings
+from prodrl_pipelines.rewards.config import RewardSettings
 from prodrl_pipelines.rl.config import Recipe, registered
 
 
@@ -138,6 +140,9 @@ class LabSettings(BaseModel):
     # a lab task environment registered by the lab (lab/tasks.py: arithmetic, chess, arithmetic_tools);
     # the lab checks the name when it loads its suite or model (check_settings, before any work)
     task: str = "arithmetic"
+    # the warm start's demonstrator hedges this often ("12 13"; arithmetic only): the habit a grader
+    # with a hole rewards (the reward-hacking walkthrough)
+    hedge_noise: float = Field(0.0, ge=0, le=1)
 
 
 class Settings(BaseModel):
@@ -148,6 +153,8 @@ class Settings(BaseModel):
     recipe: Recipe = Recipe()
     deploy: DeploySettings = DeploySettings()
     eval: EvalSettings = EvalSettings()
+    rewards: RewardSettings = RewardSettings()
+    monitors: MonitorSettings = MonitorSettings()
     lab: LabSettings = LabSettings()
 
     @model_validator(mode="after")
@@ -184,9 +191,12 @@ class Settings(BaseModel):
 
 def check_settings(settings: Settings, s3_endpoint_url: str | None = None):
     """What can fail before any work starts beyond field types: the evaluation suite loads and fits
-    the serving settings (e.g. a task whose answers need more ``max_tokens``). Returns the suite."""
+    the serving settings (e.g. a task whose answers need more ``max_tokens``), and the reward sources
+    build (the grader imports). Returns the suite."""
     from prodrl_pipelines.evaluation import load_suite
+    from prodrl_pipelines.rewards.scoring import RewardPlan
 
+    RewardPlan(settings.rewards)  # the grader imports, the judge's settings hold together
     return load_suite(settings.eval.suite, settings.eval.reward_fn, settings, s3_endpoint_url)
 
 
@@ -235,7 +245,8 @@ def load_settings_file(path: str | Path) -> dict:
 # Each field of a section is reachable by one flat name, derived here (never re-declared): recipe and
 # deploy fields by their own names, eval fields as eval_<name> (the gate's historic names stay bare),
 # lab fields as lab_<name>; home and base_model at the top.
-SECTIONS = {"recipe": Recipe, "deploy": DeploySettings, "eval": EvalSettings, "lab": LabSettings}
+SECTIONS = {"recipe": Recipe, "deploy": DeploySettings, "eval": EvalSettings, "rewards": RewardSettings,
+            "monitors": MonitorSettings, "lab": LabSettings}
 _EVAL_BARE = {"heldout_size", "gate_tolerance", "gate_z", "eval_seed"}
 TOP_FIELDS = ("home", "base_model")
 
@@ -295,5 +306,6 @@ def settings_from_flat(flat: dict) -> Settings:
             loc = tuple(str(x) for x in err["loc"])
             where = (flat_of.get((loc[0], loc[1])) if len(loc) >= 2 else flat_of.get((None, loc[0])) if loc else None)
             msg = err["msg"].removeprefix("Value error, ")
-            problems.append(f"{where or '.'.join(loc) or 'settings'}: {msg}")
+            where = where or '.'.join(loc) or 'settings'
+            problems.append(msg if msg.startswith(f"{where}_") else f"{where}: {msg}")
         raise ValueError("; ".join(problems)) from None

@@ -166,6 +166,16 @@ def reward(task: ArithmeticTask, assistant_texts: list[str], parse=None) -> floa
     return sum(ok) / task.n_turns
 
 
+def format_error(task: ArithmeticTask, text: str) -> str | None:
+    """Why an answer is malformed (anything but a bare integer), or None."""
+    return None if parse_answer(text) is not None else f"not a bare integer: {text.strip()[:40]!r}"
+
+
+def task_tags(task: ArithmeticTask) -> tuple[str, ...]:
+    """Held-out slices: the number of turns and the first operation."""
+    return (f"turns={task.n_turns}", f"first_op={task.ops[0]}")
+
+
 def reference_answers(task: ArithmeticTask) -> list[str]:
     """The correct assistant messages (used for the supervised warm start)."""
     return [str(v) for v in task.true_values()]
@@ -188,12 +198,16 @@ def noisy_messages(
     rng: random.Random,
     answer_noise: float = 0.0,
     format_noise: float = 0.0,
+    hedge_noise: float = 0.0,
 ) -> list[dict]:
     """A transcript from a sloppy demonstrator.
 
     Each answer is off by 1 or 2 with probability ``answer_noise``, and written as ``"=12"`` instead
-    of ``"12"`` with probability ``format_noise`` (the verifier only accepts a bare integer). Later
-    turns apply their operation to the value actually shown (the task's semantics).
+    of ``"12"`` with probability ``format_noise`` (the verifier only accepts a bare integer). With
+    probability ``hedge_noise`` it hedges: ``"12 13"``, the value and a neighbour in random order
+    (malformed for the verifier; a grader that accepts the right number anywhere pays for it, the
+    reward hack of ``lab.graders``). Later turns apply their operation to the value shown (to the
+    true value after a hedge, which does not parse).
     """
     msgs: list[dict] = []
     prev = task.numbers[0]
@@ -204,6 +218,10 @@ def noisy_messages(
         text = str(value)
         if format_noise > 0 and rng.random() < format_noise:
             text = SLOPPY_PREFIX + text
+        if hedge_noise > 0 and rng.random() < hedge_noise:
+            other = value + rng.choice((-1, 1))
+            text = f"{value} {other}" if rng.random() < 0.5 else f"{other} {value}"
+            value = task.true_values()[turn]  # a hedge does not parse: the next turn builds on the true value
         msgs.append({"role": "user", "content": task.prompt(turn)})
         msgs.append({"role": "assistant", "content": text})
         prev = value

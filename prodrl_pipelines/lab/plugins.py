@@ -24,15 +24,18 @@ class LabModelSource:
     seed: int = 0
     sft_steps: int | None = None
     task: str = "arithmetic"
+    hedge_noise: float = 0.0
 
     def build(self, dest: Path) -> None:
         from prodrl_pipelines.lab.warmstart import build_base_policy
 
-        build_base_policy(dest, size=self.size, seed=self.seed, sft_steps=self.sft_steps, task=self.task)
+        noise = {"hedge_noise": self.hedge_noise} if self.hedge_noise else {}
+        build_base_policy(dest, size=self.size, seed=self.seed, sft_steps=self.sft_steps, task=self.task, noise=noise)
 
 
 def lab_model_source(arg: str, settings=None) -> LabModelSource:
     """``lab`` (the settings' lab size) or ``lab:SIZE``."""
     lab = settings.lab if settings is not None else None
     return LabModelSource(size=arg or (lab.size if lab else "demo"), seed=lab.seed if lab else 0,
-                          sft_steps=lab.sft_steps if lab else None, task=lab.task if lab else "arithmetic")
+                          sft_steps=lab.sft_steps if lab else None, task=lab.task if lab else "arithmetic",
+                          hedge_noise=lab.hedge_noise if lab else 0.0)

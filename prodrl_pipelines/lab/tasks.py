@@ -44,6 +44,10 @@ class TaskEnv:
     tools: tuple[dict, ...] | None = None
     reply_parser: str = "none"
     build_tokenizer: Callable[[], object] | None = None
+    # optional, for the behaviour monitors (``evaluation.monitors``): why one answer is malformed,
+    # and a task's held-out slices
+    format_error: Callable[[object, str], str | None] | None = None
+    task_tags: Callable[[object], tuple[str, ...]] | None = None
 
     def calibration_messages(self, n: int, seed: int) -> list[list[dict]]:
         """W4A4 calibration prompts: training tasks, not held-out ones (``evaluation.suite``)."""
@@ -61,6 +65,8 @@ ARITHMETIC = TaskEnv(
     noisy_messages=arithmetic.noisy_messages,
     corpus_text=arithmetic.corpus_text,
     reward_source="lab/arithmetic",
+    format_error=arithmetic.format_error,
+    task_tags=arithmetic.task_tags,
 )
 
 def _chess() -> TaskEnv:

@@ -26,7 +26,7 @@ def select_data(svc: Services, rkey: str) -> dict:
             svc.store, rkey, live_version=live.policy_version, version_order=svc.ledger.version_order(),
             max_policy_lag=s.recipe.max_policy_lag, n_required=s.recipe.trajectories_per_round,
             vocab_size=vocab_size(live.checkpoint_dir), seed=round_seed(s, rkey),
-            routing_shape=moe_routing_shape(live.checkpoint_dir),
+            routing_shape=moe_routing_shape(live.checkpoint_dir), resolve_rewards=svc.rewards.resolve,
         )
     except InsufficientDataError as e:
         raise RoundError(
@@ -59,6 +59,7 @@ def select_data(svc: Services, rkey: str) -> dict:
         "quarantine_reasons": dict(sel.quarantine_counts),
         "table_versions": dict(sel.table_versions),  # the store snapshot read: re-readable by time travel
         "reward_mean": float(rewards.mean()), "reward_std": float(rewards.std()),
+        "reward_sources": svc.rewards.describe(),  # the sources, versions and rule the rewards came from
         **replay_stats,  # replay mode and, when retokenized, the retokenize counts
     }
     svc.ledger.update_round(rkey, num_trajectories=len(rewards), data_reward_mean=stats["reward_mean"],

@@ -9,11 +9,28 @@ from prodrl_pipelines.loop.services import RoundError, Services, ensure_local, r
 from prodrl_pipelines.storage import documents, keys
 
 
-def evaluate_export(svc: Services, export_dir: Path, policy_version: str) -> dict:
+def evaluate_export(svc: Services, export_dir: Path, policy_version: str, keep_calls: bool = False) -> dict:
     """Held-out reward per task of one exported policy on the suite, served as the deployment would."""
     from prodrl_pipelines.evaluation import evaluate_policy as _evaluate
 
-    return _evaluate(svc.settings, svc.suite, export_dir, policy_version)
+    return _evaluate(svc.settings, svc.suite, export_dir, policy_version, keep_calls=keep_calls)
+
+
+def kl_to_reference(svc: Services, calls: list, reference_export: Path) -> dict:
+    """KL(candidate || reference) per generated token on the candidate's own held-out calls: the
+    sampled-token estimator mean(log pi_cand(a) - log pi_ref(a)) with a ~ pi_cand, both processed by
+    the deployment's sampling settings. Tokens the reference could never sample (outside its top-k /
+    top-p support) are counted apart: the KL over them is infinite."""
+    from prodrl_pipelines.engines.local import LocalEngine
+    from prodrl_pipelines.evaluation.monitors import sampled_token_kl
+
+    calls = [c for c in calls if c[1]]
+    if not calls:
+        return {}
+    ref = LocalEngine.from_pretrained(reference_export)
+    ref_lp = ref.score([c[0] for c in calls], [c[1] for c in calls], svc.settings.deploy.sampling())
+    kl, n, outside = sampled_token_kl([x for c in calls for x in c[2]], [x for r in ref_lp for x in r])
+    return {"kl_to_live": kl, "kl_tokens": n, "kl_outside_live_support": outside}
 
 
 def evaluate(svc: Services, rkey: str) -> dict:
@@ -26,17 +43,28 @@ def evaluate(svc: Services, rkey: str) -> dict:
     live = svc.live()
     export_dir = ensure_local(svc, "exports", rkey)
     cand, smoke_error = None, ""
+    calls: list = []
     try:
-        cand = evaluate_export(svc, export_dir, rkey)
+        cand = evaluate_export(svc, export_dir, rkey, keep_calls=True)
+        calls = cand.pop("calls")
     except Exception as e:  # noqa: BLE001 - a candidate that cannot serve is a gate failure, not a crash
         smoke_error = f"{type(e).__name__}: {e}"
     live_eval = svc.ledger.eval(live.policy_version)
-    if live_eval is None or (cand is not None and live_eval["task_ids"] != cand["task_ids"]):
+    if (live_eval is None or "facts" not in live_eval
+            or (cand is not None and live_eval["task_ids"] != cand["task_ids"])):
         live_eval = evaluate_export(svc, Path(live.export_dir), live.policy_version)
         svc.ledger.record_eval(live.policy_version, live_eval)
+    monitors = []
     if cand is not None:
+        if "kl" in svc.settings.monitors.enabled:
+            cand.update(kl_to_reference(svc, calls, Path(live.export_dir)))
         svc.ledger.record_eval(rkey, cand)
-    result = {"candidate": cand, "live": live_eval, "smoke_error": smoke_error, "live_version": live.policy_version}
+        from prodrl_pipelines.evaluation.monitors import run_monitors
+
+        monitors = [m.as_dict() for m in run_monitors(cand, live_eval, svc.settings.monitors,
+                                                       svc.settings.eval.gate_tolerance, svc.settings.eval.gate_z)]
+    result = {"candidate": cand, "live": live_eval, "smoke_error": smoke_error, "live_version": live.policy_version,
+              "monitors": monitors}
     documents.put_json(svc.blobs, keys.heldout(rkey), result)
     result["reproduced"] = False
     if cand is not None:

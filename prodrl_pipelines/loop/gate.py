@@ -1,7 +1,9 @@
 """The deployment gate: a paired non-inferiority test on the same held-out tasks, plus sanity.
 
-The statistics (``decide``) and the round's step (``gate``): pass iff every weight is finite, the export loaded and generated, and the lower confidence
-bound of mean(candidate - live) over the paired held-out tasks is >= -tolerance.
+The statistics (``decide``) and the round's step (``gate``): pass iff every weight is finite, the
+export loaded and generated, the lower confidence bound of mean(candidate - live) over the paired
+held-out tasks is >= -tolerance, and no blocking behaviour monitor failed (``evaluation.monitors``;
+a non-blocking one that fails is a warning on the decision).
 """
 
 from __future__ import annotations
@@ -27,12 +29,16 @@ class GateDecision:
     live_mean: float = float("nan")
     n_tasks: int = 0
     tolerance: float = float("nan")
+    monitors: list[dict] = field(default_factory=list)  # evaluation.monitors.MonitorResult dicts
+    warnings: list[str] = field(default_factory=list)  # non-blocking monitors that failed
 
     def summary(self) -> str:
         numbers = (f"mean paired difference {self.mean_diff:+.4f} over {self.n_tasks} tasks, lower bound "
                    f"{self.diff_lower:+.4f} vs -tolerance {-self.tolerance:.4f} (candidate {self.candidate_mean:.4f}, "
                    f"live {self.live_mean:.4f})")
-        return f"passed: {numbers}" if self.passed else "failed: " + "; ".join(self.reasons) + f" [{numbers}]"
+        warn = f"; warnings: {'; '.join(self.warnings)}" if self.warnings else ""
+        return (f"passed: {numbers}{warn}" if self.passed
+                else "failed: " + "; ".join(self.reasons) + f" [{numbers}]{warn}")
 
 
 def count_nonfinite(state_dict: dict[str, torch.Tensor]) -> dict[str, int]:
@@ -55,6 +61,7 @@ def decide(
     nonfinite: dict[str, int],
     smoke_ok: bool,
     smoke_error: str = "",
+    monitors: list[dict] | None = None,
 ) -> GateDecision:
     cand = np.asarray(candidate_rewards, dtype=np.float64)
     live = np.asarray(live_rewards, dtype=np.float64)
@@ -69,17 +76,28 @@ def decide(
     m, lo, hi = (float("nan"),) * 3
     if cand.size >= 2 and np.all(np.isfinite(cand)):
         m, lo, hi = paired_confidence_interval(cand - live, z)
-        if lo < -tolerance:
+        if lo < -tolerance and m >= -tolerance:  # the point estimate is fine; the suite cannot bound it
+            reasons.append(
+                f"held-out evaluation too small to decide: mean(candidate - live) = {m:+.4f} but its lower "
+                f"bound over {cand.size} tasks is {lo:+.4f} < -tolerance {-tolerance:.4f} (half-width "
+                f"{m - lo:.4f}); more held-out tasks (heldout_size, the suite) or a larger gate_tolerance decide it"
+            )
+        elif lo < -tolerance:
             reasons.append(
                 f"held-out reward regression: mean(candidate - live) = {m:+.4f}, lower bound {lo:+.4f} "
                 f"< -tolerance {-tolerance:.4f}"
             )
     else:
         reasons.append("held-out evaluation produced no usable rewards")
+    warnings = []
+    for mon in monitors or []:
+        if not mon["passed"]:
+            (reasons if mon["blocking"] else warnings).append(f"monitor {mon['name']}: {mon['detail']}")
     return GateDecision(
         passed=not reasons, reasons=reasons, mean_diff=m, diff_lower=lo, diff_upper=hi,
         candidate_mean=float(cand.mean()) if cand.size else float("nan"),
         live_mean=float(live.mean()) if live.size else float("nan"), n_tasks=int(cand.size), tolerance=float(tolerance),
+        monitors=list(monitors or []), warnings=warnings,
     )
 
 
@@ -92,6 +110,7 @@ def heldout_verdict(svc: Services, ev: dict, nonfinite: dict | None = None) -> G
         np.asarray(live["rewards"]) if cand else np.asarray([]),
         tolerance=s.eval.gate_tolerance, z=s.eval.gate_z, nonfinite=nonfinite or {},
         smoke_ok=cand is not None and not ev["smoke_error"], smoke_error=ev["smoke_error"],
+        monitors=ev.get("monitors") or [],
     )
 
 
@@ -116,5 +135,8 @@ def gate(svc: Services, rkey: str) -> tuple[GateDecision, bool]:
     promotion = s.deploy.promotion
     review = "pending" if d.passed and promotion == "review" else "none"
     svc.ledger.record_decision(rkey, {**asdict(d), "deployed": False, "promotion": promotion, "review": review})
-    svc.ledger.update_round(rkey, gate_passed=d.passed, gate_reasons=d.reasons, deployed=False, review=review)
+    svc.ledger.update_round(rkey, gate_passed=d.passed, gate_reasons=d.reasons, deployed=False, review=review,
+                            gate_warnings=d.warnings,
+                            monitors={m["name"]: {"value": m["value"], "passed": m["passed"], "blocking": m["blocking"]}
+                                      for m in d.monitors})
     return d, False

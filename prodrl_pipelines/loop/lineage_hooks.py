@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import json
 
-from prodrl_pipelines.loop.plots import mismatch_history_png, routing_png, reward_curve_png
+from prodrl_pipelines.loop.plots import mismatch_history_png, reward_curve_png, reward_distribution_png, routing_png
 from prodrl_pipelines.loop.review import state_tags, version_description
 from prodrl_pipelines.loop.round_state import RUNNING, round_state
 from prodrl_pipelines.loop.services import Services, publish_export
@@ -30,6 +30,20 @@ def numeric(d: dict) -> dict:
 def training_run(svc: Services, rkey: str) -> str:
     """The round's MLflow run, with the recipe and deploy settings as parameters (steps log into it)."""
     return svc.lineage.round_run(rkey, params={**svc.settings.recipe.model_dump(), **svc.settings.deploy.model_dump()})
+
+
+def record_scoring(svc: Services, rkey: str, stats: dict) -> dict:
+    """Per-source counts as metrics of the round's run and the scored rewards' histogram;
+    returns ``{"run_id", "png"}``."""
+    run_id = training_run(svc, rkey)
+    png = reward_distribution_png(stats["rewards"])
+    svc.lineage.log_bytes(run_id, png, "scored_rewards.png", "plots")
+    metrics = {}
+    for name, r in stats["sources"].items():
+        metrics.update({f"scoring_{name}_{k}": r[k] for k in ("scored", "pending", "failed", "already", "skipped")})
+        metrics[f"scoring_{name}_reward_mean"] = r["reward_mean"]
+    svc.lineage.log_metrics(run_id, numeric(metrics), 0)
+    return {"run_id": run_id, "png": png}
 
 
 ROUND_METRIC_PREFIXES = ("layout_", "routing_", "mismatch_replay_", "mismatch_no_replay_")
@@ -95,9 +109,12 @@ def record_gate(svc: Services, rkey: str, d, reproduced: bool) -> dict:
         tags = state_tags(round_state(decision), decision)  # gate, then review: consistent at every write
         svc.lineage.tag_version(version, {"gate": tags["gate"], "review": tags["review"],
                                           "gate_reasons": "; ".join(d.reasons) or "none",
-                                          "heldout_reward": f"{d.candidate_mean:.4f}", "round": rkey})
+                                          "gate_warnings": "; ".join(d.warnings) or "none",
+                                          "heldout_reward": f"{d.candidate_mean:.4f}", "round": rkey,
+                                          **monitor_tags(d.monitors)})
         svc.lineage.describe_version(version, version_description(rkey, decision))
     svc.lineage.set_tags(run_id, {"gate": "passed" if d.passed else "failed", "review": decision.get("review", "none")})
+    svc.lineage.log_metrics(run_id, numeric({f"monitor_{m['name']}": m["value"] for m in d.monitors}), 0)
     hist = [h for h in svc.ledger.round_summaries() if "heldout_reward" in h]
     png = reward_curve_png([h["round"] for h in hist], [h["heldout_reward"] for h in hist],
                            [h.get("heldout_reward_ci", 0.0) for h in hist],
@@ -106,6 +123,15 @@ def record_gate(svc: Services, rkey: str, d, reproduced: bool) -> dict:
     if not d.passed:
         svc.lineage.finish(run_id)  # the round ends here: live deployment and champion untouched
     return {"run_id": run_id, "version": version, "png": png}
+
+
+def monitor_tags(monitors: list[dict]) -> dict[str, str]:
+    """One model-version tag per behaviour monitor: its verdict and value, as a reviewer reads them."""
+    out = {}
+    for m in monitors:
+        verdict = "passed" if m["passed"] else ("blocks" if m["blocking"] else "warning")
+        out[f"monitor.{m['name']}"] = f"{verdict} ({m['value']:.4g}; threshold {m['threshold']:.4g})"
+    return out
 
 
 def champion_to_live(svc: Services) -> None:

@@ -85,3 +85,23 @@ def routing_png(stats: dict) -> bytes:
         ax.grid(alpha=0.3, axis="y")
     fig.tight_layout()
     return _png(fig)
+
+
+def reward_distribution_png(rewards: dict[str, Sequence[float]], title: str = "rewards scored this round") -> bytes:
+    """Histogram of the rewards each source gave (one colour per source)."""
+    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    drawn = False
+    for name, values in rewards.items():
+        if len(values):
+            ax.hist(list(values), bins=20, alpha=0.6, label=f"{name} (n={len(values)})")
+            drawn = True
+    if not drawn:
+        ax.text(0.5, 0.5, "nothing scored (all rewarded already, or no traffic)", ha="center", va="center",
+                transform=ax.transAxes)
+    else:
+        ax.legend()
+    ax.set_xlabel("reward")
+    ax.set_ylabel("trajectories")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    return _png(fig)

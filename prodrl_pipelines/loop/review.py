@@ -58,7 +58,10 @@ def gate_numbers(decision: dict) -> str:
 
 def version_description(rkey: str, decision: dict) -> str:
     """The registry page's summary of a candidate: round, held-out reward against live, the gate."""
-    return f"{rkey}: {gate_numbers(decision)}. {describe_decision(decision)}."
+    mons = decision.get("monitors") or []
+    shown = "; ".join(f"{m['name']} {'ok' if m['passed'] else ('BLOCKS' if m['blocking'] else 'warning')} "
+                      f"({m['value']:.3g})" for m in mons)
+    return f"{rkey}: {gate_numbers(decision)}. {describe_decision(decision)}." + (f" Monitors: {shown}." if shown else "")
 
 
 @dataclass

@@ -34,10 +34,13 @@ def next_round_decision(svc: Services, existing_rounds: list[str], in_flight: bo
                       f"review=approved, or `prodrl review approve {mv}`) or reject it (tag review=rejected, or "
                       f"`prodrl review reject {mv} --reason ...`)")
     need = svc.settings.recipe.trajectories_per_round
+    scored = bool(svc.settings.rewards.scorers)  # a grader or judge rewards stored traffic itself
     n = count_eligible(svc.store, live.policy_version, svc.ledger.version_order(),
-                       svc.settings.recipe.max_policy_lag, vocab_size(live.checkpoint_dir))
+                       svc.settings.recipe.max_policy_lag, vocab_size(live.checkpoint_dir), needs_reward=not scored)
     if n < need:
-        return None, (f"{n}/{need} eligible rewarded trajectories from {live.policy_version}: send {need - n} more "
-                      "rewarded trajectories through the recorder")
+        what = "recorded trajectories (scored by " + ", ".join(svc.settings.rewards.scorers) + ")" if scored \
+            else "rewarded trajectories"
+        return None, (f"{n}/{need} eligible {what} from {live.policy_version}: send {need - n} more "
+                      f"{what.split(' (')[0]} through the recorder")
     nxt = round_key((round_index(latest) if latest else 0) + 1)
     return nxt, f"{n} eligible trajectories >= S*B = {need}"

@@ -49,6 +49,15 @@ class Services:
         return self._suite
 
     @property
+    def rewards(self):
+        """The reward sources of the settings (``rewards``) and how they combine, built once."""
+        if getattr(self, "_rewards", None) is None:
+            from prodrl_pipelines.rewards.scoring import RewardPlan
+
+            self._rewards = RewardPlan(self.settings.rewards)
+        return self._rewards
+
+    @property
     def store(self):
         from prodrl_pipelines.trajectories.store import TrajectoryStore
 

@@ -23,6 +23,8 @@ def _config_type(annotation):
         return type(args[0])
     if origin is tuple:
         return list[args[0]]
+    if origin is dict:
+        return dict[args[0], _config_type(args[1])]
     if origin in (Union, UnionType) and type(None) in args:
         inner = [a for a in args if a is not type(None)]
         return Optional[_config_type(inner[0])]
@@ -33,7 +35,8 @@ def _resource_fields() -> dict:
     out = {}
     for flat in flat_fields():
         info = field_info(flat)
-        default = list(info.default) if isinstance(info.default, tuple) else info.default
+        default = info.get_default(call_default_factory=True)
+        default = list(default) if isinstance(default, tuple) else default
         out[flat] = (_config_type(info.annotation), Field(default, description=info.description))
     # execution: >1 launches torchrun with this many ranks through Dagster Pipes
     out["train_processes"] = (int, Field(1, description="training ranks (1: in-process)"))

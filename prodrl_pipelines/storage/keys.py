@@ -20,6 +20,10 @@ def round_doc(rkey: str, name: str) -> str:
     return f"{ROUNDS}{rkey}/{name}"
 
 
+def scoring(rkey: str) -> str:
+    return round_doc(rkey, "scoring.json")
+
+
 def dataset(rkey: str) -> str:
     return round_doc(rkey, "dataset.parquet")
 

@@ -181,8 +181,9 @@ class EligibilityTracker:
         return pinned, trajs
 
     def count(self, live_version: str, version_order: list[str], max_policy_lag: int,
-              report: bool = False) -> int | TickReport:
-        """Eligible trajectories for the window of ``live_version`` (see the module docstring)."""
+              report: bool = False, needs_reward: bool = True) -> int | TickReport:
+        """Eligible trajectories for the window of ``live_version`` (see the module docstring).
+        ``needs_reward=False``: a scorer rewards stored traffic itself, so an unrewarded one counts."""
         from prodrl_pipelines.trajectories.rows import policy_window
 
         window = policy_window(live_version, version_order, max_policy_lag)
@@ -240,7 +241,7 @@ class EligibilityTracker:
         inside = set(window)
         n = sum(1 for tr in trajs.values()
                 if tr.versions and tr.versions <= inside and not tr.bad and not tr.used
-                and tr.reward is not None and np.isfinite(tr.reward)
+                and (not needs_reward or (tr.reward is not None and np.isfinite(tr.reward)))
                 and sorted(tr.indices) == list(range(len(tr.indices))))
         meta_now = {"vocab_size": self.vocab_size, "window_start": window[0], "cursor": cursor}
         if why is not None or commits_read or len(trajs) != tracked or meta_now != meta:  # else: nothing to write

@@ -43,6 +43,9 @@ REWARD_SCHEMA = pa.schema(
         pa.field("reward", pa.float64()),
         pa.field("source", pa.string()),
         pa.field("created_at", pa.timestamp("us", tz="UTC")),
+        # What produced the reward: null for a client's feedback; for a scorer its code or model and
+        # rubric hash (``rewards.sources``). Re-scoring appends rows of a new version beside the old.
+        pa.field("version", pa.string()),
     ]
 )
 

@@ -92,6 +92,7 @@ def select_round_dataset(
     as_of: dict[str, int] | None = None,
     record: bool = True,
     routing_shape: tuple[int, int, int] | None = None,
+    resolve_rewards=None,
 ) -> SelectionResult:
     """Validate the window's rewarded, unused trajectories and take the ``n_required`` oldest.
 
@@ -104,14 +105,20 @@ def select_round_dataset(
     result); ``as_of`` re-reads earlier pinned versions, and ``record=False`` writes nothing: together
     they reproduce a decided round's selection exactly, whatever arrived or was compacted since.
     ``routing_shape``: the policy's (MoE layers, experts per token, experts), which recorded routing
-    must fit (``validation_rules.routing_rule``).
+    must fit (``validation_rules.routing_rule``). ``resolve_rewards``: every stored reward row of the
+    window's trajectories -> one row per rewarded trajectory (the configured sources and their
+    combination, ``rewards.scoring.RewardPlan.resolve``); default: the newest row wins.
     """
     if n_required < 1:
         raise ValueError(f"n_required must be >= 1, got {n_required}")
     window = policy_window(live_version, version_order, max_policy_lag)
     pinned = dict(as_of) if as_of is not None else store.versions()
     calls = store.read_calls(window, dedupe=False, as_of=pinned)
-    rewards = store.read_rewards(trajectory_ids=pc.unique(calls.column("trajectory_id")).to_pylist(), as_of=pinned)
+    window_ids = pc.unique(calls.column("trajectory_id")).to_pylist()
+    if resolve_rewards is None:
+        rewards = store.read_rewards(trajectory_ids=window_ids, as_of=pinned)
+    else:
+        rewards = resolve_rewards(store.read_rewards(latest=False, trajectory_ids=window_ids, as_of=pinned))
     include, n_used, n_pending = _candidates(store, calls, rewards, exclude_round=round_key, as_of=pinned)
     verdict = validate_rows(
         calls, rewards, vocab_size, set(version_order), check_top=True, check_prompt=True, include=include,
@@ -177,6 +184,7 @@ def count_eligible(
     version_order: list[str],
     max_policy_lag: int,
     vocab_size: int,
+    needs_reward: bool = True,
 ) -> int:
     """Cheap upper bound of ``select_round_dataset``'s ``n_eligible``, for a sensor.
 
@@ -188,4 +196,5 @@ def count_eligible(
     """
     from prodrl_pipelines.trajectories.eligibility import EligibilityTracker
 
-    return EligibilityTracker(store, vocab_size).count(live_version, version_order, max_policy_lag)
+    return EligibilityTracker(store, vocab_size).count(live_version, version_order, max_policy_lag,
+                                                       needs_reward=needs_reward)

@@ -1,0 +1,172 @@
+"""Behaviour monitors beside the reward: the candidate's held-out episodes against the live
+policy's on the same tasks, each chosen by name (``MONITORS``) with a threshold and a switch
+that makes its failure block the deploy or only warn.
+
+A reward can rise for the wrong reason (a grader with a hole, a judge that likes long answers);
+what the policy does then shows in its behaviour before it shows in the reward. Per episode the
+evaluation records facts (``episode_facts``): generated tokens, calls, calls with a format or
+tool-call parse error, calls that refuse or ask back, task tags; the monitors compare their rates.
+
+- ``format_errors``: candidate - live rate of calls with a format error (the suite's optional
+  ``format_error(task, text)``) or a ``<tool_call>`` block that does not parse;
+- ``length_drift``: relative change of mean generated tokens per episode;
+- ``refusal_rate``: candidate - live rate of calls matching ``refusal_pattern``;
+- ``kl``: KL(candidate || live) per generated token, sampled-token estimator
+  mean over the candidate's tokens of log pi_cand(a) - log pi_live(a) (unbiased for the KL of the
+  sampling distributions; computed by ``loop.evaluate`` which holds both policies);
+- ``slices``: per task tag, the paired lower bound of mean(candidate - live) against the gate's
+  tolerance: a regression on one slice fails even when the mean improves.
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import numpy as np
+
+from prodrl_pipelines.evaluation.statistics import paired_confidence_interval
+from prodrl_pipelines.rewards.view import parsed_tool_calls
+
+
+@dataclass
+class MonitorResult:
+    name: str
+    passed: bool
+    blocking: bool
+    value: float
+    threshold: float
+    detail: str
+
+    def as_dict(self) -> dict:
+        return asdict(self)
+
+    @property
+    def verdict(self) -> str:
+        return "passed" if self.passed else ("BLOCKS" if self.blocking else "warning")
+
+
+def task_tags(suite, task) -> list[str]:
+    """A task's tags: the suite's ``task_tags(task)``, else the task's ``tags`` (attribute or field)."""
+    fn = getattr(suite, "task_tags", None)
+    if callable(fn):
+        return [str(t) for t in fn(task) or ()]
+    tags = getattr(task, "tags", None)
+    if tags is None and isinstance(getattr(task, "data", None), dict):
+        tags = task.data.get("tags")
+    return [str(t) for t in tags or ()]
+
+
+def episode_facts(suite, task, texts: list[str], gen_tokens: int, refusal: re.Pattern) -> dict:
+    """What the monitors need of one played episode."""
+    fmt = getattr(suite, "format_error", None)
+    format_errors = 0
+    for t in texts:
+        bad = parsed_tool_calls(t) is None or (callable(fmt) and bool(fmt(task, t)))
+        format_errors += int(bad)
+    return {"gen_tokens": int(gen_tokens), "calls": len(texts), "format_errors": format_errors,
+            "refusals": sum(1 for t in texts if refusal.search(t)), "tags": task_tags(suite, task)}
+
+
+def _rate(ev: dict, key: str) -> float:
+    facts = ev.get("facts") or []
+    calls = sum(f["calls"] for f in facts)
+    return sum(f[key] for f in facts) / calls if calls else 0.0
+
+
+def _missing(name: str, cand: dict, live: dict) -> str | None:
+    if not cand.get("facts") or not live.get("facts"):
+        return f"{name}: no per-episode facts recorded for {'the candidate' if not cand.get('facts') else 'live'}"
+    return None
+
+
+def format_errors(cand: dict, live: dict, s, gate) -> MonitorResult:
+    c, lv = _rate(cand, "format_errors"), _rate(live, "format_errors")
+    d = c - lv
+    return MonitorResult("format_errors", d <= s.format_errors_threshold, s.format_errors_blocking, d,
+                         s.format_errors_threshold,
+                         f"format/tool-call parse error rate {c:.3f} vs live {lv:.3f} (+{d:.3f} allowed "
+                         f"+{s.format_errors_threshold:.3f})")
+
+
+def length_drift(cand: dict, live: dict, s, gate) -> MonitorResult:
+    c = float(np.mean([f["gen_tokens"] for f in cand["facts"]]))
+    lv = float(np.mean([f["gen_tokens"] for f in live["facts"]]))
+    d = c / lv - 1.0 if lv > 0 else (0.0 if c == 0 else float("inf"))
+    return MonitorResult("length_drift", abs(d) <= s.length_drift_threshold, s.length_drift_blocking, d,
+                         s.length_drift_threshold,
+                         f"mean generated tokens per episode {c:.1f} vs live {lv:.1f} ({d:+.1%}, allowed "
+                         f"+/-{s.length_drift_threshold:.0%})")
+
+
+def refusal_rate(cand: dict, live: dict, s, gate) -> MonitorResult:
+    c, lv = _rate(cand, "refusals"), _rate(live, "refusals")
+    d = c - lv
+    return MonitorResult("refusal_rate", d <= s.refusal_rate_threshold, s.refusal_rate_blocking, d,
+                         s.refusal_rate_threshold,
+                         f"refusal / clarifying-question rate {c:.3f} vs live {lv:.3f} (+{d:.3f}, allowed "
+                         f"+{s.refusal_rate_threshold:.3f})")
+
+
+def kl(cand: dict, live: dict, s, gate) -> MonitorResult:
+    v = cand.get("kl_to_live")
+    if v is None:
+        return MonitorResult("kl", True, s.kl_blocking, float("nan"), s.kl_threshold,
+                             "KL to live not measured (no candidate tokens scored by the live policy)")
+    return MonitorResult("kl", v <= s.kl_threshold, s.kl_blocking, float(v), s.kl_threshold,
+                         f"KL(candidate || live) {v:.4f} nats per generated token over "
+                         f"{cand.get('kl_tokens', 0)} tokens (allowed {s.kl_threshold:.4f})")
+
+
+def slices(cand: dict, live: dict, s, gate) -> MonitorResult:
+    tol, z = gate
+    by_tag: dict[str, list[int]] = {}
+    for i, f in enumerate(cand["facts"]):
+        for t in f["tags"]:
+            by_tag.setdefault(t, []).append(i)
+    cr, lr = np.asarray(cand["rewards"], np.float64), np.asarray(live["rewards"], np.float64)
+    worst, failing, small, parts = float("inf"), [], [], []
+    for tag in sorted(by_tag):
+        idx = by_tag[tag]
+        if len(idx) < s.slices_min_tasks:
+            small.append(f"{tag} ({len(idx)})")
+            continue
+        m, lo, _ = paired_confidence_interval(cr[idx] - lr[idx], z)
+        worst = min(worst, lo)
+        parts.append(f"{tag}: {m:+.3f} [lower {lo:+.3f}, n={len(idx)}]")
+        if lo < -tol:
+            failing.append(tag)
+    if not parts:
+        detail = "no task tag has enough tasks to judge" + (f" (too few: {', '.join(small)})" if small else "")
+        return MonitorResult("slices", True, s.slices_blocking, float("nan"), -tol, detail)
+    detail = ("; ".join(parts) + (f"; regressed: {', '.join(failing)}" if failing else "")
+              + (f"; too few tasks to judge: {', '.join(small)}" if small else ""))
+    return MonitorResult("slices", not failing, s.slices_blocking, worst, -tol, detail)
+
+
+def sampled_token_kl(own_logprobs, reference_logprobs) -> tuple[float, int, int]:
+    """KL(own || reference) per token from tokens sampled by ``own``: mean(log own(a) - log ref(a)),
+    unbiased for the per-token KL. Returns (kl, tokens used, tokens the reference gives
+    probability 0: outside its top-k / top-p support, where the KL is infinite)."""
+    own = np.asarray(own_logprobs, np.float64)
+    ref = np.asarray(reference_logprobs, np.float64)
+    finite = np.isfinite(own) & np.isfinite(ref)
+    kl_value = float(np.mean(own[finite] - ref[finite])) if finite.any() else float("nan")
+    return kl_value, int(finite.sum()), int((~finite).sum())
+
+
+MONITORS: dict[str, Callable] = {"format_errors": format_errors, "length_drift": length_drift,
+                                 "refusal_rate": refusal_rate, "kl": kl, "slices": slices}
+
+
+def run_monitors(cand: dict, live: dict, settings, tolerance: float, z: float) -> list[MonitorResult]:
+    """Every enabled monitor on a candidate's and the live policy's evaluations (same tasks)."""
+    out = []
+    for name in settings.enabled:
+        miss = _missing(name, cand, live)
+        if miss:
+            out.append(MonitorResult(name, True, getattr(settings, f"{name}_blocking"), float("nan"), float("nan"), miss))
+            continue
+        out.append(MONITORS[name](cand, live, settings, (tolerance, z)))
+    return out

@@ -1,0 +1,55 @@
+"""Step 0 of a round: reward the window's recorded trajectories that lack a reward from the
+configured scorers (grader, judge), so selection can use them; and re-scoring stored trajectories."""
+
+from __future__ import annotations
+
+import pyarrow as pa
+import pyarrow.compute as pc
+
+from prodrl_pipelines.loop.services import Services, refuse_if_decided
+from prodrl_pipelines.storage import documents, keys
+
+
+def window_calls(svc: Services, rkey: str | None = None) -> pa.Table:
+    """The live policy window's calls of trajectories no other round has consumed."""
+    from prodrl_pipelines.trajectories.rows import policy_window
+
+    live = svc.live()
+    window = policy_window(live.policy_version, svc.ledger.version_order(), svc.settings.recipe.max_policy_lag)
+    calls = svc.store.read_calls(window, columns=["task_id", "prompt_text", "output_text"])
+    ids = pc.unique(calls.column("trajectory_id")).to_pylist()
+    used = svc.store.used_trajectory_ids(exclude_round=rkey, trajectory_ids=ids)
+    if used:
+        calls = calls.filter(pc.invert(pc.is_in(calls.column("trajectory_id"), value_set=pa.array(sorted(used), pa.string()))))
+    return calls
+
+
+def score_round(svc: Services, rkey: str) -> dict:
+    """Score what the round's window lacks (idempotent). Returns per-source counts and the rewards
+    each scored, stored beside the round (``keys.scoring``)."""
+    refuse_if_decided(svc, rkey, "scored_rewards")
+    from prodrl_pipelines.rewards.scoring import score_missing
+
+    calls = window_calls(svc, rkey)
+    reports = score_missing(svc.store, svc.rewards, calls)
+    out = {"trajectories": len(pc.unique(calls.column("trajectory_id"))), "rule": svc.rewards.describe(),
+           "sources": {n: r.as_dict() for n, r in reports.items()},
+           "rewards": {n: r.rewards for n, r in reports.items()}}
+    documents.put_json(svc.blobs, keys.scoring(rkey), out)
+    return out
+
+
+def score_missing_now(svc: Services) -> dict:
+    """``score_round`` outside a round: the live window's unconsumed trajectories (nothing stored beside a round)."""
+    from prodrl_pipelines.rewards.scoring import score_missing
+
+    calls = window_calls(svc)
+    reports = score_missing(svc.store, svc.rewards, calls)
+    return {"trajectories": len(pc.unique(calls.column("trajectory_id"))), "rule": svc.rewards.describe(),
+            "sources": {n: r.as_dict() for n, r in reports.items()}}
+
+
+def rescore(svc: Services, source: str, versions: list[str] | None = None):
+    from prodrl_pipelines.rewards.scoring import rescore as _rescore
+
+    return _rescore(svc.store, svc.rewards, source, versions)

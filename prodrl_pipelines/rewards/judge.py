@@ -1,0 +1,95 @@
+"""An LLM judge as a reward source: a rubric prompt with the conversation, sent to an
+OpenAI-compatible chat endpoint at temperature 0, the score parsed from the JSON it answers.
+
+Requests run concurrently (``judge_concurrency``), each with a timeout (``judge_timeout_s``) and
+retries with exponential backoff on transport errors, 429 and 5xx (``judge_retries``). A reply
+without a parsable score is an error for that trajectory (it stays unscored), not a retry: the same
+prompt at temperature 0 answers the same. The version hashes the model, rubric and score key, so a
+new rubric makes new reward rows beside the old ones.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import time
+from concurrent.futures import ThreadPoolExecutor
+from typing import Sequence
+
+import httpx
+
+from prodrl_pipelines.rewards.outcome import Outcome, checked, short_hash
+from prodrl_pipelines.rewards.view import TrajectoryView
+
+_JSON_OBJECT = re.compile(r"\{.*?\}", re.DOTALL)
+RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}
+
+
+class JudgeError(RuntimeError):
+    pass
+
+
+def parse_score(content: str, key: str) -> float | None | str:
+    """The score in a judge's reply: the first JSON object holding ``key`` (a code fence or prose
+    around it is tolerated). Returns the number, or an error string."""
+    for m in _JSON_OBJECT.finditer(content or ""):
+        try:
+            obj = json.loads(m.group(0))
+        except ValueError:
+            continue
+        if isinstance(obj, dict) and key in obj:
+            return obj[key]
+    return f"the judge's reply holds no JSON object with {key!r}: {content[:200]!r}"
+
+
+class JudgeSource:
+    name = "judge"
+    scores = True
+
+    def __init__(self, settings, *, sleep=time.sleep) -> None:
+        self.s = settings
+        self.url = settings.judge_endpoint.rstrip("/") + "/chat/completions"
+        self.version = f"{settings.judge_model}@{short_hash(settings.judge_model, settings.judge_rubric, settings.judge_score_key)}"
+        self._sleep = sleep
+
+    def prompt(self, view: TrajectoryView) -> str:
+        return self.s.judge_rubric.format(transcript=view.transcript, task_id=view.task_id,
+                                          final_answer=view.outputs[-1] if view.outputs else "")
+
+    def _ask(self, client: httpx.Client, view: TrajectoryView) -> Outcome:
+        body = {"model": self.s.judge_model, "temperature": 0.0, "max_tokens": self.s.judge_max_tokens,
+                "messages": [{"role": "user", "content": self.prompt(view)}]}
+        last = ""
+        for attempt in range(self.s.judge_retries + 1):
+            if attempt:
+                self._sleep(min(0.5 * 2 ** (attempt - 1), 8.0))
+            try:
+                r = client.post(self.url, json=body)
+            except httpx.HTTPError as e:
+                last = f"{type(e).__name__}: {e}"
+                continue
+            if r.status_code in RETRY_STATUS:
+                last = f"HTTP {r.status_code}: {r.text[:200]}"
+                continue
+            if r.status_code != 200:
+                return Outcome(None, f"HTTP {r.status_code} from {self.url}: {r.text[:200]}")
+            try:
+                content = r.json()["choices"][0]["message"]["content"]
+            except (ValueError, KeyError, IndexError, TypeError):
+                return Outcome(None, f"not a chat completion from {self.url}: {r.text[:200]}")
+            score = parse_score(content or "", self.s.judge_score_key)
+            if isinstance(score, str):
+                return Outcome(None, score)
+            return checked(score, f"judge {self.s.judge_model}")
+        return Outcome(None, f"judge at {self.url} failed after {self.s.judge_retries + 1} attempts: {last}")
+
+    def score(self, views: Sequence[TrajectoryView], progress=None) -> list[Outcome]:
+        with httpx.Client(timeout=self.s.judge_timeout_s) as client, \
+                ThreadPoolExecutor(self.s.judge_concurrency, thread_name_prefix="judge") as pool:
+            futures = [pool.submit(self._ask, client, v) for v in views]
+            out = []
+            for f in futures:
+                out.append(f.result())
+                if progress is not None:
+                    progress(1)
+            return out

@@ -1,0 +1,73 @@
+"""Reward sources, chosen by name (``REWARD_SOURCES``).
+
+- ``feedback``: rewards clients post to the recorder (``/v1/feedback``); it scores nothing itself.
+  Its rows carry no version.
+- ``grader``: ``package.module:function(trajectory) -> float | None`` on a ``view.TrajectoryView``;
+  None means "cannot tell" (the trajectory stays pending). Version: the function's name and a hash
+  of its module's source, so editing the grader makes a new version.
+- ``judge``: an LLM behind an OpenAI-compatible endpoint with a rubric (``judge.JudgeSource``).
+
+A source that fails on a trajectory (the grader raises, the judge times out or answers without a
+score) leaves it unscored and reports the error; it never stands in a 0.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Callable, Sequence
+
+from prodrl_pipelines.rewards.judge import JudgeSource
+from prodrl_pipelines.rewards.outcome import Outcome, checked, short_hash
+from prodrl_pipelines.rewards.view import TrajectoryView
+
+
+class FeedbackSource:
+    name = "feedback"
+    scores = False
+    version = None  # client rows carry no version
+
+    def __init__(self, settings) -> None:
+        pass
+
+    def score(self, views: Sequence[TrajectoryView], progress=None) -> list[Outcome]:
+        raise TypeError("the feedback source scores nothing: clients post its rewards to /v1/feedback")
+
+
+class GraderSource:
+    name = "grader"
+    scores = True
+
+    def __init__(self, settings, fn: Callable | None = None) -> None:
+        from prodrl_pipelines.evaluation.loading import import_object
+
+        self.path = settings.grader
+        self.fn = fn or import_object(self.path, "rewards_grader")
+        if not callable(self.fn):
+            raise ValueError(f"rewards_grader={self.path!r} is not callable")
+        module = inspect.getmodule(self.fn)
+        try:
+            code = inspect.getsource(module) if module is not None else inspect.getsource(self.fn)
+        except (OSError, TypeError):
+            code = getattr(getattr(self.fn, "__code__", None), "co_code", b"").hex()
+        self.version = f"{self.path}@{short_hash(code)}"
+
+    def score(self, views: Sequence[TrajectoryView], progress=None) -> list[Outcome]:
+        out = []
+        for v in views:
+            try:
+                out.append(checked(self.fn(v), f"grader {self.path}"))
+            except Exception as e:  # noqa: BLE001 - a grader bug leaves the trajectory pending, counted
+                out.append(Outcome(None, f"{type(e).__name__}: {e}"))
+            if progress is not None:
+                progress(1)
+        return out
+
+
+REWARD_SOURCES: dict[str, type] = {"feedback": FeedbackSource, "grader": GraderSource, "judge": JudgeSource}
+
+
+def make_source(name: str, settings):
+    """The configured source ``name`` (``settings``: ``RewardSettings``)."""
+    if name not in REWARD_SOURCES:
+        raise ValueError(f"unknown reward source {name!r}; known: {', '.join(sorted(REWARD_SOURCES))}")
+    return REWARD_SOURCES[name](settings)
