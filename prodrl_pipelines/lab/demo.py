@@ -226,3 +226,6 @@ def add_lab_commands(sub) -> None:
     from prodrl_pipelines.lab.ablation_cli import add_ablate_parser
 
     add_ablate_parser(lab_sub)  # prodrl lab ablate --config ablations/default.yaml [--quick] [--workers 2]
+    from prodrl_pipelines.lab.reward_hacking import add_reward_hacking_parser
+
+    add_reward_hacking_parser(lab_sub)  # prodrl lab reward-hacking [--hack-rounds 3] [--fixed-rounds 3]

@@ -1,0 +1,120 @@
+"""The reward-hacking walkthrough (``prodrl lab reward-hacking``): rounds on a grader with a hole,
+the monitors and the gate catching it, the grader fixed, ``rescore``, and rounds that recover.
+
+The base policy's demonstrator hedges now and then (``lab_hedge_noise``: ``"12 13"``). Traffic is
+scored by ``lab.graders:arithmetic_anywhere``, which accepts the right number anywhere, so hedging
+pays; the held-out suite keeps the true rule (a bare integer). Then the grader becomes
+``arithmetic_exact``, ``rescore`` re-scores every stored trajectory with it (the old rows stay), and
+the loop continues on honest rewards.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+
+HOLEY = "prodrl_pipelines.lab.graders:arithmetic_anywhere"
+EXACT = "prodrl_pipelines.lab.graders:arithmetic_exact"
+
+WALKTHROUGH_SETTINGS = {
+    "lab_hedge_noise": 0.3, "rewards_sources": ["grader"], "rewards_grader": HOLEY,
+    "monitors_format_errors_blocking": True, "monitors_length_drift_blocking": True,
+}
+
+
+def round_row(svc, rkey: str) -> dict:
+    """One round as the walkthrough reports it: the reward it trained on (the grader's), what the
+    exact rule says of the same trajectories, how often they hedge, the held-out reward, the monitors
+    and the gate."""
+    from prodrl_pipelines.lab.graders import arithmetic_anywhere, arithmetic_exact
+    from prodrl_pipelines.rewards.view import views_from_calls
+    from prodrl_pipelines.storage import documents, keys
+
+    h = svc.ledger.round_summary(rkey)
+    views = views_from_calls(documents.get_table(svc.blobs, keys.dataset(rkey)))
+    outputs = [o for v in views for o in v.outputs]
+    return {
+        "round": rkey, "grader": svc.settings.rewards.grader.rsplit(":", 1)[-1],
+        "trained_reward": h.get("data_reward_mean"),
+        "holey_reward": sum(arithmetic_anywhere(v) for v in views) / len(views),
+        "exact_reward": sum(arithmetic_exact(v) for v in views) / len(views),
+        "hedge_rate": sum(len(o.split()) > 1 for o in outputs) / len(outputs),
+        "heldout_reward": h.get("heldout_reward"), "live_heldout_reward": h.get("live_heldout_reward"),
+        "gate_passed": h.get("gate_passed"), "deployed": bool(h.get("deployed")),
+        "gate_reasons": h.get("gate_reasons") or [],
+        "monitors": {k: {"value": v["value"], "passed": v["passed"]} for k, v in (h.get("monitors") or {}).items()},
+    }
+
+
+def walkthrough(home: Path, settings: dict, hack_rounds: int, fixed_rounds: int, log=print) -> dict:
+    from dataclasses import asdict
+
+    from prodrl_pipelines.lab.demo import run_loop
+    from prodrl_pipelines.loop import scoring
+    from prodrl_pipelines.resources.settings import make_resources, open_services
+
+    def svc_for(s: dict):
+        res = make_resources({**s, "home": str(home)})
+        return open_services(res["settings"], res["store"])
+
+    holey = {**WALKTHROUGH_SETTINGS, **settings}
+    log(f"phase 1: {hack_rounds} rounds scored by the holey grader ({HOLEY})")
+    run_loop(home, holey, hack_rounds, log)
+    svc = svc_for(holey)
+    rounds = [round_row(svc, k) for k in _round_keys(svc)]
+    fixed = {**holey, "rewards_grader": EXACT}
+    svc = svc_for(fixed)
+    rep = scoring.rescore(svc, "grader")
+    log(f"fix: rewards_grader={EXACT}; {rep.summary()}")
+    log(f"phase 2: {fixed_rounds} rounds on the fixed grader")
+    run_loop(home, fixed, fixed_rounds, log)
+    done = {r["round"] for r in rounds}
+    rounds += [round_row(svc, k) for k in _round_keys(svc) if k not in done]
+    return {"rounds": rounds, "rescore": asdict(rep)}
+
+
+def _round_keys(svc) -> list[str]:
+    return [f"round-{h['round']:06d}" for h in svc.ledger.round_summaries() if h["round"] > 0 and "gate_passed" in h]
+
+
+def print_walkthrough(out: dict) -> None:
+    from rich.console import Console
+    from rich.table import Table
+
+    t = Table(title="reward hacking: a grader with a hole, caught, fixed, re-scored")
+    for c in ("round", "grader", "trained on", "exact on same", "hedges", "held-out (cand / live)", "monitors failing",
+              "gate", "deployed"):
+        t.add_column(c)
+    for r in out["rounds"]:
+        bad = ", ".join(f"{k} {v['value']:+.3f}" for k, v in r["monitors"].items() if not v["passed"]) or "-"
+        t.add_row(r["round"], r["grader"], f"{r['trained_reward']:.3f}", f"{r['exact_reward']:.3f}",
+                  f"{r['hedge_rate']:.1%}", f"{r['heldout_reward']:.3f} / {r['live_heldout_reward']:.3f}", bad,
+                  "passed" if r["gate_passed"] else "FAILED", "yes" if r["deployed"] else "no")
+    Console(width=160).print(t)
+
+
+def cmd_reward_hacking(args) -> int:
+    from prodrl_pipelines.lab.demo import DEMO_SETTINGS
+
+    settings = dict(DEMO_SETTINGS)
+    if args.settings:
+        settings.update(json.loads(Path(args.settings).read_text()))
+    home = Path(args.runs_dir).resolve() / args.name
+    t0 = time.time()
+    out = walkthrough(home, settings, args.hack_rounds, args.fixed_rounds)
+    print_walkthrough(out)
+    path = home / "reward_hacking.json"
+    path.write_text(json.dumps({**out, "seconds": round(time.time() - t0, 1)}, indent=1, default=str))
+    print(f"wrote {path} ({time.time() - t0:.0f}s)")
+    return 0
+
+
+def add_reward_hacking_parser(lab_sub) -> None:
+    p = lab_sub.add_parser("reward-hacking", help="the walkthrough: a grader with a hole, monitors, gate, rescore")
+    p.add_argument("--name", default="reward-hacking")
+    p.add_argument("--runs-dir", default="runs")
+    p.add_argument("--hack-rounds", type=int, default=3)
+    p.add_argument("--fixed-rounds", type=int, default=3)
+    p.add_argument("--settings", help="JSON file of ProdRLSettings overrides (e.g. lab_size, lab_hedge_noise)")
+    p.set_defaults(fn=cmd_reward_hacking)
