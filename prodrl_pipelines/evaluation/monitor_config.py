@@ -30,7 +30,7 @@ class MonitorSettings(BaseModel):
     # KL(candidate || live) per generated token on the held-out prompts (sampled-token estimator)
     kl_threshold: float = Field(0.5, ge=0)
     kl_blocking: bool = False
-    # per task tag: the paired lower bound of mean(candidate - live) >= -gate_tolerance
+    # per task tag: fails when a slice's mean(candidate - live) < -gate_tolerance and its upper bound < 0
     slices_blocking: bool = True
     slices_min_tasks: int = Field(8, ge=2)
 

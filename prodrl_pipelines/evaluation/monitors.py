@@ -14,8 +14,11 @@ tool-call parse error, calls that refuse or ask back, task tags; the monitors co
 - ``kl``: KL(candidate || live) per generated token, sampled-token estimator
   mean over the candidate's tokens of log pi_cand(a) - log pi_live(a) (unbiased for the KL of the
   sampling distributions; computed by ``loop.evaluate`` which holds both policies);
-- ``slices``: per task tag, the paired lower bound of mean(candidate - live) against the gate's
-  tolerance: a regression on one slice fails even when the mean improves.
+- ``slices``: per task tag, the paired interval of mean(candidate - live): a slice regressed when
+  its mean is below -tolerance and its upper bound below 0 (worse beyond the tolerance, and
+  evidently worse). A regression on one slice fails even when the mean improves. A slice whose
+  lower bound merely crosses -tolerance is reported as inconclusive: with several slices, per-slice
+  non-inferiority would fail unchanged candidates by chance.
 """
 
 from __future__ import annotations
@@ -66,7 +69,8 @@ def episode_facts(suite, task, texts: list[str], gen_tokens: int, refusal: re.Pa
         bad = parsed_tool_calls(t) is None or (callable(fmt) and bool(fmt(task, t)))
         format_errors += int(bad)
     return {"gen_tokens": int(gen_tokens), "calls": len(texts), "format_errors": format_errors,
-            "refusals": sum(1 for t in texts if refusal.search(t)), "tags": task_tags(suite, task)}
+            "refusals": sum(1 for t in texts if refusal.search(t)), "tags": task_tags(suite, task),
+            "outputs": list(texts)}  # what a reviewer reads, and what any grader can re-score
 
 
 def _rate(ev: dict, key: str) -> float:
@@ -126,21 +130,24 @@ def slices(cand: dict, live: dict, s, gate) -> MonitorResult:
         for t in f["tags"]:
             by_tag.setdefault(t, []).append(i)
     cr, lr = np.asarray(cand["rewards"], np.float64), np.asarray(live["rewards"], np.float64)
-    worst, failing, small, parts = float("inf"), [], [], []
+    worst, failing, unsure, small, parts = float("inf"), [], [], [], []
     for tag in sorted(by_tag):
         idx = by_tag[tag]
         if len(idx) < s.slices_min_tasks:
             small.append(f"{tag} ({len(idx)})")
             continue
-        m, lo, _ = paired_confidence_interval(cr[idx] - lr[idx], z)
-        worst = min(worst, lo)
-        parts.append(f"{tag}: {m:+.3f} [lower {lo:+.3f}, n={len(idx)}]")
-        if lo < -tol:
+        m, lo, hi = paired_confidence_interval(cr[idx] - lr[idx], z)
+        worst = min(worst, m)
+        parts.append(f"{tag}: {m:+.3f} [{lo:+.3f}, {hi:+.3f}], n={len(idx)}")
+        if m < -tol and hi < 0:
             failing.append(tag)
+        elif lo < -tol:
+            unsure.append(tag)
     if not parts:
         detail = "no task tag has enough tasks to judge" + (f" (too few: {', '.join(small)})" if small else "")
         return MonitorResult("slices", True, s.slices_blocking, float("nan"), -tol, detail)
     detail = ("; ".join(parts) + (f"; regressed: {', '.join(failing)}" if failing else "")
+              + (f"; inconclusive (bound below -{tol:g}): {', '.join(unsure)}" if unsure else "")
               + (f"; too few tasks to judge: {', '.join(small)}" if small else ""))
     return MonitorResult("slices", not failing, s.slices_blocking, worst, -tol, detail)
 

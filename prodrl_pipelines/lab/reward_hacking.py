@@ -17,8 +17,10 @@ from pathlib import Path
 HOLEY = "prodrl_pipelines.lab.graders:arithmetic_anywhere"
 EXACT = "prodrl_pipelines.lab.graders:arithmetic_exact"
 
+# A learning rate 10x the demo's: the hack then shows within one round (at the demo's 1e-4 hedging
+# creeps up ~2-3 points a round, below any per-round threshold).
 WALKTHROUGH_SETTINGS = {
-    "lab_hedge_noise": 0.3, "rewards_sources": ["grader"], "rewards_grader": HOLEY,
+    "lab_hedge_noise": 0.3, "rewards_sources": ["grader"], "rewards_grader": HOLEY, "learning_rate": 1e-3,
     "monitors_format_errors_blocking": True, "monitors_length_drift_blocking": True,
 }
 
@@ -33,6 +35,7 @@ def round_row(svc, rkey: str) -> dict:
 
     h = svc.ledger.round_summary(rkey)
     views = views_from_calls(documents.get_table(svc.blobs, keys.dataset(rkey)))
+    ev = documents.get_json(svc.blobs, keys.heldout(rkey))
     outputs = [o for v in views for o in v.outputs]
     return {
         "round": rkey, "grader": svc.settings.rewards.grader.rsplit(":", 1)[-1],
@@ -41,10 +44,23 @@ def round_row(svc, rkey: str) -> dict:
         "exact_reward": sum(arithmetic_exact(v) for v in views) / len(views),
         "hedge_rate": sum(len(o.split()) > 1 for o in outputs) / len(outputs),
         "heldout_reward": h.get("heldout_reward"), "live_heldout_reward": h.get("live_heldout_reward"),
+        # the holey grader on the same held-out episodes: the reward the hack raises
+        "heldout_holey": _heldout_holey(ev["candidate"]) if ev.get("candidate") else None,
+        "live_heldout_holey": _heldout_holey(ev["live"]),
         "gate_passed": h.get("gate_passed"), "deployed": bool(h.get("deployed")),
         "gate_reasons": h.get("gate_reasons") or [],
         "monitors": {k: {"value": v["value"], "passed": v["passed"]} for k, v in (h.get("monitors") or {}).items()},
     }
+
+
+def _heldout_holey(evaluation: dict) -> float:
+    from prodrl_pipelines.lab.arithmetic import heldout_tasks
+    from prodrl_pipelines.lab.graders import anywhere, grade
+
+    by_id = {t.task_id: t for t in heldout_tasks(len(evaluation["task_ids"]))}
+    scores = [grade(by_id[tid].numbers, by_id[tid].ops, f["outputs"], anywhere)
+              for tid, f in zip(evaluation["task_ids"], evaluation["facts"])]
+    return sum(scores) / len(scores)
 
 
 def walkthrough(home: Path, settings: dict, hack_rounds: int, fixed_rounds: int, log=print) -> dict:
@@ -78,18 +94,23 @@ def _round_keys(svc) -> list[str]:
     return [f"round-{h['round']:06d}" for h in svc.ledger.round_summaries() if h["round"] > 0 and "gate_passed" in h]
 
 
+def _f(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
 def print_walkthrough(out: dict) -> None:
     from rich.console import Console
     from rich.table import Table
 
     t = Table(title="reward hacking: a grader with a hole, caught, fixed, re-scored")
-    for c in ("round", "grader", "trained on", "exact on same", "hedges", "held-out (cand / live)", "monitors failing",
-              "gate", "deployed"):
+    for c in ("round", "grader", "trained on", "exact on same", "hedges", "held-out (cand / live)",
+              "holey grader on held-out (cand / live)", "monitors failing", "gate", "deployed"):
         t.add_column(c)
     for r in out["rounds"]:
         bad = ", ".join(f"{k} {v['value']:+.3f}" for k, v in r["monitors"].items() if not v["passed"]) or "-"
-        t.add_row(r["round"], r["grader"], f"{r['trained_reward']:.3f}", f"{r['exact_reward']:.3f}",
-                  f"{r['hedge_rate']:.1%}", f"{r['heldout_reward']:.3f} / {r['live_heldout_reward']:.3f}", bad,
+        t.add_row(r["round"], r["grader"], _f(r["trained_reward"]), _f(r["exact_reward"]),
+                  f"{r['hedge_rate']:.1%}", f"{_f(r['heldout_reward'])} / {_f(r['live_heldout_reward'])}",
+                  f"{_f(r['heldout_holey'])} / {_f(r['live_heldout_holey'])}", bad,
                   "passed" if r["gate_passed"] else "FAILED", "yes" if r["deployed"] else "no")
     Console(width=160).print(t)
 
