@@ -178,7 +178,7 @@ def test_reward_hacking_walkthrough_quick(tmp_path, monkeypatch):
     monkeypatch.setenv("PRODRL_LAB_TRAFFIC", "in_process")
     monkeypatch.delenv("PRODRL_DAGSTER_HOME", raising=False)
     monkeypatch.delenv("DAGSTER_PG_URL", raising=False)
-    quick = {"lab_size": "tiny", "lab_sft_steps": 60, "lab_hedge_noise": 0.5, "steps_per_round": 2,
+    quick = {"lab_size": "tiny", "learning_rate": 1e-3, "lab_sft_steps": 60, "lab_hedge_noise": 0.5, "steps_per_round": 2,
              "batch_size": 8, "heldout_size": 24, "max_tokens": 6, "gate_tolerance": 0.5}
     out = walkthrough(tmp_path / "home", quick, hack_rounds=1, fixed_rounds=1, log=lambda *_: None)
     hack, fixed = out["rounds"]
@@ -190,6 +190,13 @@ def test_reward_hacking_walkthrough_quick(tmp_path, monkeypatch):
     rep = out["rescore"]
     assert rep["trajectories"] == rep["scored"] >= 16 and rep["changed"] > 0 and rep["new_mean"] < rep["old_mean"]
     assert rep["from_versions"] == [f"{HOLEY}@" + rep["version"].rsplit("@", 1)[1]]
+    # the decided hack round keeps the rewards it trained on after the rescore
+    from prodrl_pipelines.lab.reward_hacking import round_row
+    from prodrl_pipelines.resources.settings import make_resources, open_services
+
+    res = make_resources({**quick, "home": str(tmp_path / "home")})
+    assert round_row(open_services(res["settings"], res["store"]), hack["round"])["trained_reward"] == \
+        pytest.approx(hack["holey_reward"])
     for r in (hack, fixed):  # every monitor recorded and the gate decided
         assert set(r["monitors"]) == set(MONITORS) and r["gate_passed"] in (True, False)
         assert r["heldout_holey"] >= r["heldout_reward"] - 1e-9

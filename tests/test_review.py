@@ -222,9 +222,13 @@ def test_review_through_the_daemon(tmp_path, pg_instance, mlflow_server, s3_endp
     assert rc == 0, err
     rows = json.loads(out)
     assert (rows[0]["version"], rows[0]["state"]) == ("4", "pending_review")
+    assert rows[0]["monitors"] != "-"  # the reviewer sees the behaviour monitors beside the reward
+    mv_tags = client.get_model_version(svc.lineage.model_name, "4").tags
+    assert {f"monitor.{n}" for n in ("format_errors", "length_drift", "refusal_rate", "kl", "slices")} <= set(mv_tags)
     assert {r["version"]: r["live"] for r in rows}["1"] is True
     rc, out, _ = prodrl(capsys, settings_file, "review", "list")
     assert out.splitlines()[1].split()[:3] == ["4", "round-000003", "pending_review"] and "*1" in out
+    assert "monitors" in out.splitlines()[0]
     rc, _, err = prodrl(capsys, settings_file, "review", "approve", "4", "--by", "dan")
     assert rc == 0, err
     req = registry_sensor(build_sensor_context(instance=pg_instance, definitions=defs, resources=res)).run_requests[0]

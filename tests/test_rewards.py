@@ -298,3 +298,43 @@ def test_the_judge_scores_concurrently_retries_and_counts_what_it_cannot_parse(s
 def test_parse_score_tolerates_fences_and_names_the_missing_key():
     assert parse_score('prose {"x": 1} then {"score": 0.25}', "score") == 0.25
     assert "no JSON object with 'score'" in parse_score("no json here", "score")
+
+
+def test_with_a_scorer_the_sensor_counts_unrewarded_traffic(store):
+    from prodrl_pipelines.trajectories.selection import count_eligible
+
+    stored(store, {"a": ["1"], "b": ["2"]})
+    store.write_rewards([make_reward("a", 1.0)])
+    assert count_eligible(store, "v0", ["v0"], 0, vocab_size=50) == 1
+    assert count_eligible(store, "v0", ["v0"], 0, vocab_size=50, needs_reward=False) == 2
+
+
+def test_rescore_from_the_command_line_and_the_dagster_job(tmp_path, capsys):
+    from dagster import DagsterInstance
+
+    from prodrl_pipelines.cli.main import main
+    from prodrl_pipelines.ops.rescore import rescore_rewards_job
+    from prodrl_pipelines.resources.settings import make_resources
+
+    home = tmp_path / "home"
+    old = {"home": str(home), "rewards_sources": ["grader"], "rewards_grader": "reward_graders:length_grader"}
+    new = {**old, "rewards_grader": "reward_graders:strict_grader"}
+    store = TrajectoryStore(LocalBlobStore(home / "store"))
+    calls = stored(store, {"x": ["12"], "y": ["1 2"]})
+    score_missing(store, RewardPlan(RewardSettings(**{k[8:]: v for k, v in old.items() if k != "home"})), calls)
+    f = tmp_path / "new.json"
+    f.write_text(json.dumps(new))
+    assert main(["rewards", "rescore", "--settings", str(f)]) == 2  # which source: the error says
+    assert "needs --source NAME (a configured scorer: grader)" in capsys.readouterr().err
+    assert main(["rewards", "rescore", "--settings", str(f), "--source", "grader"]) == 0
+    out = capsys.readouterr()
+    rep = json.loads(out.out)
+    assert (rep["scored"], rep["changed"]) == (2, 1) and "1 rewards changed" in out.err
+    # a third grader version, re-scored by the Dagster job from the launchpad
+    third = {**old, "rewards_grader": "reward_graders:flaky_grader"}
+    res = make_resources(third)
+    result = rescore_rewards_job.execute_in_process(
+        instance=DagsterInstance.ephemeral(), resources={k: res[k] for k in ("settings", "store")},
+        run_config={"ops": {"rescore_op": {"config": {"source": "grader", "versions": []}}}})
+    assert result.success and "rescored 2 of 2" in result.output_for_node("rescore_op")
+    assert store.read_rewards(latest=False).num_rows == 6  # every version's rows kept

@@ -1,6 +1,6 @@
 """``prodrl lab ablate``: load and validate the config, run the recipes x seeds, write the report, log
 it to MLflow and print the table (README "Ablations"); :func:`add_ablate_parser` registers it under
-``prodrl lab`` (``lab.demo.add_lab_commands``)."""
+``prodrl lab`` (``lab.cli.add_lab_commands``)."""
 
 from __future__ import annotations
 

@@ -3,7 +3,7 @@
 Bootstrap (if needed), then per round: lab traffic through the live deployment (over loopback HTTP:
 episodes -> ``prodrl record`` -> ``prodrl serve``, kept up across rounds and restarted when the live
 version changes; ``PRODRL_LAB_TRAFFIC=in_process`` keeps the in-process path), a sensor tick, and
-the round job. Also registers ``prodrl lab ablate``.
+the round job. Its command is registered in ``lab.cli``.
 """
 
 from __future__ import annotations
@@ -208,24 +208,3 @@ def cmd_demo(args) -> int:
     print(f"wrote {out} ({time.time() - t0:.0f}s). Browse: DAGSTER_HOME={os.environ['DAGSTER_HOME']} "
           f"PRODRL_HOME={home} dagster dev; mlflow ui --backend-store-uri sqlite:///{home / 'mlflow.db'}")
     return 0
-
-
-def add_lab_commands(sub) -> None:
-    """``prodrl demo`` and ``prodrl lab ablate`` (entry point group ``prodrl_pipelines.cli``)."""
-    d = sub.add_parser("demo", help="lab: run the prod-RL loop end to end through Dagster")
-    d.add_argument("--name", default="demo")
-    d.add_argument("--rounds", type=int, default=8)
-    d.add_argument("--runs-dir", default="runs")
-    d.add_argument("--settings", help="JSON file of ProdRLSettings overrides")
-    d.add_argument("--engine", choices=["local", "vllm"], default="local",
-                   help="who serves the deployment: prodrl serve on the local engine, or a real vLLM "
-                        "redeployed each round by the vllm-restart deploy target")
-    d.set_defaults(fn=cmd_demo)
-    lab = sub.add_parser("lab", help="laboratory commands (ablate: recipes x seeds -> report)")
-    lab_sub = lab.add_subparsers(dest="lab_cmd", required=True)
-    from prodrl_pipelines.lab.ablation_cli import add_ablate_parser
-
-    add_ablate_parser(lab_sub)  # prodrl lab ablate --config ablations/default.yaml [--quick] [--workers 2]
-    from prodrl_pipelines.lab.reward_hacking import add_reward_hacking_parser
-
-    add_reward_hacking_parser(lab_sub)  # prodrl lab reward-hacking [--hack-rounds 3] [--fixed-rounds 3]

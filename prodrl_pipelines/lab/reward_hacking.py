@@ -64,6 +64,8 @@ def _heldout_holey(evaluation: dict) -> float:
 
 
 def walkthrough(home: Path, settings: dict, hack_rounds: int, fixed_rounds: int, log=print) -> dict:
+    """``hack_rounds`` rounds of the loop on ``settings`` with the holey grader, the fix, ``rescore``,
+    then ``fixed_rounds`` on the exact grader; returns each round's row and the rescore report."""
     from dataclasses import asdict
 
     from prodrl_pipelines.lab.demo import run_loop
@@ -74,7 +76,7 @@ def walkthrough(home: Path, settings: dict, hack_rounds: int, fixed_rounds: int,
         res = make_resources({**s, "home": str(home)})
         return open_services(res["settings"], res["store"])
 
-    holey = {**WALKTHROUGH_SETTINGS, **settings}
+    holey = {**settings, "rewards_sources": ["grader"], "rewards_grader": HOLEY}
     log(f"phase 1: {hack_rounds} rounds scored by the holey grader ({HOLEY})")
     run_loop(home, holey, hack_rounds, log)
     svc = svc_for(holey)
@@ -118,7 +120,7 @@ def print_walkthrough(out: dict) -> None:
 def cmd_reward_hacking(args) -> int:
     from prodrl_pipelines.lab.demo import DEMO_SETTINGS
 
-    settings = dict(DEMO_SETTINGS)
+    settings = {**DEMO_SETTINGS, **WALKTHROUGH_SETTINGS}
     if args.settings:
         settings.update(json.loads(Path(args.settings).read_text()))
     home = Path(args.runs_dir).resolve() / args.name
