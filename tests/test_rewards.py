@@ -237,6 +237,7 @@ class ScriptedJudge(BaseHTTPRequestHandler):
             cls.peak = max(cls.peak, cls.active)
         try:
             prompt = body["messages"][0]["content"]
+            cls.auth = self.headers.get("Authorization")
             time.sleep(0.05)
             key = prompt[-40:]
             with cls.lock:
@@ -274,12 +275,13 @@ def judge_url():
     server.shutdown()
 
 
-def test_the_judge_scores_concurrently_retries_and_counts_what_it_cannot_parse(store, judge_url):
+def test_the_judge_scores_concurrently_retries_and_counts_what_it_cannot_parse(store, judge_url, monkeypatch):
+    monkeypatch.setenv("TEST_JUDGE_KEY", "sk-test")
     outs = {f"g{i}": [f"GOOD {i}"] for i in range(6)} | {"bad": ["meh"], "flaky": ["GOOD FLAKY"],
                                                           "garbage": ["GARBAGE"], "slow": ["SLOW"]}
     calls = stored(store, outs)
     rs = RewardSettings(sources=("judge",), judge_endpoint=judge_url, judge_model="judge-1", judge_concurrency=4,
-                        judge_timeout_s=0.5, judge_retries=1,
+                        judge_timeout_s=0.5, judge_retries=1, judge_api_key_env="TEST_JUDGE_KEY",
                         judge_rubric="Rate this.\n{transcript}\nAnswer JSON {{\"score\": x}}")
     plan = RewardPlan(rs, {"judge": JudgeSource(rs, sleep=lambda s: None)})
     rep = score_missing(store, plan, calls)["judge"]
@@ -289,6 +291,7 @@ def test_the_judge_scores_concurrently_retries_and_counts_what_it_cannot_parse(s
     assert got == {**{f"g{i}": 1.0 for i in range(6)}, "bad": 0.0, "flaky": 1.0}
     assert all(b["temperature"] == 0.0 and b["model"] == "judge-1" for b in ScriptedJudge.seen)
     assert ScriptedJudge.peak >= 2  # concurrent requests
+    assert ScriptedJudge.auth == "Bearer sk-test"
     versions = set(store.read_rewards(latest=False)["version"].to_pylist())
     assert versions == {plan.current_version("judge")} and plan.current_version("judge").startswith("judge-1@")
     other = JudgeSource(rs.model_copy(update={"judge_rubric": "Another rubric {transcript}"}))

@@ -2,10 +2,15 @@
 
 import functools
 import inspect
+import warnings
 
 from dagster import Backoff, DynamicPartitionsDefinition, Failure, RetryPolicy, asset
 
 from prodrl_pipelines.loop.services import RoundError
+
+# The round's checks (the gate, the behaviour monitors) are partitioned like the round: a preview
+# feature of Dagster that says so on every import.
+warnings.filterwarnings("ignore", message="Specifying a partitions_def on an AssetCheckSpec is currently in preview")
 
 # One partition per prod-RL round: round-000001, round-000002, ... (round-000000 is the base policy).
 rounds_partitions = DynamicPartitionsDefinition(name="rounds")

@@ -24,4 +24,4 @@ def add_lab_commands(sub) -> None:
     add_ablate_parser(lab_sub)  # prodrl lab ablate --config ablations/default.yaml [--quick] [--workers 2]
     from prodrl_pipelines.lab.reward_hacking import add_reward_hacking_parser
 
-    add_reward_hacking_parser(lab_sub)  # prodrl lab reward-hacking [--hack-rounds 3] [--fixed-rounds 3]
+    add_reward_hacking_parser(lab_sub)  # prodrl lab reward-hacking [--hack-rounds 4] [--fixed-rounds 3]

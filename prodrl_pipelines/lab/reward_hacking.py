@@ -17,10 +17,10 @@ from pathlib import Path
 HOLEY = "prodrl_pipelines.lab.graders:arithmetic_anywhere"
 EXACT = "prodrl_pipelines.lab.graders:arithmetic_exact"
 
-# A learning rate 10x the demo's: the hack then shows within one round (at the demo's 1e-4 hedging
-# creeps up ~2-3 points a round, below any per-round threshold).
+# A learning rate 3x the demo's: at the demo's 1e-4 hedging creeps up ~2-3 points a round, below
+# any per-round threshold; at 1e-3 one round wrecks the policy whatever the grader.
 WALKTHROUGH_SETTINGS = {
-    "lab_hedge_noise": 0.3, "rewards_sources": ["grader"], "rewards_grader": HOLEY, "learning_rate": 1e-3,
+    "lab_hedge_noise": 0.3, "rewards_sources": ["grader"], "rewards_grader": HOLEY, "learning_rate": 3e-4,
     "monitors_format_errors_blocking": True, "monitors_length_drift_blocking": True,
 }
 
@@ -137,7 +137,7 @@ def add_reward_hacking_parser(lab_sub) -> None:
     p = lab_sub.add_parser("reward-hacking", help="the walkthrough: a grader with a hole, monitors, gate, rescore")
     p.add_argument("--name", default="reward-hacking")
     p.add_argument("--runs-dir", default="runs")
-    p.add_argument("--hack-rounds", type=int, default=3)
+    p.add_argument("--hack-rounds", type=int, default=4)
     p.add_argument("--fixed-rounds", type=int, default=3)
     p.add_argument("--settings", help="JSON file of ProdRLSettings overrides (e.g. lab_size, lab_hedge_noise)")
     p.set_defaults(fn=cmd_reward_hacking)

@@ -76,7 +76,7 @@ def decide(
     m, lo, hi = (float("nan"),) * 3
     if cand.size >= 2 and np.all(np.isfinite(cand)):
         m, lo, hi = paired_confidence_interval(cand - live, z)
-        if lo < -tolerance and m >= -tolerance:  # the point estimate is fine; the suite cannot bound it
+        if lo < -tolerance and m >= -tolerance and hi >= 0:  # no evidence either way: the suite is too small
             reasons.append(
                 f"held-out evaluation too small to decide: mean(candidate - live) = {m:+.4f} but its lower "
                 f"bound over {cand.size} tasks is {lo:+.4f} < -tolerance {-tolerance:.4f} (half-width "

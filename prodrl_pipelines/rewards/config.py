@@ -30,6 +30,8 @@ class RewardSettings(BaseModel):
     # template (``{transcript}``, ``{task_id}``, ``{final_answer}``) whose reply is JSON with ``score``
     judge_endpoint: str = ""
     judge_model: str = ""
+    # the environment variable holding the endpoint's API key (sent as a bearer token; never a setting)
+    judge_api_key_env: str = ""
     judge_rubric: str = DEFAULT_RUBRIC
     judge_score_key: str = "score"
     judge_max_tokens: int = Field(64, ge=1)

@@ -83,8 +83,19 @@ class JudgeSource:
             return checked(score, f"judge {self.s.judge_model}")
         return Outcome(None, f"judge at {self.url} failed after {self.s.judge_retries + 1} attempts: {last}")
 
+    def headers(self) -> dict:
+        import os
+
+        if not self.s.judge_api_key_env:
+            return {}
+        key = os.environ.get(self.s.judge_api_key_env, "")
+        if not key:
+            raise ValueError(f"rewards_judge_api_key_env={self.s.judge_api_key_env!r}: that environment variable is "
+                             "not set")
+        return {"Authorization": f"Bearer {key}"}
+
     def score(self, views: Sequence[TrajectoryView], progress=None) -> list[Outcome]:
-        with httpx.Client(timeout=self.s.judge_timeout_s) as client, \
+        with httpx.Client(timeout=self.s.judge_timeout_s, headers=self.headers()) as client, \
                 ThreadPoolExecutor(self.s.judge_concurrency, thread_name_prefix="judge") as pool:
             futures = [pool.submit(self._ask, client, v) for v in views]
             out = []
