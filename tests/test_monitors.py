@@ -147,13 +147,16 @@ def test_the_gate_says_when_the_suite_is_too_small_to_decide():
     assert not d.passed and "too small to decide" in d.reasons[0] and "over 4 tasks" in d.reasons[0]
 
 
-def test_heldout_size_beyond_the_suite_warns_naming_both_numbers(tmp_path, caplog):
+def test_heldout_size_beyond_the_suite_warns_naming_both_numbers(tmp_path, caplog, monkeypatch):
     from own_model import write_user_package
 
     from prodrl_pipelines.config.settings import check_settings, settings_from_flat
     from prodrl_pipelines.evaluation.heldout import heldout_tasks
 
     flat = {**write_user_package(tmp_path, n_tasks=16), "heldout_size": 256, "home": str(tmp_path / "h")}
+    # this test's own `mygrader` (the examples' package of that name may be on sys.path), forgotten after
+    monkeypatch.syspath_prepend(str(tmp_path))
+    monkeypatch.delitem(sys.modules, "mygrader", raising=False)
     settings = settings_from_flat(flat)
     suite = check_settings(settings)
     with caplog.at_level(logging.WARNING):
@@ -167,6 +170,7 @@ def test_heldout_size_beyond_the_suite_warns_naming_both_numbers(tmp_path, caplo
     assert out.returncode == 0, out.stderr
     assert "warning: heldout_size=256" in out.stderr and "only 16" in out.stderr
     assert json.loads(out.stdout)["heldout_tasks"] == 16
+    sys.modules.pop("mygrader", None)
 
 
 @pytest.mark.long(seconds=90)

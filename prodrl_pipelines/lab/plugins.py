@@ -29,8 +29,8 @@ class LabModelSource:
     def build(self, dest: Path) -> None:
         from prodrl_pipelines.lab.warmstart import build_base_policy
 
-        noise = {"hedge_noise": self.hedge_noise} if self.hedge_noise else {}
-        build_base_policy(dest, size=self.size, seed=self.seed, sft_steps=self.sft_steps, task=self.task, noise=noise)
+        build_base_policy(dest, size=self.size, seed=self.seed, sft_steps=self.sft_steps, task=self.task,
+                          hedge_noise=self.hedge_noise)
 
 
 def lab_model_source(arg: str, settings=None) -> LabModelSource:

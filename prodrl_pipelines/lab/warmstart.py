@@ -205,7 +205,7 @@ def build_base_policy(
     progress: bool = True,
     num_threads: int | None = 1,
     task: str | TaskEnv = "arithmetic",
-    noise: dict[str, float] | None = None,
+    hedge_noise: float = 0.0,
 ) -> Path:
     """Build the lab tokenizer and model of ``task``, warm-start it, save an HF checkpoint directory.
 
@@ -225,7 +225,9 @@ def build_base_policy(
     env = get_task(task)
     if size not in SFT_DEFAULTS:
         raise ValueError(f"unknown lab size {size!r}; choose one of {sorted(SFT_DEFAULTS)}")
-    cfg = {**SFT_DEFAULTS[size], **env.sft.get(size, {}), **(noise or {})}  # noise: demonstrator rates
+    cfg = {**SFT_DEFAULTS[size], **env.sft.get(size, {})}
+    if hedge_noise:  # the demonstrator's hedging rate (arithmetic; the reward-hacking walkthrough)
+        cfg["hedge_noise"] = float(hedge_noise)
     steps = cfg["steps"] if sft_steps is None else int(sft_steps)
     prev_threads = torch.get_num_threads()
     if num_threads is not None:
