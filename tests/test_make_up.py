@@ -77,7 +77,7 @@ class MakeUp:
         p = self.home / "stack.json"
         return json.loads(p.read_text()) if p.exists() and "up in" in self.log.read_text() else None
 
-    def wait(self, cond, what: str, timeout_s: float = 600):
+    def wait(self, cond, what: str, timeout_s: float = 1200):  # generous: the stack shares 2 cores with the suite
         deadline = time.monotonic() + timeout_s
         while time.monotonic() < deadline:
             if self.proc.poll() is not None:
