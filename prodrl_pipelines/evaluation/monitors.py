@@ -85,13 +85,16 @@ def _missing(name: str, cand: dict, live: dict) -> str | None:
     return None
 
 
+def _rate_increase(name: str, fact: str, what: str, cand: dict, live: dict, s) -> MonitorResult:
+    """Candidate - live rate of calls with ``fact``; fails above ``<name>_threshold``."""
+    c, lv = _rate(cand, fact), _rate(live, fact)
+    d, limit = c - lv, getattr(s, f"{name}_threshold")
+    return MonitorResult(name, d <= limit, getattr(s, f"{name}_blocking"), d, limit,
+                         f"{what} rate {c:.3f} vs live {lv:.3f} ({d:+.3f}, allowed +{limit:.3f})")
+
+
 def format_errors(cand: dict, live: dict, s, gate) -> MonitorResult:
-    c, lv = _rate(cand, "format_errors"), _rate(live, "format_errors")
-    d = c - lv
-    return MonitorResult("format_errors", d <= s.format_errors_threshold, s.format_errors_blocking, d,
-                         s.format_errors_threshold,
-                         f"format/tool-call parse error rate {c:.3f} vs live {lv:.3f} (+{d:.3f} allowed "
-                         f"+{s.format_errors_threshold:.3f})")
+    return _rate_increase("format_errors", "format_errors", "format/tool-call parse error", cand, live, s)
 
 
 def length_drift(cand: dict, live: dict, s, gate) -> MonitorResult:
@@ -105,12 +108,7 @@ def length_drift(cand: dict, live: dict, s, gate) -> MonitorResult:
 
 
 def refusal_rate(cand: dict, live: dict, s, gate) -> MonitorResult:
-    c, lv = _rate(cand, "refusals"), _rate(live, "refusals")
-    d = c - lv
-    return MonitorResult("refusal_rate", d <= s.refusal_rate_threshold, s.refusal_rate_blocking, d,
-                         s.refusal_rate_threshold,
-                         f"refusal / clarifying-question rate {c:.3f} vs live {lv:.3f} (+{d:.3f}, allowed "
-                         f"+{s.refusal_rate_threshold:.3f})")
+    return _rate_increase("refusal_rate", "refusals", "refusal / clarifying-question", cand, live, s)
 
 
 def kl(cand: dict, live: dict, s, gate) -> MonitorResult:

@@ -31,35 +31,36 @@ def rows_of(rewards: pa.Table, source: str, version: str | None) -> pa.Table:
     return rewards.filter(pc.fill_null(mask, False))
 
 
-def _by_source(rewards: pa.Table, sources: Sequence[str], versions: Mapping[str, str | None]) -> dict[str, dict]:
-    out = {}
-    for s in sources:
-        t = latest_rewards(rows_of(rewards, s, versions.get(s)))
-        out[s] = {tid: (r, row) for row, (tid, r) in
-                  enumerate(zip(t.column("trajectory_id").to_pylist(), t.column("reward").to_pylist()))
-                  if r is not None}
-        out[s]["__table__"] = t
-    return out
+class _Source:
+    """One source's newest row per trajectory: the rows (``table``) and trajectory -> (reward, row)."""
+
+    def __init__(self, table: pa.Table) -> None:
+        self.table = table
+        self.rewards = {tid: (r, row) for row, (tid, r) in
+                        enumerate(zip(table.column("trajectory_id").to_pylist(), table.column("reward").to_pylist()))
+                        if r is not None}
 
 
-def combine_first(per: dict[str, dict], sources: Sequence[str], weights: Mapping[str, float]) -> pa.Table:
+def _by_source(rewards: pa.Table, sources: Sequence[str], versions: Mapping[str, str | None]) -> dict[str, _Source]:
+    return {s: _Source(latest_rewards(rows_of(rewards, s, versions.get(s)))) for s in sources}
+
+
+def combine_first(per: dict[str, _Source], sources: Sequence[str], weights: Mapping[str, float]) -> pa.Table:
     picked: dict[str, tuple[str, int]] = {}
     for s in sources:
-        for tid in per[s]:
-            if tid != "__table__" and tid not in picked:
-                picked[tid] = (s, per[s][tid][1])
+        for tid, (_, row) in per[s].rewards.items():
+            picked.setdefault(tid, (s, row))
     parts = []
     for s in sources:
-        rows = [row for tid, (src, row) in picked.items() if src == s]
+        rows = sorted(row for src, row in picked.values() if src == s)
         if rows:
-            parts.append(per[s]["__table__"].take(pa.array(sorted(rows))))
+            parts.append(per[s].table.take(pa.array(rows)))
     return conform(pa.concat_tables(parts) if parts else REWARD_SCHEMA.empty_table(), REWARD_SCHEMA)
 
 
-def combine_weighted(per: dict[str, dict], sources: Sequence[str], weights: Mapping[str, float]) -> pa.Table:
-    common = set.intersection(*({t for t in per[s] if t != "__table__"} for s in sources))
-    ids = sorted(common)
-    total = [sum(weights[s] * per[s][t][0] for s in sources) for t in ids]
+def combine_weighted(per: dict[str, _Source], sources: Sequence[str], weights: Mapping[str, float]) -> pa.Table:
+    ids = sorted(set.intersection(*(set(per[s].rewards) for s in sources)))
+    total = [sum(weights[s] * per[s].rewards[t][0] for s in sources) for t in ids]
     return pa.table({"trajectory_id": pa.array(ids, pa.string()), "reward": pa.array(total, pa.float64()),
                      "source": pa.array(["weighted"] * len(ids), pa.string()),
                      "created_at": pa.nulls(len(ids), REWARD_SCHEMA.field("created_at").type),
