@@ -24,29 +24,24 @@ def window_calls(svc: Services, rkey: str | None = None) -> pa.Table:
     return calls
 
 
-def score_round(svc: Services, rkey: str) -> dict:
-    """Score what the round's window lacks (idempotent). Returns per-source counts and the rewards
-    each scored, stored beside the round (``keys.scoring``)."""
-    refuse_if_decided(svc, rkey, "scored_rewards")
+def score_missing_now(svc: Services, rkey: str | None = None) -> dict:
+    """Score what the live window's unconsumed trajectories lack (idempotent): per-source counts
+    and the rewards each scored. ``rkey``: a round's own ledger rows do not count as consumed."""
     from prodrl_pipelines.rewards.scoring import score_missing
 
     calls = window_calls(svc, rkey)
     reports = score_missing(svc.store, svc.rewards, calls)
-    out = {"trajectories": len(pc.unique(calls.column("trajectory_id"))), "rule": svc.rewards.describe(),
-           "sources": {n: r.as_dict() for n, r in reports.items()},
-           "rewards": {n: r.rewards for n, r in reports.items()}}
+    return {"trajectories": len(pc.unique(calls.column("trajectory_id"))), "rule": svc.rewards.describe(),
+            "sources": {n: r.as_dict() for n, r in reports.items()},
+            "rewards": {n: r.rewards for n, r in reports.items()}}
+
+
+def score_round(svc: Services, rkey: str) -> dict:
+    """``score_missing_now`` for a round, stored beside it (``keys.scoring``)."""
+    refuse_if_decided(svc, rkey, "scored_rewards")
+    out = score_missing_now(svc, rkey)
     documents.put_json(svc.blobs, keys.scoring(rkey), out)
     return out
-
-
-def score_missing_now(svc: Services) -> dict:
-    """``score_round`` outside a round: the live window's unconsumed trajectories (nothing stored beside a round)."""
-    from prodrl_pipelines.rewards.scoring import score_missing
-
-    calls = window_calls(svc)
-    reports = score_missing(svc.store, svc.rewards, calls)
-    return {"trajectories": len(pc.unique(calls.column("trajectory_id"))), "rule": svc.rewards.describe(),
-            "sources": {n: r.as_dict() for n, r in reports.items()}}
 
 
 def rescore(svc: Services, source: str, versions: list[str] | None = None):

@@ -116,9 +116,8 @@ def score_missing(store, plan: RewardPlan, calls: pa.Table) -> dict[str, SourceR
         if plan.settings.combine == "first":
             rep.skipped = sum(t in rewarded_before for t in todo)
             todo = [t for t in todo if t not in rewarded_before]
-        todo_set = set(todo)
-        views = [v for v in views_from_calls(calls.filter(pc.is_in(
-            calls.column("trajectory_id"), value_set=pa.array(sorted(todo_set), pa.string())))) if v.trajectory_id in todo_set]
+        views = views_from_calls(calls.filter(pc.is_in(calls.column("trajectory_id"),
+                                                         value_set=pa.array(todo, pa.string()))))
         outcomes = _run_source(src, views, rep, f"scoring with {name}")
         new = _rows(outcomes, views, name, current)
         store.write_rewards(new)
