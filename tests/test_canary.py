@@ -5,6 +5,7 @@ trajectory) and asks for the rollout of one that is as good, which then serves e
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
 import shutil
@@ -75,13 +76,17 @@ def test_judge_on_the_rewards_recorded_since_the_canary_started(tmp_path):
     assert v.passed is False and v.n_candidate == 12 and v.diff_lower < -0.1
 
 
-@pytest.fixture
-def fleet(tiny_policy_dir, tmp_path):
+FLEET = {"target": "prodrl-serve", "replicas": 2, "canary_fraction": 0.4, "canary_min_trajectories": 12,
+         "export_scheme": "bf16", "probe_prompts": 0, "max_tokens": 4, "gate_tolerance": 0.05}
+
+
+@contextlib.contextmanager
+def running_fleet(tiny_policy_dir, home, **overrides):
+    """Two ``prodrl serve`` replicas live on round-000000 (exports of round 1 and 2 ready, the same
+    weights under other names) and a recorder following them: (services, resources, recorder, app)."""
     from prodrl_pipelines.quant.export import export_policy
 
-    settings = {"home": str(tmp_path / "home"), "target": "prodrl-serve", "replicas": 2,
-                "target_port": pick_port_range(6), "canary_fraction": 0.4, "canary_min_trajectories": 12,
-                "export_scheme": "bf16", "probe_prompts": 0, "max_tokens": 4, "gate_tolerance": 0.05}
+    settings = {**FLEET, "home": str(home), "target_port": pick_port_range(6), **overrides}
     res = make_resources(settings)
     svc = open_services(res["settings"], res["store"], res["mlflow"])
     s = svc.settings
@@ -98,9 +103,15 @@ def fleet(tiny_policy_dir, tmp_path):
             make_target(s).stop()
 
 
+@pytest.fixture
+def fleet(tiny_policy_dir, tmp_path):
+    with running_fleet(tiny_policy_dir, tmp_path / "home") as f:
+        yield f
+
+
 def _traffic(rec, app, n: int, start: int, reward_of) -> dict[str, int]:
-    """``n`` one-call trajectories through the recorder, each rewarded by ``reward_of(version)``;
-    the versions that served them."""
+    """``n`` one-call trajectories through the recorder, each rewarded by ``reward_of(version)`` (none
+    posted when it is None: scorers reward them); the versions that served them."""
     served: dict[str, int] = {}
     with httpx.Client(base_url=rec.url, headers={"Authorization": "Bearer t"}, timeout=60) as h:
         for i in range(start, start + n):
@@ -110,8 +121,9 @@ def _traffic(rec, app, n: int, start: int, reward_of) -> dict[str, int]:
             assert r.status_code == 200, r.text
             v = r.json()["model"]
             served[v] = served.get(v, 0) + 1
-            f = h.post("/v1/feedback", json={"trajectory_id": tid, "reward": reward_of(v)})
-            assert f.status_code == 200, f.text
+            if reward_of is not None:
+                f = h.post("/v1/feedback", json={"trajectory_id": tid, "reward": reward_of(v)})
+                assert f.status_code == 200, f.text
     assert app.state.recorder.ingestor.flush(30)
     return served
 
