@@ -1,8 +1,8 @@
-import pytest
 """FSDP2 training (2 gloo ranks on CPU, launched by torchrun through Dagster Pipes) gives the same
 weights and Adam state as the single-process run on the same data; a rank killed mid-round resumes
 from the sharded checkpoint with identical results; a round trained at world size 2 continues at 1,
-and one process's Adam state continues sharded."""
+and one process's Adam state continues sharded; an MoE policy replaying recorded routing trains
+at two ranks exactly as one process, its pi_k pass's extra diagnostic forward in step on every rank."""
 
 import json
 import os
@@ -12,6 +12,7 @@ from datetime import datetime, timezone
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from dagster import materialize
 from safetensors.torch import load_file
@@ -195,3 +196,118 @@ def test_a_single_process_adam_state_continues_sharded(tmp_path):
     for i, st in want["state"].items():
         for k in ("exp_avg", "exp_avg_sq", "step"):
             torch.testing.assert_close(two["optimizer"]["state"][i][k], st[k], atol=1e-6, rtol=1e-5)
+
+
+MOE_ROUND = r'''
+import datetime, sys, torch, torch.distributed as dist
+from transformers import Qwen3MoeForCausalLM
+from prodrl_pipelines.rl import sharding
+from prodrl_pipelines.rl.checkpoint import TrainerState
+from prodrl_pipelines.rl.config import Recipe
+from prodrl_pipelines.rl.trainer import build_optimizer, train_round
+dist.init_process_group("gloo", timeout=datetime.timedelta(seconds=60))  # collectives out of step fail, not hang
+job = torch.load(sys.argv[1], weights_only=False)
+model = Qwen3MoeForCausalLM(job["config"])
+model.load_state_dict(job["model"])
+root = sharding.shard_policy(model, dist.get_world_size())
+recipe, state = Recipe(**job["recipe"]), TrainerState()
+res = train_round(root, build_optimizer(root, recipe, state), job["trajs"], job["adv"], job["plan"], recipe, state,
+                  pad_id=0, round_seed=0, progress=False, rank=dist.get_rank(), world_size=dist.get_world_size())
+full = sharding.full_model_state(root)
+if dist.get_rank() == 0:
+    torch.save({"model": full, "routing": res.routing, "mismatch": res.mismatch_abs_logp}, sys.argv[2])
+dist.destroy_process_group()
+'''
+
+
+def _moe_round_with_recorded_routing():
+    """A tiny MoE policy, eight one-call trajectories sampled by it with their routing recorded (every
+    other one as a deployment routing differently would: replay changes the forward), and a layout in
+    which one rank has a routed micro-batch where the other has a filler."""
+    from transformers import Qwen3MoeForCausalLM
+
+    from prodrl_pipelines.engines.local import LocalEngine
+    from prodrl_pipelines.engines.types import SamplingParams
+    from prodrl_pipelines.lab.model import lab_model_config
+    from prodrl_pipelines.rl.routing_replay import moe_shape
+    from prodrl_pipelines.rl.trajectory import Call, Trajectory
+
+    torch.manual_seed(0)
+    config = lab_model_config("tiny", vocab_size=64)
+    model = Qwen3MoeForCausalLM(config)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 64, (n,), generator=g).tolist() for n in (24, 20, 18, 4, 5, 3, 4, 2)]
+    recs = LocalEngine(model, None).generate(
+        prompts, SamplingParams(max_tokens=4, num_top_logprobs=4, record_routing=True), seed=1)
+    experts = moe_shape(model)[2]
+    trajs = []
+    for i, r in enumerate(recs):
+        routing = r.routed_experts.astype(np.int64)
+        routing = (routing + i % 2) % experts  # a bijection of expert ids: the sets stay distinct
+        trajs.append(Trajectory(f"t{i}", "", "v0", float(i % 3), [Call(
+            r.prompt_token_ids, r.output_token_ids, r.output_logprobs, 1.0, r.top_token_ids, r.top_logprobs,
+            r.support_complete, routing=routing)]))
+    recipe = {"steps_per_round": 2, "batch_size": 4, "routing_replay": "recorded", "correction": "tis",
+              "kl_beta": 0.1, "learning_rate": 1e-2, "max_tokens_per_microbatch": 30}
+    job = {"config": config, "model": {k: v.clone() for k, v in model.state_dict().items()}, "trajs": trajs,
+           "adv": np.array([1.0, -1.0, 0.5, -0.5, 1.0, -0.5, 0.25, -1.0]), "plan": [[0, 1, 3, 5], [2, 4, 6, 7]],
+           "recipe": recipe}
+    return job
+
+
+def test_moe_with_recorded_routing_trains_at_two_ranks_as_one_process(tmp_path):
+    """The pi_k pass's with/without-replay diagnostic forward runs on every rank or on none (a forward
+    on one rank only leaves the ranks' parameter all-gathers out of step); the round's weights and
+    its routing diagnostics, gathered over the ranks, are the single process's."""
+    import signal
+    import sys
+
+    from transformers import Qwen3MoeForCausalLM
+
+    from prodrl_pipelines.rl.checkpoint import TrainerState
+    from prodrl_pipelines.rl.config import Recipe
+    from prodrl_pipelines.rl.trainer import build_optimizer, layout_round, train_round
+
+    job = _moe_round_with_recorded_routing()
+    recipe = Recipe(**job["recipe"])
+    # the case that matters: at some micro-batch one rank has routed work and the other a filler
+    ranks = [layout_round(job["trajs"], job["adv"], job["plan"], recipe, r, 2)[0] for r in range(2)]
+    assert any(bool(a) != bool(b) for s in range(2) for a, b in zip(ranks[0][s][1], ranks[1][s][1]))
+
+    model = Qwen3MoeForCausalLM(job["config"])
+    model.load_state_dict(job["model"])
+    state = TrainerState()
+    single = train_round(model, build_optimizer(model, recipe, state), job["trajs"], job["adv"], job["plan"], recipe,
+                         state, pad_id=0, round_seed=0, progress=False)
+    assert single.routing["routing_disagreement"] > 0.1 and single.routing["routing_diagnostic_tokens"] > 0
+
+    torch.save(job, tmp_path / "job.pt")
+    (tmp_path / "moe_round.py").write_text(MOE_ROUND)
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = str(sock.getsockname()[1])
+    proc = subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", "2",
+                             "--master_addr", "127.0.0.1", "--master_port", port, str(tmp_path / "moe_round.py"),
+                             str(tmp_path / "job.pt"), str(tmp_path / "two.pt")],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, start_new_session=True,
+                            env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1]),
+                                 "OMP_NUM_THREADS": "1"})
+    try:
+        log, _ = proc.communicate(timeout=300)
+    except subprocess.TimeoutExpired:  # a hang past gloo's own timeout: end the whole group
+        os.killpg(proc.pid, signal.SIGKILL)
+        log, _ = proc.communicate()
+        pytest.fail("the two-rank MoE round hung:\n" + log[-3000:])
+    assert proc.returncode == 0, log[-3000:]
+    two = torch.load(tmp_path / "two.pt", weights_only=False)
+    ref = model.state_dict()
+    assert two["model"].keys() == ref.keys()
+    moved = 0
+    for k in ref:
+        torch.testing.assert_close(two["model"][k], ref[k], atol=2e-5, rtol=1e-4, msg=k)
+        moved += not torch.equal(ref[k], job["model"][k])
+    assert moved > 0
+    assert two["mismatch"] == pytest.approx(single.mismatch_abs_logp, rel=1e-4)
+    assert two["routing"].keys() == single.routing.keys()
+    for k, v in single.routing.items():
+        assert two["routing"][k] == pytest.approx(v, rel=1e-4, abs=1e-6, nan_ok=True), k
