@@ -1,5 +1,6 @@
 """The behaviour monitors as asset checks on `heldout_eval`, one per monitor: each reads what the
-round's evaluation recorded (``evaluation.monitors``); a blocking monitor's failure is an ERROR and
+round's evaluation recorded (``evaluation.monitors``), against live (per round) and against the
+reference policy (cumulative) side by side; a blocking monitor's failure in either is an ERROR and
 also one of the deployment gate's reasons, a warning monitor's is a WARN."""
 
 from dagster import AssetCheckExecutionContext, AssetCheckResult, AssetCheckSeverity, AssetCheckSpec, multi_asset_check
@@ -30,6 +31,7 @@ def behaviour_monitors(context: AssetCheckExecutionContext, settings: ProdRLSett
     svc = open_services(settings, store)
     ev = upstream_json(svc, keys.heldout(context.partition_key))
     recorded = {m["name"]: m for m in ev.get("monitors") or []}
+    cumulative = {m["name"]: m for m in ev.get("cumulative_monitors") or []}
     for key in context.selected_asset_check_keys:
         name = key.name.removeprefix("monitor_")
         m = recorded.get(name)
@@ -39,9 +41,24 @@ def behaviour_monitors(context: AssetCheckExecutionContext, settings: ProdRLSett
             yield AssetCheckResult(check_name=key.name, passed=True, severity=AssetCheckSeverity.WARN,
                                    description=f"{name}: {why}", metadata={"recorded": False})
             continue
-        yield AssetCheckResult(
-            check_name=key.name, passed=bool(m["passed"]),
-            severity=AssetCheckSeverity.ERROR if m["blocking"] else AssetCheckSeverity.WARN,
-            description=m["detail"],
-            metadata={"value": m["value"], "threshold": m["threshold"], "blocking": m["blocking"],
-                      "verdict": "passed" if m["passed"] else ("blocks the deploy" if m["blocking"] else "warning")})
+        yield _result(key.name, m, cumulative.get(name), ev.get("reference_version"))
+
+
+def _verdict(m: dict) -> str:
+    return "passed" if m["passed"] else ("blocks the deploy" if m["blocking"] else "warning")
+
+
+def _result(check: str, m: dict, c: dict | None, reference: str | None) -> AssetCheckResult:
+    """Per round (vs live) and cumulative (vs the reference policy) in one check, side by side."""
+    parts = [m] + ([c] if c else [])
+    failing = [p for p in parts if not p["passed"]]
+    meta = {"value": m["value"], "threshold": m["threshold"], "blocking": m["blocking"], "verdict": _verdict(m)}
+    desc = m["detail"]
+    if c is not None:
+        meta.update({"cumulative_value": c["value"], "cumulative_threshold": c["threshold"],
+                     "cumulative_verdict": _verdict(c), "reference_version": reference or c.get("against", "")})
+        desc += f" | cumulative vs reference {reference or c.get('against', '')}: {c['detail']}"
+    return AssetCheckResult(
+        check_name=check, passed=not failing,
+        severity=AssetCheckSeverity.ERROR if m["blocking"] else AssetCheckSeverity.WARN,  # one switch for both
+        description=desc, metadata=meta)

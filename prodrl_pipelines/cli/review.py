@@ -41,13 +41,15 @@ def version_rows(svc, limit: int = 20) -> list[dict]:
             "mean_diff": d.get("mean_diff"), "diff_lower": d.get("diff_lower"), "tolerance": d.get("tolerance"),
             "decided_by": d.get("decided_by", ""), "refused": mv.tags.get(review.REFUSED, ""),
             "monitors": monitor_cell(d.get("monitors") or []), "warnings": d.get("warnings") or [],
+            "cumulative": monitor_cell(d.get("cumulative_monitors") or []), "reference": d.get("reference_version") or "",
         })
     pending = [r for r in rows if r["state"] == round_state.PENDING_REVIEW]
     return pending + [r for r in rows if r["state"] != round_state.PENDING_REVIEW][:limit]
 
 
 def monitor_cell(monitors: list[dict]) -> str:
-    """The behaviour monitors in one cell: ``ok`` when all passed, else each failing one's verdict."""
+    """The behaviour monitors in one cell: ``ok`` when all passed, else each failing one's verdict
+    (the ``monitors`` column is against live, ``cumulative`` against the ``reference`` policy)."""
     bad = [f"{m['name']}:{'BLOCKS' if m['blocking'] else 'warn'}({m['value']:+.3g})" for m in monitors if not m["passed"]]
     return ", ".join(bad) if bad else ("ok" if monitors else "-")
 
@@ -63,7 +65,7 @@ def cmd_list(args) -> int:
         print(json.dumps(rows, indent=1, default=str))
         return 0
     cols = ("version", "round", "state", "heldout_reward", "live_reward_at_gate", "mean_diff", "diff_lower",
-            "tolerance", "monitors", "decided_by")
+            "tolerance", "monitors", "cumulative", "reference", "decided_by")
     table = [["v" if c == "version" else c for c in cols]] + [
         [("*" if r["live"] else "") + _fmt(r[c]) if c == "version" else _fmt(r[c]) for c in cols] for r in rows]
     widths = [max(len(row[i]) for row in table) for i in range(len(cols))]

@@ -11,9 +11,16 @@ DEFAULT_REFUSAL_PATTERN = (
 )
 
 
+CUMULATIVE = ("format_errors", "length_drift", "refusal_rate", "kl", "slices")
+
+
 class MonitorSettings(BaseModel):
     """Each monitor compares the candidate's held-out episodes with the live policy's on the same
-    tasks (``evaluation.monitors``). ``*_blocking``: a failure blocks the deploy (else a warning)."""
+    tasks (``evaluation.monitors``). ``*_blocking``: a failure blocks the deploy (else a warning).
+
+    With ``cumulative`` each monitor also compares the candidate with the reference policy (the last
+    reviewed one, or round 0) against ``<name>_cumulative_threshold``: drift that stays under the
+    per-round threshold every round adds up there. The blocking switch is the monitor's own."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
     enabled: tuple[str, ...] = ("format_errors", "length_drift", "refusal_rate", "kl", "slices")
@@ -30,9 +37,23 @@ class MonitorSettings(BaseModel):
     # KL(candidate || live) per generated token on the held-out prompts (sampled-token estimator)
     kl_threshold: float = Field(0.5, ge=0)
     kl_blocking: bool = False
+    # share of the candidate's sampled tokens the other policy could never sample (infinite KL)
+    kl_outside_support_threshold: float = Field(0.01, ge=0, le=1)
     # per task tag: fails when a slice's mean(candidate - live) < -gate_tolerance and its upper bound < 0
     slices_blocking: bool = True
     slices_min_tasks: int = Field(8, ge=2)
+    # against the reference policy (last reviewed, or round 0): the same measures, summed-up drift
+    cumulative: bool = True
+    format_errors_cumulative_threshold: float = Field(0.10, ge=0)
+    length_drift_cumulative_threshold: float = Field(0.75, ge=0)
+    refusal_rate_cumulative_threshold: float = Field(0.10, ge=0)
+    kl_cumulative_threshold: float = Field(1.0, ge=0)
+    slices_cumulative_threshold: float = Field(0.10, ge=0)  # the tolerance per slice vs the reference
+
+    def cumulative_view(self) -> "MonitorSettings":
+        """These settings with each ``<name>_threshold`` replaced by its cumulative one."""
+        return self.model_copy(update={f"{n}_threshold": getattr(self, f"{n}_cumulative_threshold")
+                                       for n in CUMULATIVE if n != "slices"})
 
     @field_validator("enabled")
     @classmethod

@@ -13,12 +13,21 @@ tool-call parse error, calls that refuse or ask back, task tags; the monitors co
 - ``refusal_rate``: candidate - live rate of calls matching ``refusal_pattern``;
 - ``kl``: KL(candidate || live) per generated token, sampled-token estimator
   mean over the candidate's tokens of log pi_cand(a) - log pi_live(a) (unbiased for the KL of the
-  sampling distributions; computed by ``loop.evaluate`` which holds both policies);
+  sampling distributions; computed by ``loop.evaluate`` which holds both policies). Tokens live
+  could never sample (outside its top-k / top-p support) have infinite KL and are left out of the
+  mean, so their share is judged on its own (``kl_outside_support_threshold``): a candidate that
+  drifts out of live's support would otherwise report a smaller KL;
 - ``slices``: per task tag, the paired interval of mean(candidate - live): a slice regressed when
   its mean is below -tolerance and its upper bound below 0 (worse beyond the tolerance, and
   evidently worse). A regression on one slice fails even when the mean improves. A slice whose
   lower bound merely crosses -tolerance is reported as inconclusive: with several slices, per-slice
   non-inferiority would fail unchanged candidates by chance.
+
+Two references. Each monitor runs against the live policy (``scope="round"``, the per-round
+thresholds) and against the reference policy (``scope="cumulative"``: the last reviewed policy, or
+round 0; ``<name>_cumulative_threshold``). A hack that grows by less than every per-round threshold
+each round and is deployed round after round stays under the per-round monitors forever; against
+the reference its drift adds up until the cumulative threshold catches it.
 """
 
 from __future__ import annotations
@@ -33,6 +42,9 @@ from prodrl_pipelines.evaluation.statistics import paired_confidence_interval
 from prodrl_pipelines.rewards.view import parsed_tool_calls
 
 
+SCOPES = ("round", "cumulative")  # against live, against the reference policy
+
+
 @dataclass
 class MonitorResult:
     name: str
@@ -41,6 +53,8 @@ class MonitorResult:
     value: float
     threshold: float
     detail: str
+    scope: str = "round"
+    against: str = ""  # the policy version compared with
 
     def as_dict(self) -> dict:
         return asdict(self)
@@ -85,43 +99,50 @@ def _missing(name: str, cand: dict, live: dict) -> str | None:
     return None
 
 
-def _rate_increase(name: str, fact: str, what: str, cand: dict, live: dict, s) -> MonitorResult:
-    """Candidate - live rate of calls with ``fact``; fails above ``<name>_threshold``."""
+def _rate_increase(name: str, fact: str, what: str, cand: dict, live: dict, s, label: str) -> MonitorResult:
+    """Candidate - other rate of calls with ``fact``; fails above ``<name>_threshold``."""
     c, lv = _rate(cand, fact), _rate(live, fact)
     d, limit = c - lv, getattr(s, f"{name}_threshold")
     return MonitorResult(name, d <= limit, getattr(s, f"{name}_blocking"), d, limit,
-                         f"{what} rate {c:.3f} vs live {lv:.3f} ({d:+.3f}, allowed +{limit:.3f})")
+                         f"{what} rate {c:.3f} vs {label} {lv:.3f} ({d:+.3f}, allowed +{limit:.3f})")
 
 
-def format_errors(cand: dict, live: dict, s, gate) -> MonitorResult:
-    return _rate_increase("format_errors", "format_errors", "format/tool-call parse error", cand, live, s)
+def format_errors(cand: dict, live: dict, s, gate, label: str = "live") -> MonitorResult:
+    return _rate_increase("format_errors", "format_errors", "format/tool-call parse error", cand, live, s, label)
 
 
-def length_drift(cand: dict, live: dict, s, gate) -> MonitorResult:
+def length_drift(cand: dict, live: dict, s, gate, label: str = "live") -> MonitorResult:
     c = float(np.mean([f["gen_tokens"] for f in cand["facts"]]))
     lv = float(np.mean([f["gen_tokens"] for f in live["facts"]]))
     d = c / lv - 1.0 if lv > 0 else (0.0 if c == 0 else float("inf"))
     return MonitorResult("length_drift", abs(d) <= s.length_drift_threshold, s.length_drift_blocking, d,
                          s.length_drift_threshold,
-                         f"mean generated tokens per episode {c:.1f} vs live {lv:.1f} ({d:+.1%}, allowed "
+                         f"mean generated tokens per episode {c:.1f} vs {label} {lv:.1f} ({d:+.1%}, allowed "
                          f"+/-{s.length_drift_threshold:.0%})")
 
 
-def refusal_rate(cand: dict, live: dict, s, gate) -> MonitorResult:
-    return _rate_increase("refusal_rate", "refusals", "refusal / clarifying-question", cand, live, s)
+def refusal_rate(cand: dict, live: dict, s, gate, label: str = "live") -> MonitorResult:
+    return _rate_increase("refusal_rate", "refusals", "refusal / clarifying-question", cand, live, s, label)
 
 
-def kl(cand: dict, live: dict, s, gate) -> MonitorResult:
+def kl(cand: dict, live: dict, s, gate, label: str = "live") -> MonitorResult:
+    """The KL over the tokens the other policy can sample, and the share it cannot: either fails."""
     v = cand.get("kl_to_live")
     if v is None:
         return MonitorResult("kl", True, s.kl_blocking, float("nan"), s.kl_threshold,
-                             "KL to live not measured (no candidate tokens scored by the live policy)")
-    return MonitorResult("kl", v <= s.kl_threshold, s.kl_blocking, float(v), s.kl_threshold,
-                         f"KL(candidate || live) {v:.4f} nats per generated token over "
-                         f"{cand.get('kl_tokens', 0)} tokens (allowed {s.kl_threshold:.4f})")
+                             f"KL to {label} not measured (no candidate tokens scored by the {label} policy)")
+    n, outside = int(cand.get("kl_tokens", 0)), int(cand.get("kl_outside_live_support", 0))
+    share = outside / (n + outside) if n + outside else 0.0
+    kl_ok, support_ok = v <= s.kl_threshold, share <= s.kl_outside_support_threshold
+    detail = (f"KL(candidate || {label}) {v:.4f} nats per generated token over {n} tokens (allowed "
+              f"{s.kl_threshold:.4f}); {outside} tokens ({share:.2%}) outside {label}'s support (infinite KL, "
+              f"allowed {s.kl_outside_support_threshold:.2%})")
+    if not support_ok:
+        detail += f"; fails: the candidate samples outside {label}'s support"
+    return MonitorResult("kl", kl_ok and support_ok, s.kl_blocking, float(v), s.kl_threshold, detail)
 
 
-def slices(cand: dict, live: dict, s, gate) -> MonitorResult:
+def slices(cand: dict, live: dict, s, gate, label: str = "live") -> MonitorResult:
     tol, z = gate
     by_tag: dict[str, list[int]] = {}
     for i, f in enumerate(cand["facts"]):
@@ -165,13 +186,28 @@ MONITORS: dict[str, Callable] = {"format_errors": format_errors, "length_drift":
                                  "refusal_rate": refusal_rate, "kl": kl, "slices": slices}
 
 
-def run_monitors(cand: dict, live: dict, settings, tolerance: float, z: float) -> list[MonitorResult]:
-    """Every enabled monitor on a candidate's and the live policy's evaluations (same tasks)."""
+def run_monitors(cand: dict, live: dict, settings, tolerance: float, z: float, *, scope: str = "round",
+                 against: str = "", kl_fields: dict | None = None) -> list[MonitorResult]:
+    """Every enabled monitor on a candidate's and another policy's evaluations (same tasks).
+
+    ``scope="round"``: the other is the live policy, with the per-round thresholds and the gate's
+    ``tolerance`` for slices. ``scope="cumulative"``: the other is the reference policy, with the
+    ``*_cumulative_threshold`` settings (``tolerance`` is then unused). ``kl_fields``: the
+    candidate's KL to that other policy (``kl_to_live``, ``kl_tokens``, ``kl_outside_live_support``
+    keys), when it is not the candidate's own KL-to-live fields."""
+    if scope not in SCOPES:
+        raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
+    s = settings if scope == "round" else settings.cumulative_view()
+    tol = tolerance if scope == "round" else settings.slices_cumulative_threshold
+    label = "live" if scope == "round" else f"reference {against}".rstrip()
+    c = cand if kl_fields is None else {**cand, **kl_fields}
     out = []
     for name in settings.enabled:
-        miss = _missing(name, cand, live)
+        miss = _missing(name, c, live)
         if miss:
-            out.append(MonitorResult(name, True, getattr(settings, f"{name}_blocking"), float("nan"), float("nan"), miss))
-            continue
-        out.append(MONITORS[name](cand, live, settings, (tolerance, z)))
+            r = MonitorResult(name, True, getattr(s, f"{name}_blocking"), float("nan"), float("nan"), miss)
+        else:
+            r = MONITORS[name](c, live, s, (tol, z), label=label)
+        r.scope, r.against = scope, against
+        out.append(r)
     return out

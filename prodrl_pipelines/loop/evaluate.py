@@ -16,6 +16,30 @@ def evaluate_export(svc: Services, export_dir: Path, policy_version: str, keep_c
     return _evaluate(svc.settings, svc.suite, export_dir, policy_version, keep_calls=keep_calls)
 
 
+def reference_version(svc: Services) -> str:
+    """The cumulative monitors' reference: the newest deployed version a person approved in review
+    (and not rolled back away from since), else round 0. It moves only when someone reviews."""
+    from prodrl_pipelines.loop.round_state import BASE_VERSION
+
+    events = svc.ledger.events()
+    left = {e.get("previous") for e in events if e.get("kind") == "rollback"}
+    for e in reversed(events):
+        v = e["policy_version"]
+        if v != BASE_VERSION and v not in left and (svc.ledger.decision(v) or {}).get("review") == "approved":
+            return v
+    return BASE_VERSION
+
+
+def version_eval(svc: Services, policy_version: str, task_ids: list | None = None) -> dict:
+    """A deployed version's recorded held-out evaluation with per-episode facts, on ``task_ids``;
+    evaluated (and recorded) again when it is missing, predates the facts or ran other tasks."""
+    ev = svc.ledger.eval(policy_version)
+    if ev is None or "facts" not in ev or (task_ids is not None and ev["task_ids"] != task_ids):
+        ev = evaluate_export(svc, ensure_local(svc, "exports", policy_version), policy_version)
+        svc.ledger.record_eval(policy_version, ev)
+    return ev
+
+
 def kl_to_reference(svc: Services, calls: list, reference_export: Path) -> dict:
     """KL(candidate || reference) per generated token on the candidate's own held-out calls: the
     sampled-token estimator mean(log pi_cand(a) - log pi_ref(a)) with a ~ pi_cand, both processed by
@@ -54,17 +78,28 @@ def evaluate(svc: Services, rkey: str) -> dict:
             or (cand is not None and live_eval["task_ids"] != cand["task_ids"])):
         live_eval = evaluate_export(svc, Path(live.export_dir), live.policy_version)
         svc.ledger.record_eval(live.policy_version, live_eval)
-    monitors = []
+    monitors, cumulative, ref = [], [], None
     if cand is not None:
-        if "kl" in svc.settings.monitors.enabled:
+        mon = svc.settings.monitors
+        if "kl" in mon.enabled:
             cand.update(kl_to_reference(svc, calls, Path(live.export_dir)))
-        svc.ledger.record_eval(rkey, cand)
         from prodrl_pipelines.evaluation.monitors import run_monitors
 
-        monitors = [m.as_dict() for m in run_monitors(cand, live_eval, svc.settings.monitors,
-                                                       svc.settings.eval.gate_tolerance, svc.settings.eval.gate_z)]
+        monitors = [m.as_dict() for m in run_monitors(cand, live_eval, mon, svc.settings.eval.gate_tolerance,
+                                                       svc.settings.eval.gate_z, against=live.policy_version)]
+        if mon.cumulative:
+            ref = reference_version(svc)
+            ref_eval = live_eval if ref == live.policy_version else version_eval(svc, ref, cand["task_ids"])
+            kl_ref = None
+            if "kl" in mon.enabled and ref != live.policy_version:
+                kl_ref = kl_to_reference(svc, calls, ensure_local(svc, "exports", ref))
+                cand["kl_to_reference"] = {"policy_version": ref, **kl_ref}
+            cumulative = [m.as_dict() for m in run_monitors(
+                cand, ref_eval, mon, svc.settings.eval.gate_tolerance, svc.settings.eval.gate_z,
+                scope="cumulative", against=ref, kl_fields=kl_ref)]
+        svc.ledger.record_eval(rkey, cand)
     result = {"candidate": cand, "live": live_eval, "smoke_error": smoke_error, "live_version": live.policy_version,
-              "monitors": monitors}
+              "monitors": monitors, "reference_version": ref, "cumulative_monitors": cumulative}
     documents.put_json(svc.blobs, keys.heldout(rkey), result)
     result["reproduced"] = False
     if cand is not None:

@@ -3,7 +3,8 @@
 The statistics (``decide``) and the round's step (``gate``): pass iff every weight is finite, the
 export loaded and generated, the lower confidence bound of mean(candidate - live) over the paired
 held-out tasks is >= -tolerance, and no blocking behaviour monitor failed (``evaluation.monitors``;
-a non-blocking one that fails is a warning on the decision).
+a non-blocking one that fails is a warning on the decision), neither against live (per round) nor
+against the reference policy (cumulative: the last reviewed policy, or round 0).
 """
 
 from __future__ import annotations
@@ -31,6 +32,8 @@ class GateDecision:
     tolerance: float = float("nan")
     monitors: list[dict] = field(default_factory=list)  # evaluation.monitors.MonitorResult dicts
     warnings: list[str] = field(default_factory=list)  # non-blocking monitors that failed
+    cumulative_monitors: list[dict] = field(default_factory=list)  # the same monitors against the reference
+    reference_version: str | None = None
 
     def summary(self) -> str:
         numbers = (f"mean paired difference {self.mean_diff:+.4f} over {self.n_tasks} tasks, lower bound "
@@ -62,6 +65,8 @@ def decide(
     smoke_ok: bool,
     smoke_error: str = "",
     monitors: list[dict] | None = None,
+    cumulative_monitors: list[dict] | None = None,
+    reference_version: str | None = None,
 ) -> GateDecision:
     cand = np.asarray(candidate_rewards, dtype=np.float64)
     live = np.asarray(live_rewards, dtype=np.float64)
@@ -93,11 +98,16 @@ def decide(
     for mon in monitors or []:
         if not mon["passed"]:
             (reasons if mon["blocking"] else warnings).append(f"monitor {mon['name']}: {mon['detail']}")
+    for mon in cumulative_monitors or []:
+        if not mon["passed"]:
+            (reasons if mon["blocking"] else warnings).append(
+                f"cumulative monitor {mon['name']} (vs reference {mon.get('against') or reference_version}): {mon['detail']}")
     return GateDecision(
         passed=not reasons, reasons=reasons, mean_diff=m, diff_lower=lo, diff_upper=hi,
         candidate_mean=float(cand.mean()) if cand.size else float("nan"),
         live_mean=float(live.mean()) if live.size else float("nan"), n_tasks=int(cand.size), tolerance=float(tolerance),
-        monitors=list(monitors or []), warnings=warnings,
+        monitors=list(monitors or []), warnings=warnings, cumulative_monitors=list(cumulative_monitors or []),
+        reference_version=reference_version,
     )
 
 
@@ -110,7 +120,8 @@ def heldout_verdict(svc: Services, ev: dict, nonfinite: dict | None = None) -> G
         np.asarray(live["rewards"]) if cand else np.asarray([]),
         tolerance=s.eval.gate_tolerance, z=s.eval.gate_z, nonfinite=nonfinite or {},
         smoke_ok=cand is not None and not ev["smoke_error"], smoke_error=ev["smoke_error"],
-        monitors=ev.get("monitors") or [],
+        monitors=ev.get("monitors") or [], cumulative_monitors=ev.get("cumulative_monitors") or [],
+        reference_version=ev.get("reference_version"),
     )
 
 
@@ -136,7 +147,11 @@ def gate(svc: Services, rkey: str) -> tuple[GateDecision, bool]:
     review = "pending" if d.passed and promotion == "review" else "none"
     svc.ledger.record_decision(rkey, {**asdict(d), "deployed": False, "promotion": promotion, "review": review})
     svc.ledger.update_round(rkey, gate_passed=d.passed, gate_reasons=d.reasons, deployed=False, review=review,
-                            gate_warnings=d.warnings,
-                            monitors={m["name"]: {"value": m["value"], "passed": m["passed"], "blocking": m["blocking"]}
-                                      for m in d.monitors})
+                            gate_warnings=d.warnings, monitors=_by_name(d.monitors),
+                            cumulative_monitors=_by_name(d.cumulative_monitors), monitor_reference=d.reference_version)
     return d, False
+
+
+def _by_name(monitors: list[dict]) -> dict:
+    return {m["name"]: {"value": m["value"], "passed": m["passed"], "blocking": m["blocking"],
+                        "threshold": m["threshold"]} for m in monitors}

@@ -111,10 +111,14 @@ def record_gate(svc: Services, rkey: str, d, reproduced: bool) -> dict:
                                           "gate_reasons": "; ".join(d.reasons) or "none",
                                           "gate_warnings": "; ".join(d.warnings) or "none",
                                           "heldout_reward": f"{d.candidate_mean:.4f}", "round": rkey,
-                                          **monitor_tags(d.monitors)})
+                                          **monitor_tags(d.monitors),
+                                          **monitor_tags(d.cumulative_monitors, ".cumulative"),
+                                          **({"monitor_reference": d.reference_version} if d.reference_version else {})})
         svc.lineage.describe_version(version, version_description(rkey, decision))
     svc.lineage.set_tags(run_id, {"gate": "passed" if d.passed else "failed", "review": decision.get("review", "none")})
-    svc.lineage.log_metrics(run_id, numeric({f"monitor_{m['name']}": m["value"] for m in d.monitors}), 0)
+    svc.lineage.log_metrics(run_id, numeric({**{f"monitor_{m['name']}": m["value"] for m in d.monitors},
+                                             **{f"monitor_{m['name']}_cumulative": m["value"]
+                                                for m in d.cumulative_monitors}}), 0)
     hist = [h for h in svc.ledger.round_summaries() if "heldout_reward" in h]
     png = reward_curve_png([h["round"] for h in hist], [h["heldout_reward"] for h in hist],
                            [h.get("heldout_reward_ci", 0.0) for h in hist],
@@ -125,12 +129,14 @@ def record_gate(svc: Services, rkey: str, d, reproduced: bool) -> dict:
     return {"run_id": run_id, "version": version, "png": png}
 
 
-def monitor_tags(monitors: list[dict]) -> dict[str, str]:
-    """One model-version tag per behaviour monitor: its verdict and value, as a reviewer reads them."""
+def monitor_tags(monitors: list[dict], suffix: str = "") -> dict[str, str]:
+    """One model-version tag per behaviour monitor: its verdict and value, as a reviewer reads them
+    (``suffix=".cumulative"``: against the reference policy, named in the tag)."""
     out = {}
     for m in monitors:
         verdict = "passed" if m["passed"] else ("blocks" if m["blocking"] else "warning")
-        out[f"monitor.{m['name']}"] = f"{verdict} ({m['value']:.4g}; threshold {m['threshold']:.4g})"
+        vs = f"; vs {m['against']}" if suffix and m.get("against") else ""
+        out[f"monitor.{m['name']}{suffix}"] = f"{verdict} ({m['value']:.4g}; threshold {m['threshold']:.4g}{vs})"
     return out
 
 
