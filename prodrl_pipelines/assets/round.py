@@ -25,9 +25,10 @@ def scored_rewards(context: AssetExecutionContext, settings: ProdRLSettings, sto
     (grader, judge): only what is missing is scored; a failure leaves the trajectory pending, counted."""
     svc = open_services(settings, store, mlflow)
     stats = scoring.score_round(svc, context.partition_key)
-    meta = {"rule": stats["rule"], "trajectories": stats["trajectories"]}
+    meta = {"rule": stats["rule"], "trajectories": stats["trajectories"], "in_flight": stats["in_flight"]}
     for name, r in stats["sources"].items():
-        meta.update({f"{name}_{k}": r[k] for k in ("version", "scored", "already", "skipped", "pending", "failed")})
+        meta.update({f"{name}_{k}": r[k] for k in ("version", "scored", "already", "skipped", "pending", "failed",
+                                                     "in_flight")})
         meta[f"{name}_reward_mean"] = r["reward_mean"]
         if r["first_error"]:
             meta[f"{name}_first_error"] = r["first_error"]

@@ -1,5 +1,6 @@
 """Step 0 of a round: reward the window's recorded trajectories that lack a reward from the
-configured scorers (grader, judge), so selection can use them; and re-scoring stored trajectories."""
+configured scorers (grader, judge), so selection can use them; and re-scoring stored trajectories.
+Only complete episodes are scored (``rewards.completion``); those under way are counted ``in_flight``."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ def window_calls(svc: Services, rkey: str | None = None) -> pa.Table:
 
     live = svc.live()
     window = policy_window(live.policy_version, svc.ledger.version_order(), svc.settings.recipe.max_policy_lag)
-    calls = svc.store.read_calls(window, columns=["task_id", "prompt_text", "output_text"])
+    calls = svc.store.read_calls(window, columns=["task_id", "prompt_text", "output_text", "created_at"])
     ids = pc.unique(calls.column("trajectory_id")).to_pylist()
     used = svc.store.used_trajectory_ids(exclude_round=rkey, trajectory_ids=ids)
     if used:
@@ -32,6 +33,7 @@ def score_missing_now(svc: Services, rkey: str | None = None) -> dict:
     calls = window_calls(svc, rkey)
     reports = score_missing(svc.store, svc.rewards, calls)
     return {"trajectories": len(pc.unique(calls.column("trajectory_id"))), "rule": svc.rewards.describe(),
+            "in_flight": max((r.in_flight for r in reports.values()), default=0),
             "sources": {n: r.as_dict() for n, r in reports.items()},
             "rewards": {n: r.rewards for n, r in reports.items()}}
 

@@ -38,6 +38,10 @@ class RewardSettings(BaseModel):
     judge_concurrency: int = Field(8, ge=1)
     judge_timeout_s: float = Field(60.0, gt=0)
     judge_retries: int = Field(3, ge=0)
+    # an episode is complete, and only then scored, once its client posted feedback (any reward row
+    # without a scorer version: the end-of-episode signal) or no call came for this many seconds;
+    # a scorer's grade older than the episode's last call is stale and scored again (``rewards.completion``)
+    idle_seconds: float = Field(300.0, ge=0)
 
     @model_validator(mode="after")
     def _sources_are_configured(self) -> "RewardSettings":

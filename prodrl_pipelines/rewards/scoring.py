@@ -1,6 +1,7 @@
 """Scoring stored trajectories with the configured sources, and re-scoring them with a source's
 current version. Both only append reward rows: an old version's rows stay, and selection reads the
-version the settings name (``RewardPlan.versions``).
+version the settings name (``RewardPlan.versions``). Only complete episodes are scored
+(``rewards.completion``); one still under way is counted ``in_flight`` and asked again later.
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ import pyarrow.compute as pc
 from tqdm.auto import tqdm
 
 from prodrl_pipelines.rewards.combine import combine, rows_of
+from prodrl_pipelines.rewards.completion import completion, fresh_rows
 from prodrl_pipelines.rewards.sources import make_source
 from prodrl_pipelines.rewards.view import views_from_calls
 from prodrl_pipelines.trajectories.rows import conform, latest_rewards
@@ -54,6 +56,7 @@ class SourceReport:
     scored: int = 0
     pending: int = 0  # the source answered None ("cannot tell")
     failed: int = 0
+    in_flight: int = 0  # episodes still under way (``rewards.completion``): scored once complete
     first_error: str = ""
     rewards: list[float] = field(default_factory=list)
 
@@ -65,10 +68,18 @@ class SourceReport:
         return d
 
 
-def _rows(outcomes, views, source: str, version: str) -> list[dict]:
+def _rows(outcomes, views, source: str, version: str, last_call_us: dict[str, int] | None = None) -> list[dict]:
+    """Reward rows, stamped now but never before the last call scored (see ``rewards.completion``)."""
     now = datetime.now(timezone.utc)
-    return [{"trajectory_id": v.trajectory_id, "reward": o.reward, "source": source, "created_at": now,
-             "version": version} for v, o in zip(views, outcomes) if o.reward is not None]
+    last = last_call_us or {}
+
+    def at(tid: str) -> datetime:
+        us = last.get(tid, -1)
+        return max(now, datetime.fromtimestamp(us / 1e6, timezone.utc)) if us >= 0 else now
+
+    return [{"trajectory_id": v.trajectory_id, "reward": o.reward, "source": source,
+             "created_at": at(v.trajectory_id), "version": version}
+            for v, o in zip(views, outcomes) if o.reward is not None]
 
 
 def _run_source(src, views, report: SourceReport, desc: str) -> list:
@@ -86,14 +97,17 @@ def _run_source(src, views, report: SourceReport, desc: str) -> list:
     return outcomes
 
 
-def score_missing(store, plan: RewardPlan, calls: pa.Table) -> dict[str, SourceReport]:
-    """Score the trajectories of ``calls`` (CALL_SCHEMA) that lack a row of a scorer's current
-    version, source by source in ``sources`` order, one append per source. With the ``first`` rule
-    a trajectory an earlier source already rewards is not sent to later ones. Idempotent: a re-run
-    scores only what is still missing (failures and "cannot tell" are asked again)."""
+def score_missing(store, plan: RewardPlan, calls: pa.Table, now_us: int | None = None) -> dict[str, SourceReport]:
+    """Score the complete trajectories of ``calls`` (CALL_SCHEMA, with ``created_at``) that lack a
+    row of a scorer's current version as new as their last call, source by source in ``sources``
+    order, one append per source. With the ``first`` rule a trajectory an earlier source already
+    rewards is not sent to later ones. Episodes under way at ``now_us`` (default now) are counted
+    ``in_flight``, not scored. Idempotent: a re-run scores only what is still missing (failures and
+    "cannot tell" are asked again)."""
     ids = list(dict.fromkeys(calls.column("trajectory_id").to_pylist()))
     stored = store.read_rewards(latest=False, trajectory_ids=ids) if ids else REWARD_SCHEMA.empty_table()
     stored = conform(stored, REWARD_SCHEMA)
+    done = completion(calls, stored, plan.settings.idle_seconds, now_us)
     versions = plan.versions()
     rewarded_before: set[str] = set()
     reports: dict[str, SourceReport] = {}
@@ -111,15 +125,18 @@ def score_missing(store, plan: RewardPlan, calls: pa.Table) -> dict[str, SourceR
             rep.already = len(have)
             rewarded_before |= have
             continue
+        have = fresh_rows(mine, done.last_call_us)  # a grade older than the last call is re-scored
         todo = [t for t in ids if t not in have]
         rep.already = len(ids) - len(todo)
         if plan.settings.combine == "first":
             rep.skipped = sum(t in rewarded_before for t in todo)
             todo = [t for t in todo if t not in rewarded_before]
+        rep.in_flight = sum(t in done.in_flight for t in todo)
+        todo = [t for t in todo if t in done.complete]
         views = views_from_calls(calls.filter(pc.is_in(calls.column("trajectory_id"),
                                                          value_set=pa.array(todo, pa.string()))))
         outcomes = _run_source(src, views, rep, f"scoring with {name}")
-        new = _rows(outcomes, views, name, current)
+        new = _rows(outcomes, views, name, current, done.last_call_us)
         store.write_rewards(new)
         rewarded_before |= have | {r["trajectory_id"] for r in new}
     return reports
