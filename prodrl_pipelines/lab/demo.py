@@ -45,8 +45,11 @@ def _use_home(home: Path, settings: dict) -> None:
         (dh / "dagster.yaml").write_text("telemetry:\n  enabled: false\n")
 
 
-def run_loop(home: Path, settings: dict, rounds: int, log=print, instance=None) -> list[dict]:
-    """Bootstrap (if needed), then per round: serve traffic, tick the sensor, run the round."""
+def run_loop(home: Path, settings: dict, rounds: int, log=print, instance=None, via: str | None = None) -> list[dict]:
+    """Bootstrap (if needed), then per round: serve traffic, tick the sensor, run the round.
+
+    ``via``: how lab traffic reaches the deployment (``lab.http_traffic.TRAFFIC_MODES``); default
+    ``$PRODRL_LAB_TRAFFIC``, else ``http``."""
     _use_home(home, settings)
     from dagster import DagsterInstance
 
@@ -65,17 +68,17 @@ def run_loop(home: Path, settings: dict, rounds: int, log=print, instance=None) 
         log(f"  base policy ready in {time.time() - t0:.0f}s, held-out reward "
             f"{svc.ledger.round_summary('round-000000').get('heldout_reward', float('nan')):.3f}")
 
-    from prodrl_pipelines.lab.http_traffic import TRAFFIC_ENV, LabDeployment
+    from prodrl_pipelines.lab.http_traffic import LabDeployment, traffic_mode
 
-    via = os.environ.get(TRAFFIC_ENV, "http")
+    via = traffic_mode(via)
     managed = s.deploy.target != "pointer"  # the deploy target serves: the lab only records in front
     if managed:
         from prodrl_pipelines.deploy_targets import endpoint_file
 
-        via = "http"
+        via = via if via.startswith("http") else "http"
         lab_dep = LabDeployment(home / "logs" / "lab_traffic", follow=endpoint_file(s.home_path).path)
     else:
-        lab_dep = LabDeployment(home / "logs" / "lab_traffic") if via == "http" else None
+        lab_dep = LabDeployment(home / "logs" / "lab_traffic") if via.startswith("http") else None
     try:
         return _run_rounds(defs, instance, res, svc, s, rounds, log, via, lab_dep)
     finally:

@@ -18,7 +18,10 @@ them exactly like in-process rows.
 Seeds: with ``seeded=True`` prompt i of turn t is sent with ``request_seed(turn_seed, i)`` and the
 server generates it alone (reproducible, equal to ``LocalEngine.generate([p], params, that_seed)``),
 but the in-process path draws one random stream per batch, so the sampled tokens differ from it.
-The default (``seeded=False``) lets the server batch concurrent calls (much faster on CPU).
+The default (``seeded=False``) lets the server batch concurrent calls (much faster on CPU), but then
+the tokens drawn depend on which calls arrived together: two runs of the same settings differ
+(``PRODRL_LAB_TRAFFIC=http-seeded`` is the reproducible HTTP mode; measured on 2 cores: 1024
+episodes ~19 s seeded vs ~6-11 s batched).
 
 Concurrency: 32 calls in flight (``concurrency``); 128 was slower on 2 shared cores (1024 episodes:
 ~18 s vs ~8 s). Completions are never retried by the client: the recorder has no idempotency key,
@@ -53,9 +56,21 @@ from prodrl_pipelines.stack.serving import recorder_store_args
 from prodrl_pipelines.lab.episodes import assistant_content, run_episodes, stop_token_ids
 from prodrl_pipelines.lab.tasks import ARITHMETIC, get_task
 
-__all__ = ["LabDeployment", "served_deployment", "simulate_traffic_http", "TRAFFIC_ENV"]
+__all__ = ["LabDeployment", "served_deployment", "simulate_traffic_http", "TRAFFIC_ENV", "TRAFFIC_MODES", "traffic_mode"]
 
-TRAFFIC_ENV = "PRODRL_LAB_TRAFFIC"  # "http" (default in the demo) or "in_process"
+TRAFFIC_ENV = "PRODRL_LAB_TRAFFIC"  # one of TRAFFIC_MODES; "http" by default in the demo
+# http: the server batches concurrent unseeded calls, so the tokens drawn depend on arrival order
+# (fast, not reproducible); http-seeded: every call carries its own seed and is generated alone
+# (reproducible, ~2x slower on 2 cores); in_process: one seeded batch per turn (reproducible, fastest)
+TRAFFIC_MODES = ("http", "http-seeded", "in_process")
+
+
+def traffic_mode(via: str | None = None) -> str:
+    """``via``, else ``$PRODRL_LAB_TRAFFIC``, else ``http``; refused unless one of ``TRAFFIC_MODES``."""
+    mode = via or os.environ.get(TRAFFIC_ENV) or "http"
+    if mode not in TRAFFIC_MODES:
+        raise ValueError(f"lab traffic mode {mode!r} ({TRAFFIC_ENV}): one of {', '.join(TRAFFIC_MODES)}")
+    return mode
 SOURCE = "lab/arithmetic"
 
 

@@ -6,11 +6,23 @@ scored by ``lab.graders:arithmetic_anywhere``, which accepts the right number an
 pays; the held-out suite keeps the true rule (a bare integer). Then the grader becomes
 ``arithmetic_exact``, ``rescore`` re-scores every stored trajectory with it (the old rows stay), and
 the loop continues on honest rewards.
+
+Reproducible: lab traffic is played in process by default (one seeded batch per turn), so two runs
+give the same table whatever directory they run in. Over HTTP (``--traffic http``) the server
+batches concurrent calls and what is sampled depends on their arrival order; ``http-seeded``
+sends each call with its own seed (reproducible, slower).
+
+``--slow-drift``: the demo's learning rate, where the hack grows by a few points a round, under
+every per-round threshold, and each round deploys; the cumulative monitors (against round 0, the
+reference while nobody reviews) catch it once the drift adds up.
 """
 
 from __future__ import annotations
 
 import json
+import platform
+import subprocess
+import sys
 import time
 from pathlib import Path
 
@@ -23,6 +35,9 @@ WALKTHROUGH_SETTINGS = {
     "lab_hedge_noise": 0.3, "rewards_sources": ["grader"], "rewards_grader": HOLEY, "learning_rate": 3e-4,
     "monitors_format_errors_blocking": True, "monitors_length_drift_blocking": True,
 }
+# The slow drift: at the demo's learning rate hedging grows a few points a round, each round passes
+# every per-round threshold against live and deploys; against round 0 the drift adds up.
+SLOW_DRIFT_SETTINGS = {"learning_rate": 1e-4}
 
 
 def round_row(svc, rkey: str) -> dict:
@@ -49,8 +64,14 @@ def round_row(svc, rkey: str) -> dict:
         "live_heldout_holey": _heldout_holey(ev["live"]),
         "gate_passed": h.get("gate_passed"), "deployed": bool(h.get("deployed")),
         "gate_reasons": h.get("gate_reasons") or [],
-        "monitors": {k: {"value": v["value"], "passed": v["passed"]} for k, v in (h.get("monitors") or {}).items()},
+        "monitors": _monitors(h.get("monitors")), "reference": h.get("monitor_reference"),
+        "cumulative_monitors": _monitors(h.get("cumulative_monitors")),
     }
+
+
+def _monitors(recorded: dict | None) -> dict:
+    return {k: {"value": v["value"], "passed": v["passed"], "blocking": v.get("blocking", False)}
+            for k, v in (recorded or {}).items()}
 
 
 def _heldout_holey(evaluation: dict) -> float:
@@ -63,9 +84,11 @@ def _heldout_holey(evaluation: dict) -> float:
     return sum(scores) / len(scores)
 
 
-def walkthrough(home: Path, settings: dict, hack_rounds: int, fixed_rounds: int, log=print) -> dict:
+def walkthrough(home: Path, settings: dict, hack_rounds: int, fixed_rounds: int, log=print,
+                via: str = "in_process") -> dict:
     """``hack_rounds`` rounds of the loop on ``settings`` with the holey grader, the fix, ``rescore``,
-    then ``fixed_rounds`` on the exact grader; returns each round's row and the rescore report."""
+    then ``fixed_rounds`` on the exact grader; returns each round's row and the rescore report.
+    ``via``: how lab traffic is served (``lab.http_traffic.TRAFFIC_MODES``)."""
     from dataclasses import asdict
 
     from prodrl_pipelines.lab.demo import run_loop
@@ -78,18 +101,20 @@ def walkthrough(home: Path, settings: dict, hack_rounds: int, fixed_rounds: int,
 
     holey = {**settings, "rewards_sources": ["grader"], "rewards_grader": HOLEY}
     log(f"phase 1: {hack_rounds} rounds scored by the holey grader ({HOLEY})")
-    run_loop(home, holey, hack_rounds, log)
+    run_loop(home, holey, hack_rounds, log, via=via)
     svc = svc_for(holey)
+    base = svc.ledger.round_summary("round-000000")
     rounds = [round_row(svc, k) for k in _round_keys(svc)]
     fixed = {**holey, "rewards_grader": EXACT}
     svc = svc_for(fixed)
     rep = scoring.rescore(svc, "grader")
     log(f"fix: rewards_grader={EXACT}; {rep.summary()}")
     log(f"phase 2: {fixed_rounds} rounds on the fixed grader")
-    run_loop(home, fixed, fixed_rounds, log)
+    if fixed_rounds:
+        run_loop(home, fixed, fixed_rounds, log, via=via)
     done = {r["round"] for r in rounds}
     rounds += [round_row(svc, k) for k in _round_keys(svc) if k not in done]
-    return {"rounds": rounds, "rescore": asdict(rep)}
+    return {"base_heldout_reward": base.get("heldout_reward"), "rounds": rounds, "rescore": asdict(rep)}
 
 
 def _round_keys(svc) -> list[str]:
@@ -106,29 +131,75 @@ def print_walkthrough(out: dict) -> None:
 
     t = Table(title="reward hacking: a grader with a hole, caught, fixed, re-scored")
     for c in ("round", "grader", "trained on", "exact on same", "hedges", "held-out (cand / live)",
-              "holey grader on held-out (cand / live)", "monitors failing", "gate", "deployed"):
+              "holey grader on held-out (cand / live)", "monitors failing (vs live)",
+              "cumulative failing (vs reference)", "gate", "deployed"):
         t.add_column(c)
     for r in out["rounds"]:
-        bad = ", ".join(f"{k} {v['value']:+.3f}" for k, v in r["monitors"].items() if not v["passed"]) or "-"
         t.add_row(r["round"], r["grader"], _f(r["trained_reward"]), _f(r["exact_reward"]),
                   f"{r['hedge_rate']:.1%}", f"{_f(r['heldout_reward'])} / {_f(r['live_heldout_reward'])}",
-                  f"{_f(r['heldout_holey'])} / {_f(r['live_heldout_holey'])}", bad,
+                  f"{_f(r['heldout_holey'])} / {_f(r['live_heldout_holey'])}", failing(r["monitors"]),
+                  failing(r.get("cumulative_monitors") or {}, r.get("reference")),
                   "passed" if r["gate_passed"] else "FAILED", "yes" if r["deployed"] else "no")
-    Console(width=160).print(t)
+    Console(width=180).print(t)
+
+
+def failing(monitors: dict, reference: str | None = None) -> str:
+    """The failing monitors of a round row, ``name +value`` each (and the reference they compare with)."""
+    bad = ", ".join(f"{k} {v['value']:+.3f}" for k, v in monitors.items() if not v["passed"])
+    return f"{bad} (vs {reference})" if bad and reference else bad or "-"
+
+
+def provenance(argv: list[str]) -> dict:
+    """What ran, at which commit, on which machine: stated beside every table made from the output."""
+    import torch
+
+    repo = Path(__file__).resolve().parents[2]
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
+                                cwd=repo, timeout=10).stdout.strip()
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "prodrl_pipelines"],
+                               capture_output=True, text=True, cwd=repo, timeout=10).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit, dirty = "", ""
+    import os
+
+    return {"command": " ".join(["prodrl", *argv]), "commit": (commit + ("+dirty" if dirty else "")) or "unknown",
+            "machine": f"{_cpu_model()}, {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
+                       f"({torch.get_num_threads()} threads), Python {platform.python_version()}"}
+
+
+def _cpu_model() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or "unknown CPU"
+
+
+def walkthrough_settings(slow_drift: bool = False) -> tuple[dict, int, int]:
+    """The command's settings, hack rounds and fixed rounds (``--slow-drift``: its variant)."""
+    from prodrl_pipelines.lab.demo import DEMO_SETTINGS
+
+    if slow_drift:
+        return {**DEMO_SETTINGS, **WALKTHROUGH_SETTINGS, **SLOW_DRIFT_SETTINGS}, 8, 0
+    return {**DEMO_SETTINGS, **WALKTHROUGH_SETTINGS}, 4, 3
 
 
 def cmd_reward_hacking(args) -> int:
-    from prodrl_pipelines.lab.demo import DEMO_SETTINGS
-
-    settings = {**DEMO_SETTINGS, **WALKTHROUGH_SETTINGS}
+    settings, hack, fixed = walkthrough_settings(args.slow_drift)
     if args.settings:
         settings.update(json.loads(Path(args.settings).read_text()))
     home = Path(args.runs_dir).resolve() / args.name
     t0 = time.time()
-    out = walkthrough(home, settings, args.hack_rounds, args.fixed_rounds)
+    hack = args.hack_rounds if args.hack_rounds is not None else hack
+    fixed = args.fixed_rounds if args.fixed_rounds is not None else fixed
+    out = walkthrough(home, settings, hack, fixed, via=args.traffic)
     print_walkthrough(out)
     path = home / "reward_hacking.json"
-    path.write_text(json.dumps({**out, "seconds": round(time.time() - t0, 1)}, indent=1, default=str))
+    path.write_text(json.dumps({**provenance(sys.argv[1:]), "settings": settings, "traffic": args.traffic, **out,
+                                "seconds": round(time.time() - t0, 1)}, indent=1, default=str))
     print(f"wrote {path} ({time.time() - t0:.0f}s)")
     return 0
 
@@ -137,7 +208,13 @@ def add_reward_hacking_parser(lab_sub) -> None:
     p = lab_sub.add_parser("reward-hacking", help="the walkthrough: a grader with a hole, monitors, gate, rescore")
     p.add_argument("--name", default="reward-hacking")
     p.add_argument("--runs-dir", default="runs")
-    p.add_argument("--hack-rounds", type=int, default=4)
-    p.add_argument("--fixed-rounds", type=int, default=3)
+    p.add_argument("--hack-rounds", type=int, default=None, help="rounds on the holey grader (default 4; 8 with --slow-drift)")
+    p.add_argument("--fixed-rounds", type=int, default=None, help="rounds after the fix (default 3; 0 with --slow-drift)")
+    p.add_argument("--slow-drift", action="store_true",
+                   help="the demo's learning rate: the hack grows under every per-round threshold and deploys; "
+                        "the cumulative monitors against round 0 catch it")
+    p.add_argument("--traffic", choices=("in_process", "http-seeded", "http"), default="in_process",
+                   help="how lab traffic is served: in_process and http-seeded are reproducible; http batches "
+                        "concurrent calls, so two runs differ")
     p.add_argument("--settings", help="JSON file of ProdRLSettings overrides (e.g. lab_size, lab_hedge_noise)")
     p.set_defaults(fn=cmd_reward_hacking)

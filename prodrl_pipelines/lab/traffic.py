@@ -16,13 +16,14 @@ from prodrl_pipelines.lab.tasks import get_task
 def simulate_traffic(svc, n_episodes: int, via: str = "in_process", deployment=None) -> dict:
     """Serve ``n_episodes`` fresh tasks of the lab task (``settings.lab.task``) with the live deployment
     and record them."""
-    # via="http": episodes -> prodrl record -> prodrl serve on loopback
-    if via == "http":
+    # via="http": episodes -> prodrl record -> prodrl serve on loopback; "http-seeded": each call
+    # carries its own seed, so what is sampled does not depend on how the server batched the calls
+    if via in ("http", "http-seeded"):
         from prodrl_pipelines.lab.http_traffic import simulate_traffic_http
 
-        return simulate_traffic_http(svc, n_episodes, deployment=deployment)
+        return simulate_traffic_http(svc, n_episodes, deployment=deployment, seeded=via == "http-seeded")
     if via != "in_process":
-        raise ValueError(f"via must be 'http' or 'in_process', got {via!r}")
+        raise ValueError(f"via must be 'http', 'http-seeded' or 'in_process', got {via!r}")
     live = svc.live()
     blobs = svc.blobs
     key = keys.TRAFFIC_BATCHES
