@@ -28,7 +28,8 @@ from prodrl_pipelines.rl.sequences import LayoutStats, Sequence, minibatch_seque
 from prodrl_pipelines.rl.checkpoint import TrainerState
 from prodrl_pipelines.rl.config import Recipe
 from prodrl_pipelines.rl.logprobs import policy_logprobs, uses_flash_attention
-from prodrl_pipelines.rl.routing_replay import RoutingStats, moe_shape
+from prodrl_pipelines.rl.round_diagnostics import RoundDiagnostics
+from prodrl_pipelines.rl.routing_replay import moe_shape
 from prodrl_pipelines.rl.losses import SEQUENCE_LEVEL, TokenTerms, kl_penalty, policy_objective
 
 
@@ -40,7 +41,7 @@ class RoundResult:
     advantages: np.ndarray | None = None
     resumed_from_step: int = 0
     layout: LayoutStats | None = None  # merged / split calls, sequences and micro-batches of the round
-    routing: dict[str, float] = field(default_factory=dict)  # MoE routing diagnostics (``routing_diagnostics``)
+    routing: dict[str, float] = field(default_factory=dict)  # MoE routing diagnostics (``round_diagnostics``)
 
 
 def build_optimizer(model, recipe: Recipe, state: TrainerState,
@@ -55,10 +56,6 @@ def build_optimizer(model, recipe: Recipe, state: TrainerState,
             g["lr"], g["betas"], g["weight_decay"] = recipe.learning_rate, recipe.adam_betas, recipe.weight_decay
     return opt
 
-
-# The with/without-replay mismatch pair costs one extra forward: measured on the round's first
-# micro-batches until this many generated tokens (a sample of the round, in plan order).
-ROUTING_DIAGNOSTIC_TOKENS = 16384
 
 # 1 - Q_H floor of the support estimate: a head holding less than this of mu says little about S.
 MIN_HEAD_MASS = 1e-6
@@ -246,24 +243,6 @@ def _reference_logprobs(reference, b: PackedBatch, versions: list[str], chunk: i
     return out
 
 
-def routing_diagnostics(stats: RoutingStats, mismatch: torch.Tensor, other: torch.Tensor,
-                        replay: bool) -> dict[str, float]:
-    """The round's routing metrics: the share of recorded (position, layer) expert sets that differ
-    from the trainer's own top-k (overall and per layer, every token of the round), and
-    |log pi_k - log mu| mean and p99 with and without replay, over the same tokens (those with
-    recorded routing among the first ``ROUTING_DIAGNOSTIC_TOKENS``; ``mismatch`` as the round
-    trains, ``other`` with replay the other way)."""
-    def q(x: torch.Tensor, f) -> float:
-        return float(f(x.double())) if x.numel() else float("nan")
-
-    on, off = (mismatch, other) if replay else (other, mismatch)
-    out = {**stats.as_metrics(), "routing_diagnostic_tokens": float(mismatch.numel())}
-    for name, x in (("replay", on), ("no_replay", off)):
-        out[f"mismatch_{name}_mean"] = q(x, torch.mean)
-        out[f"mismatch_{name}_p99"] = q(x, lambda t: np.quantile(t.cpu().numpy(), 0.99))  # torch's caps the size
-    return out
-
-
 def plan_minibatches(trajs: list[Trajectory], recipe: Recipe, round_seed: int) -> list[list[int]]:
     """Deterministic shuffle of the S*B trajectories into S minibatches of B (each used once)."""
     n_req = recipe.trajectories_per_round
@@ -348,7 +327,8 @@ def train_round(
     device = next(model.parameters()).device
     layout, stats = layout_round(trajs, adv_all, plan, recipe, rank, world_size)
 
-    moe = moe_shape(getattr(model, "policy", model)) is not None
+    shape = moe_shape(getattr(model, "policy", model))
+    moe = shape is not None
     with_routing = moe and any(c.routing is not None for i in {i for mb in plan for i in mb} for c in trajs[i].calls)
     replay = recipe.routing_replay == "recorded" and with_routing
     if recipe.routing_replay == "recorded" and not moe:
@@ -364,32 +344,24 @@ def train_round(
     model.eval()
     old_all: list[list[torch.Tensor]] = []
     ref_all: list[list[torch.Tensor]] | None = None if reference_model is None else []
-    mismatch = []  # |log pi_k - log mu| per token (with the round's routing)
-    recorded, other = [], []  # on tokens with recorded routing: as trained, and with replay the other way
-    rstats = RoutingStats()
+    diag = RoundDiagnostics(replay, shape[0] if moe else 0, world_size, device)  # the same figures on every rank
     with torch.no_grad():
         for s in tqdm(range(len(plan)), desc="pi_k", disable=not progress, leave=False):
             versions = [trajs[i].policy_version for i in plan[s]]
             olds, refs = [], []
             for b in micro_batches(s):
-                olds.append(policy_logprobs(model, b, chunk, replay=replay, routing_stats=rstats))
+                olds.append(policy_logprobs(model, b, chunk, replay=replay, routing_stats=diag.stats))
                 if ref_all is not None:
                     refs.append(_reference_logprobs(reference_model, b, versions, chunk, replay))
-                if not b.filler:
-                    mismatch.append((support_renormalised(olds[-1], b) - b.logp_mu).abs())
-                    if b.routing is not None and sum(x.numel() for x in other) < ROUTING_DIAGNOSTIC_TOKENS:
-                        known = b.routing_known[b.gen_row, b.gen_pos]
-                        alt = policy_logprobs(model, b, chunk, replay=not replay)
-                        recorded.append(mismatch[-1][known])
-                        other.append((support_renormalised(alt, b) - b.logp_mu).abs()[known])
+                # every rank or none runs the extra forward (FSDP2 gathers parameters in each one)
+                alt = policy_logprobs(model, b, chunk, replay=not replay) if with_routing and diag.due(b) else None
+                diag.add(b, (support_renormalised(olds[-1], b) - b.logp_mu).abs(),
+                         None if alt is None else (support_renormalised(alt, b) - b.logp_mu).abs())
             old_all.append(olds)
             if ref_all is not None:
                 ref_all.append(refs)
-    mm = torch.cat(mismatch) if mismatch else torch.zeros(0)
-    result = RoundResult(mismatch_abs_logp=float(mm.mean()) if mm.numel() else float("nan"),
-                         advantages=adv_all, layout=stats,
-                         routing=routing_diagnostics(rstats, torch.cat(recorded), torch.cat(other), replay)
-                         if other else {})
+    result = RoundResult(mismatch_abs_logp=diag.mismatch_abs_logp(), advantages=adv_all, layout=stats,
+                         routing=diag.routing())
     fingerprint = _plan_fingerprint(plan, adv_all, recipe)
     start = _resume(resume_path, fingerprint, model, optimizer, state, result) if resume_path else 0
 
