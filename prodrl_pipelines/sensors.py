@@ -6,10 +6,11 @@
   moved to an older deployed version) each become a run of ``registry_decision`` (the `deployment`
   asset of that round); a rejection closes the round at once; anything contradictory is refused on
   the version and in the skip reason.
-- ``canary_sensor`` judges a running canary on the live rewards recorded since it started (or a
-  reviewer's early end: tag ``canary_end=promote|fail`` on its version, ``prodrl review end-canary``):
-  a pass becomes a run of ``registry_decision`` that rolls the candidate out to every replica; a
-  failure removes the canary at once (the round is decided, not deployed).
+- ``canary_sensor`` scores the canary window's complete trajectories with the plan's scorers and
+  judges a running canary on the rewards a round would train on (or a reviewer's early end: tag
+  ``canary_end=promote|fail`` on its version, ``prodrl review end-canary``): a pass is recorded and
+  becomes a run of ``registry_decision`` that rolls the candidate out to every replica; a failure
+  removes the canary at once (the round is decided, not deployed). A recorded pass is final.
 """
 
 import hashlib
@@ -136,36 +137,45 @@ def registry_sensor(context: SensorEvaluationContext, settings: ProdRLSettings, 
         default_status=DefaultSensorStatus.RUNNING)
 def canary_sensor(context: SensorEvaluationContext, settings: ProdRLSettings, store: StoreResource,
                   mlflow: MlflowResource):
-    """Promotes a canary that is as good as the champion on live reward, removes one that is worse."""
+    """Promotes a canary that is as good as the champion on live reward, removes one that is worse.
+    The plan's scorers grade the window's complete trajectories first. A pass is recorded before its
+    rollout is requested and is final: later ticks only ask again for the same run (its run key)."""
     from prodrl_pipelines.loop import canary, lineage_hooks
     from prodrl_pipelines.loop.review import UNKNOWN_REVIEWER
-    from prodrl_pipelines.loop.round_state import utc_now
 
     svc = open_services(settings, store, mlflow)
     rkey = canary.running_canary(svc)
     if rkey is None:
         return SkipReason("no canary running")
     version = svc.ledger.round_summary(rkey).get("model_version")
-    tags = svc.lineage.version_tags(version) if version else {}
-    verdict = canary.judge(svc, rkey)
-    by = "canary (live reward)"
-    if tags.get(canary.END_TAG) in ("promote", "fail"):  # a reviewer ends it early
-        by = tags.get(canary.END_BY_TAG) or UNKNOWN_REVIEWER
-        verdict.passed, verdict.ended_by = tags[canary.END_TAG] == "promote", f"ended early by {by}"
-    if verdict.passed is None:
-        if version and tags.get("canary_trajectories") != str(verdict.n_candidate):
-            lineage_hooks.record_canary(svc, rkey, version, "running", verdict)  # the numbers so far
-        return SkipReason(f"{rkey} canary: {verdict.summary()}")
-    if not verdict.passed:
-        canary.fail(svc, rkey, verdict, by)
-        lineage_hooks.record_canary(svc, rkey, version, "failed", verdict)
-        lineage_hooks.champion_to_live(svc)
-        context.log.info(verdict.summary())
-        return SkipReason(f"{rkey}: {verdict.summary()}; removed, the champion serves every trajectory")
     key = f"canary_promote-{rkey}"
-    if context.instance.get_run_records(RunsFilter(tags={RUN_KEY_TAG: key}), limit=1):
-        return SkipReason(f"{rkey}: {verdict.summary()}; its rollout was requested")
+    requested = bool(context.instance.get_run_records(RunsFilter(tags={RUN_KEY_TAG: key}), limit=1))
+    verdict = canary.acted_verdict(svc, rkey)
+    if verdict is None and not requested:
+        scored = canary.score_completed(svc, rkey)
+        if scored["sources"]:
+            context.log.info(f"{rkey} canary window: scored {scored['sources']}; {scored['in_flight']} in flight")
+        tags = svc.lineage.version_tags(version) if version else {}
+        verdict = canary.judge(svc, rkey)
+        by = "canary (live reward)"
+        if tags.get(canary.END_TAG) in ("promote", "fail"):  # a reviewer ends it early
+            by = tags.get(canary.END_BY_TAG) or UNKNOWN_REVIEWER
+            verdict.passed, verdict.ended_by = tags[canary.END_TAG] == "promote", f"ended early by {by}"
+        if verdict.passed is None:
+            if version and tags.get("canary_trajectories") != str(verdict.n_candidate):
+                lineage_hooks.record_canary(svc, rkey, version, "running", verdict)  # the numbers so far
+            return SkipReason(f"{rkey} canary: {verdict.summary()}")
+        if not verdict.passed:
+            canary.fail(svc, rkey, verdict, by)
+            lineage_hooks.record_canary(svc, rkey, version, "failed", verdict)
+            lineage_hooks.champion_to_live(svc)
+            context.log.info(verdict.summary())
+            return SkipReason(f"{rkey}: {verdict.summary()}; removed, the champion serves every trajectory")
+        verdict = canary.record_promotion(svc, rkey, verdict, by)  # final from here on
+    if requested:
+        return SkipReason(f"{rkey}: {verdict.summary() if verdict else 'promotion'}; its rollout was requested")
+    acted = canary.promotion_by(svc, rkey)
     context.log.info(verdict.summary())
     return RunRequest(partition_key=rkey, run_key=key, tags={
-        ROUND_TAG: "train", ACTION_TAG: "canary_promote", BY_TAG: by, AT_TAG: utc_now(),
+        ROUND_TAG: "train", ACTION_TAG: "canary_promote", BY_TAG: acted["by"], AT_TAG: acted["at"],
         MODEL_VERSION_TAG: version or ""})

@@ -191,12 +191,17 @@ class Settings(BaseModel):
 
 def check_settings(settings: Settings, s3_endpoint_url: str | None = None):
     """What can fail before any work starts beyond field types: the evaluation suite loads and fits
-    the serving settings (e.g. a task whose answers need more ``max_tokens``), and the reward sources
-    build (the grader imports). Returns the suite."""
+    the serving settings (e.g. a task whose answers need more ``max_tokens``), the reward sources
+    build (the grader imports), and a canary can be judged (its new traffic can be rewarded).
+    Returns the suite."""
     from prodrl_pipelines.evaluation import load_suite
     from prodrl_pipelines.rewards.scoring import RewardPlan
 
-    RewardPlan(settings.rewards)  # the grader imports, the judge's settings hold together
+    plan = RewardPlan(settings.rewards)  # the grader imports, the judge's settings hold together
+    stuck = plan.cannot_reward_new_traffic() if settings.deploy.canary_fraction > 0 else None
+    if stuck:  # the canary is judged on the plan's rewards of its own, new traffic: it would run forever
+        raise ValueError(f"canary_fraction {settings.deploy.canary_fraction}: the canary can never be judged: {stuck}; "
+                         f"unpin rewards_versions, add a source that rewards new traffic, or set canary_fraction 0")
     return load_suite(settings.eval.suite, settings.eval.reward_fn, settings, s3_endpoint_url)
 
 

@@ -8,6 +8,17 @@ live reward of the candidate's trajectories against the champion's recorded in t
 -tolerance, se = sqrt(var_c / n_c + var_l / n_l). Pass: a full rolling update to the candidate.
 Fail: the canary is removed, the round is decided (not deployed, ``canary: failed``), and the next
 round trains from the live policy. A reviewer may end it early either way (``prodrl review``).
+
+The rewards are the ones a round would train on: the configured plan (``RewardPlan.resolve``: its
+sources, pinned versions and combination rule), never whatever row came last. With scorers in the
+plan (grader, judge) the window's complete trajectories are scored before each judgement
+(``score_completed``), as a round's ``scored_rewards`` would score them; no round runs while a
+canary does, so nothing else would.
+
+A verdict, once acted on, is final: a pass is recorded on the round (``record_promotion``) before
+the rollout is requested, the rollout deploys with that recorded verdict, and a recorded pass can no
+longer be failed (``VerdictFinal``); a failure decides the round at once, and a decided round can no
+longer be promoted (``promotion.deploy`` refuses).
 """
 
 from __future__ import annotations
@@ -16,9 +27,10 @@ import math
 from dataclasses import asdict, dataclass
 
 import numpy as np
+import pyarrow as pa
 import pyarrow.compute as pc
 
-from prodrl_pipelines.loop.services import Services
+from prodrl_pipelines.loop.services import RoundError, Services
 
 RUNNING, PASSED, FAILED = "running", "passed", "failed"
 # a reviewer ends a canary early on its model version: promote (full rollout now) or fail (remove it)
@@ -61,22 +73,50 @@ def unpaired_lower_bound(candidate: np.ndarray, champion: np.ndarray, z: float) 
     return diff, diff - z * math.sqrt(var)
 
 
+class VerdictFinal(RoundError):
+    """The canary's verdict was acted on already (its promotion is recorded): it is not judged again."""
+
+
+def window_calls(svc: Services, candidate: str, champion: str, since_us: int, columns=()) -> pa.Table:
+    """The calls each version served since ``since_us`` (epoch microseconds)."""
+    calls = svc.store.read_calls([candidate, champion], columns=["created_at", *columns])
+    return calls.filter(pc.greater_equal(pc.cast(calls["created_at"], "int64"), since_us))
+
+
 def window_rewards(svc: Services, candidate: str, champion: str, since_us: int) -> tuple[np.ndarray, np.ndarray]:
-    """Latest rewards of the trajectories each version served since ``since_us`` (epoch microseconds):
-    the candidate's (all of its traffic is the canary's) and the champion's in the same window."""
-    calls = svc.store.read_calls([candidate, champion], columns=["trajectory_id", "policy_version", "created_at"])
-    t = pc.cast(calls["created_at"], "int64")
-    calls = calls.filter(pc.greater_equal(t, since_us))
+    """The rewards a round would train on (``RewardPlan.resolve``) of the trajectories each version
+    served since ``since_us``: the candidate's (all of its traffic is the canary's) and the champion's
+    in the same window."""
+    calls = window_calls(svc, candidate, champion, since_us)
     by_version: dict[str, set[str]] = {candidate: set(), champion: set()}
     for tid, v in zip(calls["trajectory_id"].to_pylist(), calls["policy_version"].to_pylist()):
         by_version[v].add(tid)
-    both = by_version[candidate] & by_version[champion]  # never both (sticky), but never count one twice
+    both = by_version[candidate] & by_version[champion]  # an episode that crossed versions judges neither
     ids = (by_version[candidate] | by_version[champion]) - both
-    rewards = svc.store.read_rewards(trajectory_ids=sorted(ids)) if ids else None
-    got = dict(zip(rewards["trajectory_id"].to_pylist(), rewards["reward"].to_pylist())) if rewards is not None else {}
+    rows = svc.store.read_rewards(latest=False, trajectory_ids=sorted(ids)) if ids else None
+    resolved = svc.rewards.resolve(rows) if rows is not None and rows.num_rows else None
+    got = (dict(zip(resolved["trajectory_id"].to_pylist(), resolved["reward"].to_pylist()))
+           if resolved is not None else {})
     pick = lambda v: np.asarray([got[i] for i in sorted(by_version[v] - both) if i in got and got[i] is not None  # noqa: E731
                                  and math.isfinite(got[i])], np.float64)
     return pick(candidate), pick(champion)
+
+
+def score_completed(svc: Services, rkey: str, now_us: int | None = None) -> dict:
+    """Score, with the plan's scorers, the complete trajectories the canary's window lacks a reward
+    for (both versions; idempotent, ``rewards.scoring.score_missing``): trajectories, in_flight and
+    per-source counts. Nothing to do when the plan has no scorer."""
+    from prodrl_pipelines.rewards.scoring import score_missing
+
+    if not svc.settings.rewards.scorers:
+        return {"trajectories": 0, "in_flight": 0, "sources": {}}
+    d = svc.ledger.decision(rkey)
+    calls = window_calls(svc, rkey, svc.ledger.live().policy_version, int(d["canary_started_us"]),
+                         columns=["task_id", "prompt_text", "output_text"])
+    reports = score_missing(svc.store, svc.rewards, calls, now_us)
+    return {"trajectories": len(pc.unique(calls.column("trajectory_id"))),
+            "in_flight": max((r.in_flight for r in reports.values()), default=0),
+            "sources": {n: r.as_dict() for n, r in reports.items()}}
 
 
 def judge(svc: Services, rkey: str) -> CanaryVerdict:
@@ -105,11 +145,43 @@ def running_canary(svc: Services) -> str | None:
     return None
 
 
+def acted_verdict(svc: Services, rkey: str) -> CanaryVerdict | None:
+    """The pass recorded when the canary's promotion was requested (``record_promotion``), if any."""
+    d = svc.ledger.decision(rkey)
+    return CanaryVerdict(**d["canary_verdict"]) if d.get("canary_promotion") else None
+
+
+def promotion_by(svc: Services, rkey: str) -> dict:
+    """Who asked for the canary's promotion and when (``{"by", "at"}``; empty when nobody has)."""
+    return dict(svc.ledger.decision(rkey).get("canary_promotion") or {})
+
+
+def record_promotion(svc: Services, rkey: str, verdict: CanaryVerdict, by: str) -> CanaryVerdict:
+    """Record the pass the canary's promotion acts on, before the rollout is requested; from here on
+    the verdict is final. Idempotent: a recorded pass is returned unchanged, never overwritten."""
+    from prodrl_pipelines.loop.round_state import CANARY, describe_decision, round_state, utc_now
+
+    d = svc.ledger.decision(rkey)
+    if d.get("canary_promotion"):
+        return CanaryVerdict(**d["canary_verdict"])
+    if round_state(d) != CANARY or not verdict.passed:
+        raise RoundError(f"cannot promote the canary of {rkey}: {describe_decision(d)}"
+                         + ("" if verdict.passed else f"; {verdict.summary()}"))
+    svc.ledger.record_decision(rkey, {**d, "canary_verdict": asdict(verdict),
+                                      "canary_promotion": {"by": by, "at": utc_now()}})
+    return verdict
+
+
 def fail(svc: Services, rkey: str, verdict: CanaryVerdict, by: str) -> dict:
-    """End a failed canary: no more traffic to it, the round decided (not deployed); champion unchanged."""
+    """End a failed canary: no more traffic to it, the round decided (not deployed); champion unchanged.
+    Refused (``VerdictFinal``) once its promotion is recorded."""
     from prodrl_pipelines.deploy_targets import make_target
     from prodrl_pipelines.loop.round_state import utc_now
 
+    acted = promotion_by(svc, rkey)
+    if acted:
+        raise VerdictFinal(f"the canary of {rkey} passed and its rollout was requested by {acted['by']} at "
+                           f"{acted['at']}: that verdict is final")
     stopped = make_target(svc.settings).stop_canary()
     decision = {**svc.ledger.decision(rkey), "canary": FAILED, "deployed": False, "decided_by": by,
                 "decided_at": utc_now(), "canary_verdict": asdict(verdict), "canary_stopped": stopped}

@@ -80,10 +80,14 @@ def deploy(svc: Services, rkey: str, model_version: str | None = None,
     decided = {**decision, "review": review, "decided_by": by, "decided_at": at}
     if kind != "canary_promote" and svc.settings.deploy.canary_fraction > 0:
         return _start_canary(svc, rkey, decided)
-    if kind == "canary_promote":
+    if kind == "canary_promote":  # the verdict the request acted on, recorded before it; never a new one
         from prodrl_pipelines.loop import canary
 
-        decided = {**decided, "canary": canary.PASSED, "canary_verdict": asdict(canary.judge(svc, rkey))}
+        acted = canary.acted_verdict(svc, rkey)
+        if acted is None:
+            raise RoundError(f"cannot promote the canary of {rkey}: no pass was recorded to act on "
+                             f"(the canary sensor records it before it requests the rollout)")
+        decided = {**decided, "canary": canary.PASSED, "canary_verdict": asdict(acted)}
     try:
         dep, rollout = make_live(svc, rkey, model_version, by=by)
     except DeployRejected as e:

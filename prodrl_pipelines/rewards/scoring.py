@@ -41,6 +41,20 @@ class RewardPlan:
         """One reward per trajectory that has one (``combine``)."""
         return combine(rewards, self.settings.sources, self.versions(), self.settings.combine, self.settings.weights)
 
+    def cannot_reward_new_traffic(self) -> str | None:
+        """Why no trajectory recorded from now on can get a reward under this plan, or None: a scorer
+        pinned to an older version (``rewards_versions``) is read, never written, so traffic it must
+        reward (every source under ``weighted``, all of them under ``first``) stays unrewarded."""
+        vs = self.versions()
+        stuck = [n for n in self.settings.sources if self.sources[n].scores and vs[n] != self.current_version(n)]
+        needs_all = self.settings.combine == "weighted"
+        if stuck and (needs_all or len(stuck) == len(self.settings.sources)):
+            return (f"rewards_sources {list(self.settings.sources)} with rewards_versions pinning "
+                    f"{', '.join(f'{n}@{vs[n]}' for n in stuck)} (current: "
+                    f"{', '.join(f'{n}@{self.current_version(n)}' for n in stuck)}): a pinned version is never "
+                    f"written, so new traffic is never rewarded under rewards_combine {self.settings.combine!r}")
+        return None
+
     def describe(self) -> str:
         vs = self.versions()
         return f"{self.settings.combine}(" + ", ".join(f"{n}@{vs[n] or 'client'}" for n in self.settings.sources) + ")"
