@@ -91,10 +91,15 @@ def test_every_monitor_has_a_cumulative_threshold_of_its_own():
 def test_cumulative_slices_use_their_own_tolerance():
     s = MonitorSettings(slices_cumulative_threshold=0.10)
     ref = evaluation(0.0, 0)
-    cand = {**evaluation(0.0, 1), "rewards": [0.5 - 0.15 * (i % 2) for i in range(N)]}  # slice t1 lost 0.15
-    per_round = by_name(run_monitors(cand, ref, s, 0.2, 1.96))["slices"]
-    cumulative = by_name(run_monitors(cand, ref, s, 0.2, 1.96, scope="cumulative", against="round-000000"))["slices"]
+    live = {**evaluation(0.0, 1), "rewards": [0.5 - 0.075 * (i % 2) for i in range(N)]}  # slice t1 lost 0.075
+    cand = {**evaluation(0.0, 2), "rewards": [0.5 - 0.15 * (i % 2) for i in range(N)]}  # and 0.075 more
+    per_round = by_name(run_monitors(cand, live, s, 0.08, 1.96))["slices"]
+    cumulative = by_name(run_monitors(cand, ref, s, 0.08, 1.96, scope="cumulative", against="round-000000"))["slices"]
     assert per_round.passed and not cumulative.passed and "regressed: t1" in cumulative.detail
+    assert cumulative.threshold == -0.10
+    # never tighter than the gate's own tolerance
+    wide = by_name(run_monitors(cand, ref, s, 0.2, 1.96, scope="cumulative", against="round-000000"))["slices"]
+    assert wide.passed and wide.threshold == -0.2
 
 
 # --- the reference policy ---------------------------------------------------------------------

@@ -48,11 +48,13 @@ class MonitorSettings(BaseModel):
     length_drift_cumulative_threshold: float = Field(0.75, ge=0)
     refusal_rate_cumulative_threshold: float = Field(0.10, ge=0)
     kl_cumulative_threshold: float = Field(1.0, ge=0)
-    slices_cumulative_threshold: float = Field(0.10, ge=0)  # the tolerance per slice vs the reference
+    slices_cumulative_threshold: float = Field(0.10, ge=0)  # tolerance per slice vs the reference (>= the gate's)
 
     def cumulative_view(self) -> "MonitorSettings":
-        """These settings with each ``<name>_threshold`` replaced by its cumulative one."""
-        return self.model_copy(update={f"{n}_threshold": getattr(self, f"{n}_cumulative_threshold")
+        """These settings with each ``<name>_threshold`` replaced by its cumulative one, never tighter
+        than the per-round one (drift against the reference includes this round's against live)."""
+        return self.model_copy(update={f"{n}_threshold": max(getattr(self, f"{n}_cumulative_threshold"),
+                                                             getattr(self, f"{n}_threshold"))
                                        for n in CUMULATIVE if n != "slices"})
 
     @field_validator("enabled")

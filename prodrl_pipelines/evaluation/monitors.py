@@ -192,13 +192,13 @@ def run_monitors(cand: dict, live: dict, settings, tolerance: float, z: float, *
 
     ``scope="round"``: the other is the live policy, with the per-round thresholds and the gate's
     ``tolerance`` for slices. ``scope="cumulative"``: the other is the reference policy, with the
-    ``*_cumulative_threshold`` settings (``tolerance`` is then unused). ``kl_fields``: the
+    ``*_cumulative_threshold`` settings, each never tighter than its per-round one. ``kl_fields``: the
     candidate's KL to that other policy (``kl_to_live``, ``kl_tokens``, ``kl_outside_live_support``
     keys), when it is not the candidate's own KL-to-live fields."""
     if scope not in SCOPES:
         raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
     s = settings if scope == "round" else settings.cumulative_view()
-    tol = tolerance if scope == "round" else settings.slices_cumulative_threshold
+    tol = tolerance if scope == "round" else max(settings.slices_cumulative_threshold, tolerance)
     label = "live" if scope == "round" else f"reference {against}".rstrip()
     c = cand if kl_fields is None else {**cand, **kl_fields}
     out = []
