@@ -12,10 +12,15 @@ probe passed (DESIGN.md s.7; vLLM updates are not transactional):
 The endpoint file (``<home>/deployment/endpoint.json``) is the deployment's live pointer for the
 processes in front of it: ``prodrl record --follow`` re-reads it (URL, served model name, policy
 version) when it changes, so the recorder follows a blue/green restart and tags an in-place reload.
+Several processes change it (a deploy's waves, the canary's start and stop, a recorder pausing a
+canary that refuses connections): every change is a read-modify-write under an exclusive ``flock``
+on a lock file beside it (``EndpointFile.update``), so no writer puts back what another removed.
 """
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import json
 import os
 import time
@@ -96,6 +101,11 @@ class Endpoint:
         return self.replicas or [{"url": self.url, "served_model_name": self.served_model_name,
                                   "policy_version": self.policy_version}]
 
+    def canary_paused(self) -> str | None:
+        """Why the running canary was taken off traffic (its server refused connections), else None."""
+        paused = (self.canary or {}).get("paused")
+        return str(paused.get("reason", "paused")) if isinstance(paused, dict) else None
+
     def version_of(self, served_model_name: str | None) -> str | None:
         """The policy version a server answering as ``served_model_name`` serves (None: not listed)."""
         for r in self.replica_list() + list((self.canary or {}).get("replicas", [])):
@@ -108,9 +118,56 @@ class EndpointFile:
     def __init__(self, path: Path) -> None:
         self.path = Path(path)
 
-    def write(self, ep: Endpoint) -> None:
+    @contextlib.contextmanager
+    def locked(self):
+        """Exclusive over every process and thread that changes the file (``flock`` on a sibling lock
+        file: one open file description per holder, so threads of one process exclude each other too).
+        Readers need no lock: the file is replaced atomically."""
+        lock = self.path.with_name(self.path.name + ".lock")
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(lock, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX)
+            yield
+        finally:
+            os.close(fd)  # releases the lock
+
+    def _write(self, ep: Endpoint) -> None:
         ep.switched_at = ep.switched_at or datetime.now(timezone.utc).isoformat()
         write_json(self.path, asdict(ep))
+
+    def write(self, ep: Endpoint) -> None:
+        """Replace the whole file (what a target that owns it outright writes)."""
+        with self.locked():
+            self._write(ep)
+
+    def update(self, change) -> Endpoint | None:
+        """Read, ``change(endpoint or None)`` -> the endpoint to write (None: leave the file as it is),
+        write: one step under the lock. Returns what the file holds afterwards."""
+        with self.locked():
+            new = change(self.read())
+            if new is None:
+                return self.read()
+            self._write(new)
+            return new
+
+    def pause_canary(self, url: str, policy_version: str, reason: str) -> bool:
+        """Take the canary serving ``policy_version`` at ``url`` off traffic and record why (its
+        trajectories go to the stable replicas; whoever judges the canary reads ``canary_paused()``).
+        False when that canary is no longer listed (stopped or replaced meanwhile) or already paused."""
+        done = []
+
+        def change(ep):
+            can = ep.canary if ep is not None else None
+            if not can or can.get("policy_version") != policy_version or can.get("paused") \
+                    or url not in [r.get("url") for r in can.get("replicas", [])]:
+                return None
+            can["paused"] = {"reason": reason, "url": url, "at": datetime.now(timezone.utc).isoformat()}
+            done.append(True)
+            return ep
+
+        self.update(change)
+        return bool(done)
 
     def read(self) -> Endpoint | None:
         raw = read_json(self.path)

@@ -73,34 +73,45 @@ def compare(served: list[np.ndarray], trainer: list[np.ndarray], mean_bound: flo
 
 def parity_probe(settings, export_dir: Path, prompts: list[list[int]], endpoint: str | None,
                  served_model_name: str | None = None, api_key: str | None = None, seed: int = 0) -> ProbeResult:
+    return parity_probes(settings, export_dir, prompts, [endpoint], served_model_name, api_key, seed)[0]
+
+
+def parity_probes(settings, export_dir: Path, prompts: list[list[int]], endpoints: list[str | None],
+                  served_model_name: str | None = None, api_key: str | None = None,
+                  seed: int = 0) -> list[ProbeResult]:
+    """One probe per endpoint (every new server of a wave), the trainer loaded once for all of them."""
     from prodrl_pipelines.engines.local import LocalEngine
     from prodrl_pipelines.evaluation.episodes import stop_token_ids
     from prodrl_pipelines.rl.checkpoint import load_policy
 
     t0 = time.monotonic()
     d = settings.deploy
-    served = None if endpoint else LocalEngine.from_pretrained(export_dir)
-    if served is not None and not getattr(served.model, "_w4a4_hooks", None) \
-            and next(served.model.parameters()).dtype == torch.float32:
-        trainer = served  # the same fp32 weights, no activation quantization: one model in memory, not two
+    local = None if all(endpoints) else LocalEngine.from_pretrained(export_dir)
+    if local is not None and not getattr(local.model, "_w4a4_hooks", None) \
+            and next(local.model.parameters()).dtype == torch.float32:
+        trainer = local  # the same fp32 weights, no activation quantization: one model in memory, not two
     else:
         trainer = LocalEngine(*load_policy(Path(export_dir), torch.float32))  # scores what was served
     params = d.sampling(stop_token_ids=stop_token_ids(trainer.tokenizer, export_dir))
     if settings.recipe.routing_replay != "recorded":  # routing is only recorded here to be replayed
         params = dataclasses.replace(params, record_routing=False)
-    if endpoint:
-        from prodrl_pipelines.engines.vllm_client import VLLMClient
+    results = []
+    for endpoint in endpoints:
+        if endpoint:
+            from prodrl_pipelines.engines.vllm_client import VLLMClient
 
-        with VLLMClient(endpoint, api_key=api_key, model=served_model_name) as client:
-            records = client.generate(prompts, params, seed=seed)
-        engine = endpoint
-    else:
-        records = served.generate(prompts, params, seed=seed)
-        engine = "local"
-    # a trainer that replays the deployment's routing (R3) scores with the experts the deployment used
-    replay = settings.recipe.routing_replay == "recorded" and any(r.routed_experts is not None for r in records)
-    pi = trainer.score([r.prompt_token_ids for r in records], [r.output_token_ids for r in records], params,
-                       routings=[r.routed_experts for r in records] if replay else None)
-    served = [np.asarray(r.output_logprobs, dtype=np.float64) for r in records]
-    cmp = compare(served, [np.asarray(x, dtype=np.float64) for x in pi], *d.probe_bounds())
-    return ProbeResult(prompts=len(prompts), seconds=time.monotonic() - t0, engine=engine, **cmp)
+            with VLLMClient(endpoint, api_key=api_key, model=served_model_name) as client:
+                records = client.generate(prompts, params, seed=seed)
+            engine = endpoint
+        else:
+            records = local.generate(prompts, params, seed=seed)
+            engine = "local"
+        # a trainer that replays the deployment's routing (R3) scores with the experts the deployment used
+        replay = settings.recipe.routing_replay == "recorded" and any(r.routed_experts is not None for r in records)
+        pi = trainer.score([r.prompt_token_ids for r in records], [r.output_token_ids for r in records], params,
+                           routings=[r.routed_experts for r in records] if replay else None)
+        served = [np.asarray(r.output_logprobs, dtype=np.float64) for r in records]
+        cmp = compare(served, [np.asarray(x, dtype=np.float64) for x in pi], *d.probe_bounds())
+        results.append(ProbeResult(prompts=len(prompts), seconds=time.monotonic() - t0, engine=engine, **cmp))
+        t0 = time.monotonic()
+    return results

@@ -1,8 +1,9 @@
 """One deploy, start to finish: switch, health check, parity probe, then commit or roll back.
 
 A target with several replicas (``waves()``) is updated wave by wave: each wave's new servers are
-switched, health-checked and probed, then committed (its old servers drain), before the next wave
-starts; a failure in any wave rolls that wave back and restores the waves already committed.
+switched, health-checked and probed (every one of them: a wave of several new servers is only as good
+as its worst), then committed (its old servers drain), before the next wave starts; a failure in any
+wave, the commit included, rolls that wave back and restores the waves already committed.
 """
 
 from __future__ import annotations
@@ -12,7 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from prodrl_pipelines.deploy_targets.base import DeployError, Switch, wait_healthy
-from prodrl_pipelines.deploy_targets.probe import ProbeResult, parity_probe
+from prodrl_pipelines.deploy_targets.probe import ProbeResult, parity_probe, parity_probes
 
 
 @dataclass
@@ -65,22 +66,34 @@ def roll_out(settings, target, export_dir: Path, policy_version: str,
 
 def probe_and_commit(settings, target, sw: Switch, prompts: list[list[int]], api_key: str | None = None,
                      t0: float | None = None) -> Rollout:
-    """The second half of ``roll_out``: health check and parity probe of a switched deployment, then
-    commit, or roll back and raise ``DeployRejected``."""
+    """The second half of ``roll_out``: health check and parity probe of every new server of a
+    switched deployment, then commit; any failure (the commit's included) rolls back and raises
+    ``DeployRejected``."""
     t0 = time.monotonic() - sw.seconds if t0 is None else t0
-    probe = None
+    servers = [(f"replica {s['slot']} ({s['url']})", s["url"]) for s in sw.detail.get("slots") or [] if s.get("url")] \
+        or [("", sw.endpoint)]
+    probe, step = None, "health check / probe"
     try:
-        if sw.endpoint:
-            wait_healthy(sw.endpoint, min(settings.deploy.health_timeout_s, 60.0), api_key=api_key)
+        for _, url in servers:
+            if url:
+                wait_healthy(url, min(settings.deploy.health_timeout_s, 60.0), api_key=api_key)
         if settings.deploy.probe_prompts and prompts:
-            probe = parity_probe(settings, Path(sw.export_dir), prompts[: settings.deploy.probe_prompts],
-                                 sw.endpoint, sw.served_model_name, api_key=api_key, seed=settings.eval.eval_seed)
+            probes = parity_probes(settings, Path(sw.export_dir), prompts[: settings.deploy.probe_prompts],
+                                   [url for _, url in servers], sw.served_model_name, api_key=api_key,
+                                   seed=settings.eval.eval_seed)
+            failed = [(name, p) for (name, _), p in zip(servers, probes) if not p.passed]
+            if failed:
+                name, probe = failed[0]
+                raise DeployRejected(f"parity probe failed{' on ' + name if name else ''}: {probe.reason}", sw,
+                                     probe, target.rollback(sw))
+            probe = max(probes, key=lambda p: (p.mean_abs, p.p99_abs))  # the worst server of the wave
+        step = "commit"
+        target.commit(sw)
+    except DeployRejected:
+        raise
     except Exception as e:  # noqa: BLE001 - any failure here is a failed deploy: roll back, then report
-        reason = f"health check / probe failed: {type(e).__name__}: {e}"
+        reason = f"{step} failed: {type(e).__name__}: {e}"
         raise DeployRejected(reason, sw, probe, target.rollback(sw)) from e
-    if probe is not None and not probe.passed:
-        raise DeployRejected(f"parity probe failed: {probe.reason}", sw, probe, target.rollback(sw))
-    target.commit(sw)
     return Rollout(sw, probe, time.monotonic() - t0)
 
 

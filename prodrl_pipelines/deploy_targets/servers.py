@@ -200,42 +200,74 @@ class ManagedServerTarget:
                               "wave": wave, "replicas": self.replicas, "slots": slots})
 
     def write_endpoint(self, policy_version: str, export_dir: str) -> None:
-        """The endpoint file: every live replica (versions differ mid-update), the canary if one runs."""
-        reps = [r for r in self.currents() if r is not None]
-        if not reps:
-            return
-        head = next((r for r in reps if r.policy_version == policy_version), reps[0])
-        old = endpoint_file(self.home).read()
-        endpoint_file(self.home).write(Endpoint(
-            head.url, head.policy_version, policy_version, self.name, export_dir,
-            replicas=[{"url": r.url, "served_model_name": r.policy_version, "policy_version": r.policy_version}
-                      for r in reps],
-            canary=old.canary if old is not None else None))
+        """The endpoint file: every live replica (versions differ mid-update), the canary if one runs
+        (as the file holds it now: read and written under the file's lock, so a canary stopped or
+        paused meanwhile is not put back)."""
+        def change(old: Endpoint | None) -> Endpoint | None:
+            reps = [r for r in self.currents() if r is not None]
+            if not reps:
+                return None
+            head = next((r for r in reps if r.policy_version == policy_version), reps[0])
+            return Endpoint(head.url, head.policy_version, policy_version, self.name, export_dir,
+                            replicas=[{"url": r.url, "served_model_name": r.policy_version,
+                                       "policy_version": r.policy_version} for r in reps],
+                            canary=old.canary if old is not None else None)
+
+        endpoint_file(self.home).update(change)
 
     def commit(self, switch: Switch) -> None:
-        for s in switch.detail["slots"]:
-            raw = read_json(self.slot_dir(s["slot"]) / "pending.json")
+        slots = switch.detail["slots"]
+        pending = [read_json(self.slot_dir(s["slot"]) / "pending.json") for s in slots]
+        for s, raw in zip(slots, pending):  # every slot checked before any changes
             if not raw or int(raw["pid"]) != int(s["pid"]):
                 raise DeployError(f"{self.name}: no pending server for {switch.policy_version} on replica "
                                   f"{s['slot']} to commit")
+        for s, raw in zip(slots, pending):
             write_json(self.slot_dir(s["slot"]) / "current.json", raw)
             (self.slot_dir(s["slot"]) / "pending.json").unlink(missing_ok=True)
         self.write_endpoint(switch.policy_version, switch.export_dir)
-        old = [s["previous"] for s in switch.detail["slots"]
-               if s["previous"] and int(s["previous"]["pid"]) != int(s["pid"])]
+        old = [s["previous"] for s in slots if s["previous"] and int(s["previous"]["pid"]) != int(s["pid"])]
         if old:
             time.sleep(DRAIN_S)
             for o in old:  # SIGTERM: the server finishes the requests it accepted, then exits
                 stop_process_group(int(o["pid"]))
 
     def rollback(self, switch: Switch) -> str:
+        """Stop the switch's new servers. A commit that failed half-way made some of them current:
+        those slots get their previous server back (as current when it still runs, else restarted)
+        and the endpoint file lists what serves then."""
+        committed, lost = [], []
+        for s in switch.detail["slots"]:
+            cur = read_json(self.slot_dir(s["slot"]) / "current.json")
+            if cur and int(cur["pid"]) == int(s["pid"]):
+                committed.append(s)
+                prev = s["previous"]
+                if prev and pid_alive(int(prev["pid"])):
+                    write_json(self.slot_dir(s["slot"]) / "current.json", prev)
+                else:
+                    (self.slot_dir(s["slot"]) / "current.json").unlink(missing_ok=True)
+                    lost.append(s)
+        prev = next((s["previous"] for s in switch.detail["slots"] if s["previous"]), None)
+        if committed and prev:
+            self.write_endpoint(prev["policy_version"], prev["export_dir"])
         for s in switch.detail["slots"]:
             stop_process_group(int(s["pid"]))
             (self.slot_dir(s["slot"]) / "pending.json").unlink(missing_ok=True)
+        notes = []
+        if committed:
+            notes.append(f"replicas {[s['slot'] for s in committed]} were committed: their previous servers "
+                         "are current again")
+        if lost:
+            notes.append(self.restore([Switch(self.name, switch.policy_version, switch.export_dir, None,
+                                              detail={"slots": lost})]))
         old = switch.previous
         if old and pid_alive(int(old["pid"])):
-            return f"stopped the new server; {old['policy_version']} kept serving at {old['url']}"
-        return "stopped the new server; nothing else was serving"
+            notes.insert(0, f"stopped the new server; {old['policy_version']} kept serving at {old['url']}")
+        elif not lost:
+            notes.insert(0, "stopped the new server; nothing else was serving")
+        else:
+            notes.insert(0, "stopped the new server")
+        return "; ".join(notes)
 
     def restore(self, switches: list[Switch]) -> str:
         """Bring back what served before on the slots of committed waves (latest first), blue/green."""
@@ -284,30 +316,54 @@ class ManagedServerTarget:
                                                              "role": "canary", "slots": []})
 
     def commit_canary(self, switch: Switch, fraction: float) -> None:
-        """Route ``fraction`` of trajectories (sticky per trajectory id) to the canary."""
-        raw = read_json(self.canary_dir() / "pending.json")
-        if not raw or int(raw["pid"]) != int(switch.detail["pid"]):
-            raise DeployError(f"{self.name}: no pending canary for {switch.policy_version} to commit")
-        write_json(self.canary_dir() / "current.json", raw)
-        (self.canary_dir() / "pending.json").unlink(missing_ok=True)
-        ep = endpoint_file(self.home).read()
-        if ep is None:
-            raise DeployError("a canary needs a live deployment beside it (no endpoint file)")
-        ep.canary = {"fraction": float(fraction), "policy_version": switch.policy_version,
-                     "export_dir": switch.export_dir,
-                     "replicas": [{"url": switch.endpoint, "served_model_name": switch.policy_version,
-                                   "policy_version": switch.policy_version}]}
-        endpoint_file(self.home).write(ep)
+        """Route ``fraction`` of trajectories (sticky per trajectory id) to the canary; one step under
+        the endpoint file's lock, so it cannot interleave with a ``stop_canary``."""
+        def change(ep: Endpoint | None) -> Endpoint:
+            raw = read_json(self.canary_dir() / "pending.json")
+            if not raw or int(raw["pid"]) != int(switch.detail["pid"]):
+                raise DeployError(f"{self.name}: no pending canary for {switch.policy_version} to commit")
+            if ep is None:
+                raise DeployError("a canary needs a live deployment beside it (no endpoint file)")
+            write_json(self.canary_dir() / "current.json", raw)
+            (self.canary_dir() / "pending.json").unlink(missing_ok=True)
+            ep.canary = {"fraction": float(fraction), "policy_version": switch.policy_version,
+                         "export_dir": switch.export_dir,
+                         "replicas": [{"url": switch.endpoint, "served_model_name": switch.policy_version,
+                                       "policy_version": switch.policy_version}]}
+            return ep
+
+        endpoint_file(self.home).update(change)
 
     def stop_canary(self) -> str:
-        """No more traffic to the canary (endpoint file first), then its server drains and stops."""
-        ep = endpoint_file(self.home).read()
-        if ep is not None and ep.canary:
+        """No more traffic to the canary (endpoint file first, and its records taken, under the file's
+        lock), then its server drains and stops."""
+        routed, records = [], []
+
+        def change(ep: Endpoint | None) -> Endpoint | None:
+            for name in ("pending.json", "current.json"):
+                raw = read_json(self.canary_dir() / name)
+                if raw:
+                    records.append(raw)
+                (self.canary_dir() / name).unlink(missing_ok=True)
+            if ep is None or not ep.canary:
+                return None
+            routed.append(ep.canary)
             ep.canary = None
-            endpoint_file(self.home).write(ep)
+            return ep
+
+        endpoint_file(self.home).update(change)
+        if routed:
             time.sleep(DRAIN_S)
-        stopped = stop_recorded(self.canary_dir())
-        return f"stopped the canary ({', '.join(stopped)})" if stopped else "no canary was running"
+        stopped = []
+        for raw in records:
+            if pid_alive(int(raw["pid"])):
+                stop_process_group(int(raw["pid"]))
+                stopped.append(raw["policy_version"])
+        paused = routed[0].get("paused") if routed and isinstance(routed[0].get("paused"), dict) else None
+        why = f"; it had been taken off traffic: {paused.get('reason', '')}" if paused else ""
+        if stopped or paused:
+            return f"stopped the canary ({', '.join(stopped) or 'no longer running'}){why}"
+        return "no canary was running"
 
     def stop(self) -> None:
         """Stop every replica's servers (current and pending) and a canary: the end of this deployment."""
