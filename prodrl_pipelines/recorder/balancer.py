@@ -1,12 +1,33 @@
 """Which replica answers a call: the deployment's replicas as its endpoint file lists them, the
-healthy one with the fewest requests in flight, and a canary slice that is sticky per trajectory.
+healthy one with the fewest requests in flight, an episode kept on one policy version while it can
+be, and a canary slice of trajectories.
 
-A trajectory goes to the canary when ``canary_share(trajectory_id) < canary.fraction``: a hash of
-its id, so every call of an episode is served by the same version (never switching mid-way) and the
-slice is a fixed random fraction of trajectories. Calls without a trajectory id go to the stable
-replicas. A replica that refuses a connection is taken out for ``down_s`` and its health is checked
-(``/health``) before it comes back; when every replica of a group is out, they are all tried (a
-replica that is back answers; one that is not fails the call as before).
+**Stickiness per trajectory.** The version that served a trajectory's latest call is remembered (a
+bounded table, least recently used out): its next call goes to a healthy replica serving that
+version, stable or canary, while the endpoint file lists one. During a rolling wave an episode that
+started on the old version therefore finishes there while an old replica is left (the waves replace
+them one by one), and one that started on a new replica stays on new ones. When no healthy replica
+of its version is left (the last old one was replaced, or the canary went away) the call goes where a
+new trajectory would go and the episode *crosses versions* (counted: ``crossings``); it is pinned to
+the version that served it from then on. Selection never trains such an episode as complete.
+
+**The canary slice.** A trajectory seen for the first time goes to the canary when
+``canary_share(trajectory_id) < canary.fraction``: a hash of its id, so the slice is a fixed random
+fraction of trajectories. A trajectory that started before the canary did keeps its version (the
+pin), so no episode enters the canary half-way. Calls without a trajectory id go to the stable
+replicas.
+
+**Failures.** A replica that refuses a connection is taken out for ``down_s`` and its health is
+checked (``/health``) before it comes back; the call goes to another replica of its version, else
+to any healthy one (a canary's trajectories fall back to the stable replicas: nothing was answered,
+so nothing is recorded twice). When every candidate is out they are tried anyway (one that is back
+answers). A canary that cannot be connected to ``refusals_to_pause`` times in a row (calls and health
+checks) is paused in the endpoint file with the reason (``EndpointFile.pause_canary``): no traffic
+goes to it any more, and whoever judges the canary reads ``Endpoint.canary_paused()``.
+
+The table is this process's: with a fleet of recorders, an episode stays on one version when the
+load balancer in front sends a trajectory's calls to one recorder (sticky on ``X-Trajectory-Id``);
+otherwise each recorder applies the same rules from the call it sees.
 """
 
 from __future__ import annotations
@@ -15,6 +36,7 @@ import hashlib
 import itertools
 import threading
 import time
+from collections import OrderedDict
 from dataclasses import dataclass
 
 import aiohttp
@@ -38,33 +60,68 @@ def canary_share(trajectory_id: str) -> float:
 
 
 class Balancer:
-    def __init__(self, down_s: float = 2.0, clock=time.monotonic) -> None:
+    def __init__(self, down_s: float = 2.0, clock=time.monotonic, *, endpoints=None, max_pins: int = 100_000,
+                 refusals_to_pause: int = 3) -> None:
         self.down_s, self.clock = down_s, clock
+        self.endpoints = endpoints  # the followed EndpointFile: where a canary that refuses is paused
+        self.max_pins, self.refusals_to_pause = max_pins, refusals_to_pause
         self._lock = threading.Lock()
         self._outstanding: dict[str, int] = {}
         self._down_until: dict[str, float] = {}
+        self._refusals: dict[str, int] = {}  # connection failures in a row, per url
+        self._pins: OrderedDict[str, str] = OrderedDict()  # trajectory id -> version of its latest call
         self._turn = itertools.count()  # rotates ties, so idle replicas share the load
+        self.crossings = 0  # calls that found no replica of their episode's version left
+        self.paused: list[str] = []  # canaries this balancer paused: "url: reason"
 
     def groups(self, endpoint) -> tuple[list[Choice], list[Choice], float]:
-        """(stable replicas, canary replicas, canary fraction) of an endpoint file's ``Endpoint``."""
+        """(stable replicas, canary replicas, canary fraction) of an endpoint file's ``Endpoint``; a
+        paused canary takes no traffic."""
         stable = [Choice(r["url"], r["served_model_name"], r["policy_version"]) for r in endpoint.replica_list()]
         canary = endpoint.canary or {}
-        picks = [Choice(r["url"], r["served_model_name"], r["policy_version"], True) for r in canary.get("replicas", [])]
+        picks = [] if canary.get("paused") else [
+            Choice(r["url"], r["served_model_name"], r["policy_version"], True) for r in canary.get("replicas", [])]
         return stable, picks, float(canary.get("fraction", 0.0)) if picks else 0.0
 
     def pick(self, endpoint, trajectory_id: str | None, exclude: frozenset[str] = frozenset()) -> Choice | None:
         """The replica for the next call of ``trajectory_id`` (None: nothing left to try)."""
         stable, canary, fraction = self.groups(endpoint)
-        group = canary if canary and trajectory_id and canary_share(trajectory_id) < fraction else stable
-        left = [c for c in group if c.url not in exclude]
-        if not left:
-            return None
         now = self.clock()
         with self._lock:
-            healthy = [c for c in left if self._down_until.get(c.url, 0.0) <= now] or left
-            turn = next(self._turn)
-            return min(healthy, key=lambda c: (self._outstanding.get(c.url, 0),
-                                               (healthy.index(c) - turn) % len(healthy)))
+            pinned = self._pins.get(trajectory_id) if trajectory_id else None
+            tiers = []
+            if pinned is not None:
+                tiers.append([c for c in stable + canary if c.policy_version == pinned])
+            elif canary and trajectory_id and canary_share(trajectory_id) < fraction:
+                tiers.append(canary)
+            tiers.append(stable)
+            choice = self._choose(tiers, exclude, now)
+            if choice is not None and trajectory_id:
+                if pinned is not None and choice.policy_version != pinned:
+                    self.crossings += 1
+                self._pins[trajectory_id] = choice.policy_version
+                self._pins.move_to_end(trajectory_id)
+                while len(self._pins) > self.max_pins:
+                    self._pins.popitem(last=False)
+            return choice
+
+    def _choose(self, tiers: list[list[Choice]], exclude: frozenset[str], now: float) -> Choice | None:
+        """The least loaded healthy replica of the first tier that has one; when none is healthy
+        anywhere, the least loaded one not yet tried, in tier order."""
+        for healthy_only in (True, False):
+            for tier in tiers:
+                left = [c for c in tier if c.url not in exclude
+                        and (not healthy_only or self._down_until.get(c.url, 0.0) <= now)]
+                if left:
+                    turn = next(self._turn)
+                    return min(left, key=lambda c: (self._outstanding.get(c.url, 0),
+                                                     (left.index(c) - turn) % len(left)))
+        return None
+
+    def version_of(self, trajectory_id: str) -> str | None:
+        """The version the trajectory's latest call was sent to (None: not seen, or forgotten)."""
+        with self._lock:
+            return self._pins.get(trajectory_id)
 
     def started(self, choice: Choice) -> None:
         with self._lock:
@@ -81,6 +138,27 @@ class Balancer:
     def mark_up(self, url: str) -> None:
         with self._lock:
             self._down_until.pop(url, None)
+            self._refusals.pop(url, None)
+
+    def refused(self, choice: Choice, error: BaseException | None = None) -> bool:
+        """``choice`` could not be connected to (a call or a health check): taken out for ``down_s``;
+        a canary that keeps refusing is paused in the endpoint file. True when this call paused it."""
+        self.mark_down(choice.url)
+        if not choice.canary:
+            return False
+        with self._lock:
+            n = self._refusals[choice.url] = self._refusals.get(choice.url, 0) + 1
+        if n < self.refusals_to_pause or self.endpoints is None:
+            return False
+        reason = (f"the canary server {choice.url} ({choice.policy_version}) could not be connected to "
+                  f"{n} times in a row" + (f" (last: {type(error).__name__}: {error})" if error is not None else "")
+                  + "; its trajectories go to the stable replicas")
+        # once per canary: the endpoint file says it is paused from then on, and groups() skips it
+        if self.endpoints.pause_canary(choice.url, choice.policy_version, reason):
+            with self._lock:
+                self.paused.append(f"{choice.url}: {reason}")
+            return True
+        return False
 
     def down(self) -> list[str]:
         now = self.clock()

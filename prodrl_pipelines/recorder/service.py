@@ -281,7 +281,8 @@ class Recorder:
         self.chat_n = min(k + 1, config.upstream_max_logprobs)  # top_logprobs asked on chat
         self.chat_k = min(k, self.chat_n - 1) if self.chat_n > 1 else 1
         self.deployment = FollowedEndpoint(config.follow) if config.follow else None
-        self.balancer = Balancer()
+        # the balancer pauses a canary that keeps refusing connections in the followed endpoint file
+        self.balancer = Balancer(endpoints=self.deployment.file if self.deployment is not None else None)
         self._health: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -377,9 +378,10 @@ class Recorder:
             try:
                 resp = await self.http.post(choice.url.rstrip("/") + "/" + path, data=dumps(up),
                                             headers=_JSON, **kw)
-            except aiohttp.ClientConnectorError:
+            except aiohttp.ClientConnectorError as exc:
                 self.balancer.finished(choice)
-                self.balancer.mark_down(choice.url)
+                if self.balancer.refused(choice, exc):
+                    self.stats.inc("canary_paused")
                 refused.add(choice.url)
                 self.stats.inc("upstream_replica_refused")
                 continue
@@ -437,15 +439,20 @@ class Recorder:
                     try:
                         async with self.http.get(c.url.rstrip("/") + "/health",
                                                  timeout=aiohttp.ClientTimeout(total=2.0)) as r:
-                            ok = r.status == 200
+                            ok, refused = r.status == 200, None
+                    except aiohttp.ClientConnectorError as exc:
+                        ok, refused = False, exc
                     except (asyncio.TimeoutError, aiohttp.ClientError):
-                        ok = False
+                        ok, refused = False, None
                     if ok:
                         self.balancer.mark_up(c.url)
                     else:
                         if c.url not in self.balancer.down():
                             self.stats.inc("replica_health_failures")
-                        self.balancer.mark_down(c.url)
+                        if refused is None:
+                            self.balancer.mark_down(c.url)
+                        elif self.balancer.refused(c, refused):  # not listening: counts toward a pause
+                            self.stats.inc("canary_paused")
             await asyncio.sleep(interval_s)
 
     async def stop(self) -> None:
