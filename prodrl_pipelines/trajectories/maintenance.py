@@ -27,12 +27,12 @@ def compact(store: TrajectoryStore, tables: Iterable[str] = TABLE_NAMES, target_
     """Compact each table; per table: files before and after, and the new version."""
     out = {}
     for name in tables:
-        dt = store.tables.open(name)
+        dt = store.tables.open_for_update(name)  # compact() moves it to the new version: never a shared one
         if dt is None:
             continue
         before = len(dt.file_uris())
         metrics = dt.optimize.compact(target_size=target_size)
-        dt = store.tables.open(name)
+        dt = store.tables.open_for_update(name)
         if metrics.get("numFilesRemoved", 0):
             dt.create_checkpoint()  # readers start from it instead of replaying every small commit
             dt.cleanup_metadata()  # log entries older than the log retention
@@ -63,7 +63,7 @@ def vacuum(store: TrajectoryStore, retention_hours: float, pins: Iterable[dict] 
     pins = list(pins)
     out = {}
     for name in TABLE_NAMES:
-        dt = store.tables.open(name)
+        dt = store.tables.open_for_update(name)  # vacuum commits through it
         if dt is None:
             continue
         hours = float(retention_hours)

@@ -13,12 +13,18 @@ Trino read them as they are.
 * ``log_since`` reads only the commits after a version, through the blob store's ``list(start_after)``
   and one GET per new commit: what a sensor tick costs does not depend on the table's history.
 * Every snapshot is addressable (``version=``): a round pins the versions it read and re-reads them.
+  The last few snapshots opened are kept (``MAX_OPEN_SNAPSHOTS``, least recently used dropped): each
+  holds its table's file list, and a recorder opens two per append for as long as it runs. A cached
+  snapshot is only read; maintenance (compaction, checkpoints, vacuum) mutates the ``DeltaTable`` it
+  works on, so it gets its own from ``open_for_update``, never a cached one.
 """
 
 from __future__ import annotations
 
 import json
 import os
+import threading
+from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -34,6 +40,7 @@ LOG_DIR = "_delta_log/"
 # checkpoints (every 100 commits) and cleaned up with vacuum.
 TABLE_CONFIGURATION = {"delta.logRetentionDuration": "interval 30 days",
                        "delta.deletedFileRetentionDuration": "interval 7 days"}
+MAX_OPEN_SNAPSHOTS = 8  # (table, version) snapshots kept open per process: a round's pins and the latest
 
 
 class TableError(RuntimeError):
@@ -61,9 +68,13 @@ class Commit:
 class DeltaTables:
     """The store's named Delta tables on one blob store (local directory or S3 bucket prefix)."""
 
-    def __init__(self, blobs: BlobStore) -> None:
+    def __init__(self, blobs: BlobStore, max_open: int = MAX_OPEN_SNAPSHOTS) -> None:
         self.blobs = blobs
-        self._pinned: dict[tuple[str, int], object] = {}  # a version never changes: opened once
+        self.max_open = max(int(max_open), 0)
+        # a version never changes: a recently opened one is reused (least recently used dropped)
+        self._open: OrderedDict[tuple[str, int], object] = OrderedDict()
+        self._open_lock = threading.Lock()  # the recorder's flusher and its readers share one store
+        self._exists: set[str] = set()  # tables known to exist (a table is never dropped)
 
     def __repr__(self) -> str:
         return f"DeltaTables({self.blobs!r})"
@@ -94,16 +105,31 @@ class DeltaTables:
     # --- snapshots ----------------------------------------------------------------------------
 
     def open(self, name: str, version: int | None = None):
-        """The table's ``DeltaTable`` (at ``version``, else the latest); None when it does not exist yet."""
+        """The table's ``DeltaTable`` (at ``version``, else the latest) for reading; None when it does
+        not exist yet. It may be shared with other readers: never call a method that commits on it
+        (``open_for_update`` is for that)."""
+        if version is not None:
+            with self._open_lock:
+                dt = self._open.get((name, version))
+                if dt is not None:
+                    self._open.move_to_end((name, version))
+                    return dt
+        dt = self._load(name, version)
+        if dt is not None:
+            self._keep(name, dt)
+        return dt
+
+    def open_for_update(self, name: str):
+        """A ``DeltaTable`` of the latest version that no one else holds (None when the table does not
+        exist): compaction, checkpoints and vacuum commit through it, which moves it to a new version."""
+        return self._load(name, None)
+
+    def _load(self, name: str, version: int | None):
         from deltalake import DeltaTable
         from deltalake.exceptions import TableNotFoundError
 
-        if version is not None and (name, version) in self._pinned:
-            return self._pinned[(name, version)]
         try:
             dt = DeltaTable(self.uri(name), version=version, storage_options=self.storage_options())
-            self._pinned[(name, dt.version())] = dt
-            return dt
         except TableNotFoundError:
             if version is not None:
                 raise TableError(f"table {name!r} at {self.uri(name)} has no version {version}") from None
@@ -112,6 +138,18 @@ class DeltaTables:
             if version is not None and "version" in str(e).lower():
                 raise TableError(f"table {name!r} at {self.uri(name)} cannot be read at version {version}: {e}") from e
             raise
+        self._exists.add(name)
+        return dt
+
+    def _keep(self, name: str, dt) -> None:
+        if self.max_open == 0:
+            return
+        key = (name, dt.version())
+        with self._open_lock:
+            self._open[key] = dt
+            self._open.move_to_end(key)
+            while len(self._open) > self.max_open:
+                self._open.popitem(last=False)
 
     def version(self, name: str) -> int:
         """The latest committed version; -1 when the table does not exist yet."""
@@ -122,7 +160,7 @@ class DeltaTables:
         """Create the table (empty) unless it exists; safe when several processes race to create it."""
         from deltalake import DeltaTable
 
-        if self.open(name) is not None:
+        if name in self._exists or self.open(name) is not None:
             return
         try:
             DeltaTable.create(self.uri(name), schema, mode="ignore", partition_by=list(partition_by) or None,
