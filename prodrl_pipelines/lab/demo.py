@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import sys
 import time
 from pathlib import Path
 
@@ -166,6 +167,9 @@ def summary_rows(svc) -> list[dict]:
             "deployed": bool(h.get("deployed")), "policy_version": live,
             "num_trajectories": h.get("num_trajectories", 0), "mismatch_abs_logp": h.get("mismatch_abs_logp"),
             "mlflow_run_id": h.get("mlflow_run_id"),
+            # the deploy's parity probe, when the round deployed through one
+            "probe_mean_abs": h.get("probe_mean_abs"), "probe_p99_abs": h.get("probe_p99_abs"),
+            "deploy_seconds": h.get("deploy_seconds"),
         })
     return rows
 
@@ -206,8 +210,15 @@ def cmd_demo(args) -> int:
     rows = run_loop(home, settings, args.rounds)
     print_table(rows)
     out = home / "summary.json"
-    out.write_text(json.dumps({"name": args.name, "settings": settings, "seconds": round(time.time() - t0, 1),
-                               "rounds": rows}, indent=1))
+    from prodrl_pipelines.lab.http_traffic import TRAFFIC_ENV, traffic_mode
+    from prodrl_pipelines.lab.reward_hacking import provenance
+
+    prov = provenance(sys.argv[1:])
+    if os.environ.get(TRAFFIC_ENV):  # how the traffic was served decides whether a rerun reproduces it
+        prov["command"] = f"{TRAFFIC_ENV}={os.environ[TRAFFIC_ENV]} {prov['command']}"
+    out.write_text(json.dumps({**prov, "name": args.name, "engine": args.engine, "traffic": traffic_mode(),
+                               "settings": settings, "seconds": round(time.time() - t0, 1), "rounds": rows},
+                              indent=1))
     print(f"wrote {out} ({time.time() - t0:.0f}s). Browse: DAGSTER_HOME={os.environ['DAGSTER_HOME']} "
           f"PRODRL_HOME={home} dagster dev; mlflow ui --backend-store-uri sqlite:///{home / 'mlflow.db'}")
     return 0

@@ -1,0 +1,93 @@
+"""The docs' measured tables are what their commands printed: ``scripts/docs_numbers.py --check``
+against the stored results, the generator's own behaviour, and the reward-hacking walkthrough's
+claims on a real run."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+SCRIPT = REPO / "scripts" / "docs_numbers.py"
+
+
+def _docs_numbers():
+    spec = importlib.util.spec_from_file_location("docs_numbers", SCRIPT)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_the_docs_say_what_the_stored_results_say():
+    out = subprocess.run([sys.executable, str(SCRIPT), "--check"], capture_output=True, text=True, timeout=60)
+    assert out.returncode == 0, out.stderr
+
+
+def _tree(tmp_path: Path, body: str) -> Path:
+    (tmp_path / "docs" / "results").mkdir(parents=True)
+    for f in ("reward_hacking.json", "slow_drift.json"):
+        shutil.copy(REPO / "docs" / "results" / f, tmp_path / "docs" / "results" / f)
+    (tmp_path / "README.md").write_text(f"intro\n<!-- docs-numbers:reward_hacking -->\n{body}<!-- /docs-numbers:reward_hacking -->\n"
+                                        "<!-- docs-numbers:slow_drift -->\n<!-- /docs-numbers:slow_drift -->\nend\n")
+    return tmp_path
+
+
+def test_check_fails_on_a_stale_table_and_the_rewrite_fixes_it(tmp_path):
+    dn = _docs_numbers()
+    root = _tree(tmp_path, "| round | ... |\n| 3 | passed, deployed |\n")
+    assert dn.main(["--check", "--root", str(root)]) == 1
+    problems = dn.update(root, check=True)
+    assert any("block 'reward_hacking' differs from docs/results/reward_hacking.json" in p for p in problems)
+    assert dn.main(["--root", str(root)]) == 0  # rewrites both blocks
+    assert dn.main(["--check", "--root", str(root)]) == 0
+    text = (root / "README.md").read_text()
+    assert text.startswith("intro\n") and text.endswith("end\n") and "| 3 | passed, deployed |" not in text
+    r = json.loads((root / "docs" / "results" / "reward_hacking.json").read_text())
+    assert f"`{r['command']}` at commit `{r['commit']}`" in text  # command, commit and machine beside it
+
+
+def test_unknown_blocks_and_missing_results_are_named(tmp_path):
+    dn = _docs_numbers()
+    root = _tree(tmp_path, "")
+    with (root / "README.md").open("a") as f:
+        f.write("<!-- docs-numbers:nonesuch -->\n<!-- /docs-numbers:nonesuch -->\n")
+    (root / "docs" / "results" / "slow_drift.json").unlink()
+    problems = dn.update(root, check=True)
+    assert any("unknown docs-numbers block 'nonesuch'" in p for p in problems)
+    assert any("needs docs/results/slow_drift.json" in p for p in problems)
+
+
+@pytest.mark.long(seconds=150)
+def test_reward_hacking_walkthrough_claims_on_a_real_run(tmp_path, monkeypatch):
+    """The walkthrough the README's table comes from, at its own size: every hack round is blocked by
+    named checks, and after the fix the held-out reward ends above the base. On the machine the
+    stored result came from the run reproduces it exactly (whatever the directory)."""
+    from prodrl_pipelines.lab.reward_hacking import provenance, walkthrough, walkthrough_settings
+
+    monkeypatch.delenv("PRODRL_DAGSTER_HOME", raising=False)
+    monkeypatch.delenv("DAGSTER_PG_URL", raising=False)
+    settings, hack_rounds, fixed_rounds = walkthrough_settings()
+    out = walkthrough(tmp_path / "elsewhere" / "home", settings, hack_rounds, fixed_rounds, log=lambda *_: None)
+    rounds = out["rounds"]
+    hack, fixed = rounds[:hack_rounds], rounds[hack_rounds:]
+    assert len(fixed) == fixed_rounds
+    for r in hack:
+        blockers = [k for k, v in {**r["monitors"], **r["cumulative_monitors"]}.items()
+                    if not v["passed"] and v["blocking"]]
+        assert not r["gate_passed"] and not r["deployed"] and blockers, r
+        assert r["holey_reward"] > r["exact_reward"]  # the hole pays
+    assert fixed[-1]["deployed"] and fixed[-1]["heldout_reward"] > out["base_heldout_reward"]
+    assert out["rescore"]["changed"] > 0 and out["rescore"]["new_mean"] < out["rescore"]["old_mean"]
+
+    stored = json.loads((REPO / "docs" / "results" / "reward_hacking.json").read_text())
+    if stored["machine"] != provenance([])["machine"]:
+        pytest.skip(f"stored result from {stored['machine']}: exact reproduction checked only there")
+    dn = _docs_numbers()
+    here = {**stored, "rounds": rounds, "rescore": out["rescore"], "base_heldout_reward": out["base_heldout_reward"]}
+    assert dn.render_reward_hacking(here, "x") == dn.render_reward_hacking(stored, "x")
