@@ -373,3 +373,21 @@ def test_a_commit_that_fails_half_way_restores_the_previous_servers(fleet, tiny_
     ep = endpoint_file(s.home_path).read()
     assert [r["policy_version"] for r in ep.replica_list()] == [v for _, v in before]
     assert _call(client, "after-commit-failure") == before[0][1]
+
+
+@pytest.mark.long(seconds=15)
+def test_a_canary_that_cannot_be_routed_to_is_stopped(tiny_exports, tmp_path):
+    """No live deployment beside it (no endpoint file): the probed canary cannot be committed; its
+    server is stopped and the deploy is rejected, as any other failure."""
+    s = Settings(home=str(tmp_path / "home"), deploy={
+        "target": "prodrl-serve", "target_port": pick_port_range(4), "replicas": 1, "probe_prompts": 2,
+        "max_tokens": 4, "export_scheme": "bf16"})
+    target = make_target(s)
+    try:
+        with pytest.raises(DeployRejected) as err:
+            start_canary(s, target, tiny_exports["bf16"], "lonely", PROMPTS, fraction=0.5)
+        assert "canary commit failed" in err.value.reason and "no endpoint file" in err.value.reason, err.value.reason
+        assert target.canary() is None and not pid_alive(err.value.switch.detail["pid"])
+        assert endpoint_file(s.home_path).read() is None
+    finally:
+        target.stop()
