@@ -117,5 +117,8 @@ def start_canary(settings, target, export_dir: Path, policy_version: str, prompt
                              target.stop_canary()) from e
     if probe is not None and not probe.passed:
         raise DeployRejected(f"canary parity probe failed: {probe.reason}", sw, probe, target.stop_canary())
-    target.commit_canary(sw, fraction)
+    try:
+        target.commit_canary(sw, fraction)
+    except Exception as e:  # noqa: BLE001 - a canary that could not be routed to: stopped, reported
+        raise DeployRejected(f"canary commit failed: {type(e).__name__}: {e}", sw, probe, target.stop_canary()) from e
     return Rollout(sw, probe, time.monotonic() - t0)
