@@ -5,6 +5,7 @@ to automatic promotion on scored live reward."""
 
 from __future__ import annotations
 
+import json
 import os
 import signal
 import subprocess
@@ -147,7 +148,7 @@ def fleet(tiny_policy_dir, tmp_path):
 
 
 @pytest.mark.long(seconds=60)
-def test_a_canary_whose_promotion_was_requested_is_never_failed(fleet, pg_instance):
+def test_a_canary_whose_promotion_was_requested_is_never_failed(fleet, pg_instance, capsys):
     svc, res, rec, app = fleet
     _gate_passed(svc, R1)
     assert promotion.deploy(svc, R1).kind == "canary"
@@ -172,6 +173,18 @@ def test_a_canary_whose_promotion_was_requested_is_never_failed(fleet, pg_instan
     assert endpoint_file(svc.settings.home_path).read().canary["policy_version"] == R1
     with pytest.raises(canary.VerdictFinal):  # nor can anything else fail it
         canary.fail(svc, R1, canary.judge(svc, R1), "someone")
+    # nor a reviewer: `prodrl review end-canary --fail` refuses
+    from prodrl_pipelines.cli.main import main as prodrl
+    from prodrl_pipelines.loop.services import publish_export
+
+    version = svc.lineage.register_candidate(publish_export(svc, R1, svc.settings.exports_root / R1),
+                                             svc.lineage.round_run(R1), R1, {"gate": "passed", "review": "none"})
+    svc.ledger.update_round(R1, model_version=version)
+    settings_file = svc.settings.home_path / "settings.json"
+    settings_file.write_text(json.dumps({k: v for k, v in res["settings"].fields().items() if v is not None}))
+    with pytest.raises(SystemExit) as refused:
+        prodrl(["review", "end-canary", version, "--fail", "--settings", str(settings_file), "--by", "bob"])
+    assert refused.value.code == 1 and "that verdict is final" in capsys.readouterr().err
     # the rollout records the verdict that was acted on, not a new one
     out = promotion.deploy(svc, R1, request=promotion.DeployRequest("canary_promote", req.tags[BY_TAG], utc_now()))
     assert out.kind == "deployed"

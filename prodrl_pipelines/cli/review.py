@@ -117,6 +117,9 @@ def cmd_end_canary(args) -> int:
     from prodrl_pipelines.loop import canary
 
     svc, rkey = _round_in_state(args, round_state.CANARY, "a running canary")
+    acted = canary.promotion_by(svc, rkey)  # a verdict acted on is final
+    _refuse_unless(not acted, f"the canary of version {args.version} ({rkey}) passed and its rollout was "
+                   f"requested by {acted.get('by')} at {acted.get('at')}: that verdict is final")
     outcome = "promote" if args.promote else "fail"
     svc.lineage.tag_version(args.version, {canary.END_BY_TAG: args.by, canary.END_TAG: outcome})
     print(f"canary of version {args.version} ({rkey}) ended by {args.by}: the canary sensor "
