@@ -126,8 +126,8 @@ def test_versions_that_never_enter_the_history_leave_the_state(store):
     # the canary failed; the next round deployed v2 (its first call after the canary's)
     store.write_calls([_call("n", 0, "v2", 20)])
     store.write_rewards([make_reward("n")])
-    rep = tracker.count("v2", ["v0", "v1", "v2"], 1, report=True)
-    assert rep.eligible == 2 and rep.tracked == 2, rep  # s and n; the canary's trajectories forgotten
+    rep = tracker.count("v2", ["v0", "v1", "v2"], 0, report=True)
+    assert rep.eligible == 1 and rep.tracked == 1, rep  # n; the canary's trajectories forgotten
 
 
 # ----------------------------------------------------------------------------- the random walk

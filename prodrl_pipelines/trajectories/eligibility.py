@@ -2,23 +2,36 @@
 
 ``EligibilityTracker.count`` answers "how many trajectories could the next round take?" (an upper
 bound of selection's ``n_eligible``, DESIGN.md s.5) without reading the store's history. It keeps a
-small state object in the store (``_state/eligibility.parquet``): one row per trajectory that can
-still become eligible, and, in the file's metadata, the table versions it has seen (its cursor).
-Each tick reads only the commits after the cursor (``DeltaTables.log_since``: one LIST per table,
-one GET per new commit) and the data files those commits added, folds them into the state, and
-drops the trajectories the policy window has left behind. So a tick costs what arrived since the
-last one plus the window's size, never the number of rounds or files before it.
+small state object in the store (``_state/eligibility.parquet``): one row per trajectory it has
+seen calls, rewards, retractions or ledger rows of, and, in the file's metadata, the table versions
+it has seen (its cursor), the window it counted for and the window's first call. Each tick reads
+only the commits after the cursor (``DeltaTables.log_since``: one LIST per table, one GET per new
+commit) and the data files those commits added, and folds them into the state. So a tick costs
+what arrived since the last one plus the state's size, never the number of rounds or files before it.
 
-Per trajectory the state keeps: the policy versions of its calls, its call indices, the calls that
-fail a cheap rule (empty generation, length mismatch, output token id out of range, non-finite
-output logprob) keyed by (call index, created_at) so a retraction can clear them, the latest reward
-(value and time), and whether a round's ledger holds it. Eligible = every version in the window,
-indices exactly 0..n-1, no failing call, a finite reward, not in a ledger.
+The state sees exactly the calls selection sees (``crossing``): every call under the window's
+versions, and the calls recorded since the window's first call under its predecessor and under
+versions not in the history; other calls are not folded. Per trajectory it keeps a *set* of call
+rows (call index, created_at, policy version, whether the row fails a cheap rule: empty generation,
+length mismatch, output token id out of range, non-finite output logprob) and a *set* of retracted
+(call index, created_at) keys, so identical duplicate rows, a retraction stored twice, and a
+retraction committed before the row it retracts all fold to what a read from scratch gives; also
+the latest reward (value and time) and whether a round's ledger holds it. Eligible = its rows less
+the retracted ones are all under the window's versions, their distinct call indices are exactly
+0..n-1, none fails a cheap rule, its reward is finite, no ledger holds it.
 
-The state is rebuilt from a snapshot (the window's calls, and the rewards, retractions and ledger
-rows of those trajectories) on the first tick, when the vocabulary or the window moves back, when a
-commit rewrote rows instead of appending them (a round re-materialised its ledger, a migration), or
-when the log no longer reaches back to the cursor.
+The state is rebuilt from a snapshot (the window's calls, the outside calls as above, and the
+rewards, retractions and ledger rows of those trajectories) on the first tick; when the vocabulary
+changes; when the window gains a version (a deployment, a rollback, a larger lag: any of these can
+bring back trajectories the state dropped) or its predecessor was not seen before; when the
+window's first call moves earlier (a late commit); when a commit rewrote rows instead of appending
+them (a round re-materialised its ledger, a migration); or when the log no longer reaches back to
+the cursor. When the window only shrinks, the calls it no longer sees are dropped in place.
+
+Expiry: calls under a version that never enters the history (a failed canary, a stray name) are
+seen only while they are not older than the window's first call, so the next deployment (a
+rebuild) forgets them; rewards, retractions and ledger rows of trajectories without a call the
+state sees are kept until then too (one of them may be the first row of a trajectory to arrive).
 """
 
 from __future__ import annotations
@@ -32,6 +45,7 @@ import pyarrow.compute as pc
 import pyarrow.parquet as pq
 
 from prodrl_pipelines.storage.blobstore import BlobNotFoundError
+from prodrl_pipelines.trajectories.crossing import Window
 from prodrl_pipelines.trajectories.store import CALLS, LEDGER, RETRACTIONS, REWARDS, TrajectoryStore
 
 STATE_KEY = "_state/eligibility.parquet"
@@ -42,13 +56,14 @@ _NEVER = np.iinfo(np.int64).min
 
 @dataclass
 class _Traj:
-    versions: set = field(default_factory=set)
-    indices: list = field(default_factory=list)
-    bad: set = field(default_factory=set)  # "call_index:created_at_us" of calls failing a cheap rule
+    rows: set = field(default_factory=set)  # (call_index, created_at_us | None, policy_version, bad)
+    retracted: set = field(default_factory=set)  # (call_index, created_at_us)
     reward: float | None = None
     reward_at: int = _NEVER
     used: bool = False
-    seen: str = ""  # the window's first version when this entry appeared (entries without calls expire by it)
+
+    def live_rows(self) -> list[tuple]:
+        return [r for r in self.rows if (r[0], r[1]) not in self.retracted]
 
 
 @dataclass
@@ -86,13 +101,33 @@ def bad_call_rows(calls: pa.Table, vocab_size: int) -> list[int]:
     return np.flatnonzero(bad).tolist()
 
 
+class _Sight:
+    """Which calls the state holds for a window (``crossing``): every call under the window's
+    versions; from ``since`` on (the window's first call), those under the predecessor and under
+    versions not in the history."""
+
+    def __init__(self, win: Window, since: int | None) -> None:
+        self.inside = set(win.versions)
+        self.skipped = set(win.skipped)
+        self.since = since
+
+    def sees(self, version: str, at: int | None) -> bool:
+        if version in self.inside:
+            return True
+        return version not in self.skipped and self.since is not None and at is not None and at >= self.since
+
+
+def _first_inside(trajs: dict[str, _Traj], inside: set[str]) -> int | None:
+    ats = [r[1] for tr in trajs.values() for r in tr.rows if r[2] in inside and r[1] is not None]
+    return min(ats) if ats else None
+
+
 class EligibilityTracker:
     """Incremental eligibility count over a ``TrajectoryStore`` (see the module docstring)."""
 
     def __init__(self, store: TrajectoryStore, vocab_size: int) -> None:
         self.store = store
         self.vocab_size = int(vocab_size)
-        self._seen = ""
 
     # --- state I/O ----------------------------------------------------------------------------
 
@@ -103,24 +138,35 @@ class EligibilityTracker:
             return None
         t = pq.read_table(pa.BufferReader(data))
         meta = json.loads(t.schema.metadata[b"prodrl"])
+        if "window" not in meta:
+            return meta, {}  # an older state layout: rebuilt
         trajs = {}
-        cols = {c: t.column(c).to_pylist() for c in t.column_names}
-        for i, tid in enumerate(cols["trajectory_id"]):
-            trajs[tid] = _Traj(set(cols["versions"][i]), list(cols["indices"][i]), set(cols["bad"][i]),
-                               cols["reward"][i], cols["reward_at"][i], cols["used"][i], cols["seen"][i])
+        c = {name: t.column(name).to_pylist() for name in t.column_names}
+        for i, tid in enumerate(c["trajectory_id"]):
+            trajs[tid] = _Traj(set(zip(c["row_index"][i], c["row_at"][i], c["row_version"][i], c["row_bad"][i])),
+                               set(zip(c["retracted_index"][i], c["retracted_at"][i])),
+                               c["reward"][i], c["reward_at"][i], c["used"][i])
         return meta, trajs
 
     def _save(self, meta: dict, trajs: dict[str, _Traj]) -> None:
         ids = list(trajs)
+        rows = [sorted(trajs[i].rows, key=repr) for i in ids]
+        ret = [sorted(trajs[i].retracted) for i in ids]
+
+        def col(lists, k, typ):
+            return pa.array([[r[k] for r in rs] for rs in lists], pa.list_(typ))
+
         t = pa.table({
             "trajectory_id": pa.array(ids, pa.string()),
-            "versions": pa.array([sorted(trajs[i].versions) for i in ids], pa.list_(pa.string())),
-            "indices": pa.array([trajs[i].indices for i in ids], pa.list_(pa.int32())),
-            "bad": pa.array([sorted(trajs[i].bad) for i in ids], pa.list_(pa.string())),
+            "row_index": col(rows, 0, pa.int32()),
+            "row_at": col(rows, 1, pa.int64()),
+            "row_version": col(rows, 2, pa.string()),
+            "row_bad": col(rows, 3, pa.bool_()),
+            "retracted_index": col(ret, 0, pa.int32()),
+            "retracted_at": col(ret, 1, pa.int64()),
             "reward": pa.array([trajs[i].reward for i in ids], pa.float64()),
             "reward_at": pa.array([trajs[i].reward_at for i in ids], pa.int64()),
             "used": pa.array([trajs[i].used for i in ids], pa.bool_()),
-            "seen": pa.array([trajs[i].seen for i in ids], pa.string()),
         }).replace_schema_metadata({"prodrl": json.dumps(meta)})
         sink = pa.BufferOutputStream()
         pq.write_table(t, sink, compression="zstd")
@@ -128,80 +174,87 @@ class EligibilityTracker:
 
     # --- folding rows into the state ----------------------------------------------------------
 
-    def _fold_calls(self, trajs: dict[str, _Traj], calls: pa.Table) -> None:
+    def _fold_calls(self, trajs: dict[str, _Traj], calls: pa.Table, sight: _Sight) -> None:
         if calls.num_rows == 0:
             return
-        bad_rows = set(bad_call_rows(calls, self.vocab_size))
+        bad_rows = set(bad_call_rows(calls, self.vocab_size)) if "output_token_ids" in calls.column_names else set()
         at = calls.column("created_at").cast(pa.int64()).to_pylist()
         for row, (tid, ci, v, a) in enumerate(zip(calls.column("trajectory_id").to_pylist(),
                                                   calls.column("call_index").to_pylist(),
                                                   calls.column("policy_version").to_pylist(), at)):
-            tr = trajs.setdefault(tid, _Traj(seen=self._seen))
-            tr.versions.add(v)
-            tr.indices.append(int(ci))
-            if row in bad_rows:
-                tr.bad.add(f"{ci}:{a}")
+            if sight.sees(v, a):
+                trajs.setdefault(tid, _Traj()).rows.add((int(ci), a, v, row in bad_rows))
 
     def _fold_retractions(self, trajs: dict[str, _Traj], retractions: pa.Table) -> None:
+        # kept even before the row they retract arrives (another writer may commit it later)
         at = retractions.column("created_at").cast(pa.int64()).to_pylist()
         for tid, ci, a in zip(retractions.column("trajectory_id").to_pylist(),
                               retractions.column("call_index").to_pylist(), at):
-            tr = trajs.get(tid)
-            if tr is not None:
-                tr.bad.discard(f"{ci}:{a}")
-                if int(ci) in tr.indices:  # the retry's row carries the same index
-                    tr.indices.remove(int(ci))
+            trajs.setdefault(tid, _Traj()).retracted.add((int(ci), a))
 
     def _fold_rewards(self, trajs: dict[str, _Traj], rewards: pa.Table) -> None:
         at = pc.fill_null(rewards.column("created_at").cast(pa.int64()), _NEVER).to_pylist()
         for tid, r, a in zip(rewards.column("trajectory_id").to_pylist(), rewards.column("reward").to_pylist(), at):
-            tr = trajs.setdefault(tid, _Traj(seen=self._seen))
+            tr = trajs.setdefault(tid, _Traj())
             if a >= tr.reward_at:  # the newest reward wins; among equal times the later written
                 tr.reward, tr.reward_at = r, a
 
     def _fold_ledger(self, trajs: dict[str, _Traj], ledger: pa.Table) -> None:
         for tid in ledger.column("trajectory_id").to_pylist():
-            trajs.setdefault(tid, _Traj(seen=self._seen)).used = True
+            trajs.setdefault(tid, _Traj()).used = True
 
     # --- the tick -----------------------------------------------------------------------------
 
-    def _rebuild(self, window: list[str]) -> tuple[dict[str, int], dict[str, _Traj]]:
+    def _rebuild(self, win: Window) -> tuple[dict[str, int], dict[str, _Traj], int | None]:
         st = self.store
         pinned = st.versions()
         trajs: dict[str, _Traj] = {}
-        calls = st.read_calls(window, dedupe=False, retracted=True, as_of=pinned,
+        calls = st.read_calls(win.versions, dedupe=False, retracted=True, as_of=pinned,
                               columns=[c for c in CALL_COLUMNS if c not in ("trajectory_id", "call_index")])
-        self._fold_calls(trajs, calls)
+        since = None
+        if calls.num_rows:
+            ats = pc.min(calls.column("created_at").cast(pa.int64())).as_py()
+            since = None if ats is None else int(ats)
+        sight = _Sight(win, since)
+        self._fold_calls(trajs, calls, sight)
+        if since is not None:
+            outside = st.read_call_keys(skip_versions=win.outside_partitions_skipped(), since=since, as_of=pinned)
+            self._fold_calls(trajs, outside, sight)
         ids = list(trajs)
         if ids:
-            self._fold_retractions(trajs, _filtered(st.read_retractions(as_of=pinned), ids))
+            self._fold_retractions(trajs, st.read_retractions(trajectory_ids=ids, as_of=pinned))
             self._fold_rewards(trajs, st.read_rewards(latest=False, trajectory_ids=ids, as_of=pinned))
             for tid in st.used_trajectory_ids(trajectory_ids=ids, as_of=pinned):
                 trajs[tid].used = True
-        return pinned, trajs
+        return pinned, trajs, since
+
+    def _why_rebuild(self, meta: dict | None, win: Window) -> str | None:
+        if meta is None:
+            return "first tick"
+        if meta.get("vocab_size") != self.vocab_size:
+            return "vocabulary changed"
+        if "window" not in meta:
+            return "state written by an older version"
+        before = set(meta["window"])
+        gained = [v for v in win.versions if v not in before]
+        if gained:
+            return f"the window gained {gained}"
+        if win.predecessor is not None and win.predecessor not in before | {meta.get("predecessor")}:
+            return f"the window's predecessor {win.predecessor!r} was not seen"
+        return None
 
     def count(self, live_version: str, version_order: list[str], max_policy_lag: int,
               report: bool = False, needs_reward: bool = True) -> int | TickReport:
         """Eligible trajectories for the window of ``live_version`` (see the module docstring).
         ``needs_reward=False``: a scorer rewards stored traffic itself, so an unrewarded one counts."""
-        from prodrl_pipelines.trajectories.rows import policy_window
-
-        window = policy_window(live_version, version_order, max_policy_lag)
-        order = {v: i for i, v in enumerate(version_order)}
-        start = order[window[0]]
-        self._seen = window[0]
+        win = Window.of(live_version, version_order, max_policy_lag)
         loaded = self._load()
-        why, meta = None, None
+        meta, trajs = loaded if loaded is not None else (None, {})
+        why = self._why_rebuild(meta, win)
         commits_read = files_read = 0
-        if loaded is None:
-            why = "first tick"
-        else:
-            meta, trajs = loaded
-            if meta.get("vocab_size") != self.vocab_size:
-                why = "vocabulary changed"
-            elif order.get(meta.get("window_start"), -1) > start:
-                why = "window moved back"
+        since = None if meta is None else meta.get("since")
         if why is None:
+            sight = _Sight(win, since)
             cursor = dict(meta["cursor"])
             for name in WATCHED:
                 commits = self.store.tables.log_since(name, cursor.get(name, -1))
@@ -223,37 +276,39 @@ class EligibilityTracker:
                     except BlobNotFoundError:
                         why = f"{name} version {c.version}'s files were vacuumed"
                         break
-                    fold = {CALLS: self._fold_calls, REWARDS: self._fold_rewards,
-                            RETRACTIONS: self._fold_retractions, LEDGER: self._fold_ledger}[name]
                     for t in tables:
-                        fold(trajs, t)
+                        if name == CALLS:
+                            self._fold_calls(trajs, t, sight)
+                        else:
+                            {REWARDS: self._fold_rewards, RETRACTIONS: self._fold_retractions,
+                             LEDGER: self._fold_ledger}[name](trajs, t)
                 if why:
                     break
                 if commits:
                     cursor[name] = commits[-1].version
+        if why is None:
+            first = _first_inside(trajs, set(win.versions))
+            if first is not None and (since is None or first < since):
+                why = "the window's first call moved earlier"  # outside calls after it were not folded
+            elif (win.versions, win.predecessor, first) != (meta["window"], meta.get("predecessor"), since):
+                since = first  # the window shrank: it sees less
+                sight = _Sight(win, since)
+                for tr in trajs.values():
+                    tr.rows = {r for r in tr.rows if sight.sees(r[2], r[1])}
         if why is not None:
-            cursor, trajs = self._rebuild(window)
-        # the window only moves forward: trajectories with a version before it never become eligible
-        old = {v for v, i in order.items() if i < start}
-        tracked = len(trajs)
-        trajs = {tid: tr for tid, tr in trajs.items()
-                 if not (tr.versions & old) and (tr.versions or order.get(tr.seen, -1) >= start)}
-        inside = set(window)
-        n = sum(1 for tr in trajs.values()
-                if tr.versions and tr.versions <= inside and not tr.bad and not tr.used
-                and (not needs_reward or (tr.reward is not None and np.isfinite(tr.reward)))
-                and sorted(tr.indices) == list(range(len(tr.indices))))
-        meta_now = {"vocab_size": self.vocab_size, "window_start": window[0], "cursor": cursor}
-        if why is not None or commits_read or len(trajs) != tracked or meta_now != meta:  # else: nothing to write
+            cursor, trajs, since = self._rebuild(win)
+        inside = set(win.versions)
+        n = 0
+        for tr in trajs.values():
+            rows = tr.live_rows()
+            if (rows and not tr.used and all(r[2] in inside and not r[3] for r in rows)
+                    and (not needs_reward or (tr.reward is not None and np.isfinite(tr.reward)))):
+                idx = {r[0] for r in rows}
+                n += min(idx) == 0 and max(idx) == len(idx) - 1
+        meta_now = {"vocab_size": self.vocab_size, "window": win.versions, "predecessor": win.predecessor,
+                    "since": since, "cursor": cursor}
+        if why is not None or commits_read or meta_now != meta:  # else: nothing to write
             self._save(meta_now, trajs)
         if report:
             return TickReport(n, why, commits_read, files_read, len(trajs))
         return n
-
-
-def _filtered(table: pa.Table, ids: list[str]) -> pa.Table:
-    if table.num_rows == 0:
-        return table
-    return table.filter(pc.is_in(table.column("trajectory_id"), pa.array(ids, pa.string())))
-
-

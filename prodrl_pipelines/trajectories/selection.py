@@ -9,8 +9,15 @@ Trajectories without a reward row yet are *pending*: neither eligible nor quaran
 become eligible later. Quarantined trajectories go into the round's ledger with status
 "quarantined", so later rounds neither train on them nor quarantine them again.
 
-Known limitation: only the window's partitions are read, so a trajectory whose calls span a version
-outside the window looks incomplete and is quarantined as ``bad_call_index``.
+Episodes that cross versions (``crossing``): besides the window's partitions, selection reads the
+key columns of the window's trajectories' calls recorded since the window's first call in the
+predecessor's partition and in those of versions not in the history. A call under the predecessor,
+or under a version another deployment passed over, quarantines the trajectory
+(``crossed_versions``); a call under a version that may still enter the window (a running canary, a
+wave in progress) holds it back (``n_pending_versions``, breakdown ``pending_other_version``).
+
+What is read: the window's partitions, and for the window's trajectories only (the filter goes into
+each scan) their rewards, retractions and ledger rows, and those key columns. Never the history.
 """
 
 from __future__ import annotations
@@ -21,8 +28,8 @@ import numpy as np
 import pyarrow as pa
 import pyarrow.compute as pc
 
-from prodrl_pipelines.trajectories.rows import policy_window
-from prodrl_pipelines.trajectories.store import TrajectoryStore
+from prodrl_pipelines.trajectories.crossing import Window, classify, first_call_at
+from prodrl_pipelines.trajectories.store import TrajectoryStore, without_retracted
 from prodrl_pipelines.trajectories.validation import validate_rows
 
 
@@ -52,6 +59,7 @@ class SelectionResult:
     policy_versions: list[str] = field(default_factory=list)
     n_pending: int = 0  # in the window, not yet used, no reward row yet
     n_used_elsewhere: int = 0  # in the window but in another round's ledger
+    n_pending_versions: int = 0  # held back: a call under a version that may still enter the window
     seed: int | None = None
     # the store's table versions this selection read: re-reading them reproduces it (time travel)
     table_versions: dict[str, int] = field(default_factory=dict)
@@ -62,20 +70,55 @@ class SelectionResult:
 
 
 def _candidates(
-    store: TrajectoryStore, calls: pa.Table, rewards: pa.Table, exclude_round: str | None, as_of=None,
-) -> tuple[np.ndarray, int, int]:
-    """Row mask of trajectories neither ledgered nor unrewarded; also (n_used, n_pending). The ledger
-    is read for the window's trajectories only (the filter goes into the table scan)."""
+    store: TrajectoryStore, calls: pa.Table, rewards: pa.Table, exclude_round: str | None, as_of,
+    crossed: set[str], held: set[str],
+) -> tuple[np.ndarray, int, int, int]:
+    """Row mask of the trajectories to validate: not ledgered, not held back, and rewarded or
+    crossed (a crossed one is quarantined with or without a reward); also (n_used, n_pending,
+    n_held). The ledger is read for the window's trajectories only (the filter goes into the scan)."""
     ids = calls.column("trajectory_id")
     used = store.used_trajectory_ids(exclude_round=exclude_round, trajectory_ids=pc.unique(ids).to_pylist(),
                                      as_of=as_of)
-    used_mask = pc.is_in(ids, value_set=pa.array(sorted(used), pa.string()))
+
+    def among(names) -> pa.ChunkedArray:
+        return pc.is_in(ids, value_set=pa.array(sorted(names), pa.string()))
+
+    free = pc.invert(among(used))
+    held_mask = pc.and_(free, among(held))
+    free = pc.and_(free, pc.invert(held_mask))
     rewarded = pc.is_in(ids, value_set=rewards.column("trajectory_id"))
-    n_used = len(pc.unique(ids.filter(used_mask))) if used else 0
-    pending_mask = pc.and_(pc.invert(used_mask), pc.invert(rewarded))
-    n_pending = len(pc.unique(ids.filter(pending_mask)))
-    keep = pc.and_(pc.invert(used_mask), rewarded)
-    return keep.to_numpy(zero_copy_only=False).astype(bool), n_used, n_pending
+    crossed_mask = among(crossed)
+    pending_mask = pc.and_(free, pc.invert(pc.or_(rewarded, crossed_mask)))
+
+    def n_of(mask) -> int:
+        return len(pc.unique(ids.filter(mask)))
+
+    keep = pc.and_(free, pc.or_(rewarded, crossed_mask))
+    return (keep.to_numpy(zero_copy_only=False).astype(bool), n_of(pc.invert(pc.or_(free, held_mask))),
+            n_of(pending_mask), n_of(held_mask))
+
+
+def _window_calls(store: TrajectoryStore, win: Window, pinned) -> tuple[pa.Table, dict[str, str], set[str]]:
+    """The window's calls (retracted rows left out), and its trajectories crossed / held back by
+    calls outside the window (``crossing``). Retractions and the outside calls are read for the
+    window's trajectories only."""
+    calls = store.read_calls(win.versions, dedupe=False, retracted=True, as_of=pinned)
+    if calls.num_rows == 0:
+        return calls, {}, set()
+    first_at = first_call_at(calls, win.versions)
+    live_first_at = first_call_at(calls, [win.live])
+    ids = pc.unique(calls.column("trajectory_id")).to_pylist()
+    retractions = store.read_retractions(trajectory_ids=ids, as_of=pinned)
+    if retractions.num_rows:
+        calls = without_retracted(calls, retractions)
+    if first_at is None:  # no timestamps in the window: nothing to compare outside calls with
+        return calls, {}, set()
+    outside = store.read_call_keys(skip_versions=win.outside_partitions_skipped(), since=first_at,
+                                   trajectory_ids=ids, as_of=pinned)
+    if retractions.num_rows and outside.num_rows:
+        outside = without_retracted(outside, retractions)
+    crossed, held = classify(outside, win, live_first_at)
+    return calls, crossed, held
 
 
 def select_round_dataset(
@@ -111,18 +154,19 @@ def select_round_dataset(
     """
     if n_required < 1:
         raise ValueError(f"n_required must be >= 1, got {n_required}")
-    window = policy_window(live_version, version_order, max_policy_lag)
+    win = Window.of(live_version, version_order, max_policy_lag)
+    window = win.versions
     pinned = dict(as_of) if as_of is not None else store.versions()
-    calls = store.read_calls(window, dedupe=False, as_of=pinned)
+    calls, crossed, held = _window_calls(store, win, pinned)
     window_ids = pc.unique(calls.column("trajectory_id")).to_pylist()
     if resolve_rewards is None:
         rewards = store.read_rewards(trajectory_ids=window_ids, as_of=pinned)
     else:
         rewards = resolve_rewards(store.read_rewards(latest=False, trajectory_ids=window_ids, as_of=pinned))
-    include, n_used, n_pending = _candidates(store, calls, rewards, exclude_round=round_key, as_of=pinned)
+    include, n_used, n_pending, n_held = _candidates(store, calls, rewards, round_key, pinned, set(crossed), held)
     verdict = validate_rows(
         calls, rewards, vocab_size, set(version_order), check_top=True, check_prompt=True, include=include,
-        routing_shape=routing_shape,
+        routing_shape=routing_shape, crossed=crossed,
     )
     n_quarantined = verdict.n_quarantined_trajectories()
 
@@ -139,13 +183,15 @@ def select_round_dataset(
         breakdown = {
             "eligible": n_eligible,
             "pending_reward": n_pending,
+            "pending_other_version": n_held,
             "used_by_other_rounds": n_used,
             "quarantined": n_quarantined,
         }
         raise InsufficientDataError(
             f"round {round_key!r} needs {need} but only {n_eligible} eligible in policy versions "
             f"{window} (live {live_version!r}, max_policy_lag={max_policy_lag}); "
-            f"{n_pending} still await a reward, {n_used} were consumed by other rounds (trained on "
+            f"{n_pending} still await a reward, {n_held} are held back by a call under a version that may "
+            f"still enter the window (a canary, a rolling wave), {n_used} were consumed by other rounds (trained on "
             f"or quarantined), {n_quarantined} were quarantined. Wait for more rewarded traffic, "
             f"lower the requirement, or raise max_policy_lag.",
             n_required=n_required,
@@ -173,6 +219,7 @@ def select_round_dataset(
         policy_versions=window,
         n_pending=n_pending,
         n_used_elsewhere=n_used,
+        n_pending_versions=n_held,
         seed=seed,
         table_versions=pinned,
     )

@@ -170,7 +170,7 @@ class TrajectoryStore:
         if isinstance(policy_versions, str):
             policy_versions = [policy_versions]
         schema = CALL_SCHEMA
-        retractions = None if retracted else self.read_retractions(as_of=as_of)
+        retractions = None if retracted else self.read_retractions(trajectory_ids=trajectory_ids, as_of=as_of)
         if retractions is not None and retractions.num_rows == 0:
             retractions = None
         if columns is not None:
@@ -201,9 +201,31 @@ class TrajectoryStore:
         (one append; returns the committed version, None for no rows)."""
         return self._append(RETRACTIONS, to_table(rows, RETRACTION_SCHEMA, "retract_calls"), txn)
 
-    def read_retractions(self, *, as_of: TableVersions | None = None) -> pa.Table:
-        t = in_write_order(self._scan(RETRACTIONS, as_of=as_of))
+    def read_retractions(self, *, trajectory_ids: Sequence[str] | None = None,
+                         as_of: TableVersions | None = None) -> pa.Table:
+        """Retractions (RETRACTION_SCHEMA) in write order; ``trajectory_ids`` restricts the rows read
+        (the filter goes into the scan)."""
+        filt = None
+        if trajectory_ids is not None:
+            filt = ds.field("trajectory_id").isin(pa.array(list(trajectory_ids), pa.string()))
+        t = in_write_order(self._scan(RETRACTIONS, filter=filt, as_of=as_of))
         return conform(t, RETRACTION_SCHEMA)
+
+    def read_call_keys(self, *, skip_versions: Sequence[str], since, trajectory_ids: Sequence[str] | None = None,
+                       as_of: TableVersions | None = None) -> pa.Table:
+        """(trajectory_id, call_index, policy_version, created_at) of the calls recorded at or after
+        ``since`` (a timestamp) in every partition but ``skip_versions``, retracted rows included:
+        what selection and the sensor read to see a trajectory's calls outside the policy window.
+        The partitions skipped are never opened; the time and ``trajectory_ids`` filters go into
+        the scan (row-group statistics)."""
+        cols = ["trajectory_id", "call_index", "policy_version", "created_at"]
+        since = pa.scalar(since, CALL_SCHEMA.field("created_at").type)
+        filt = ds.field("created_at") >= since
+        if trajectory_ids is not None:
+            filt = filt & ds.field("trajectory_id").isin(pa.array(list(trajectory_ids), pa.string()))
+        parts = [("policy_version", "not in", list(dict.fromkeys(skip_versions)))] if skip_versions else None
+        t = self._scan(CALLS, filter=filt, columns=cols, as_of=as_of, partitions=parts)
+        return conform(t, pa.schema([CALL_SCHEMA.field(c) for c in cols])).combine_chunks()
 
     # --- rewards -----------------------------------------------------------------------------
 

@@ -9,6 +9,8 @@ reason code                 failing condition
 duplicate_call_id           a (trajectory_id, call_index) recorded more than once with different
                             content (``created_at`` ignored). Identical copies only quarantine the
                             extra copies; the first copy in table order is kept.
+crossed_versions            a call of the trajectory is under a version outside the policy window
+                            that can never enter it (``crossing``; selection passes them in)
 bad_call_index              the call indices of a trajectory are not exactly 0..n-1 (or null)
 unknown_policy_version      policy_version not in ``known_versions``
 empty_generation            output_token_ids null or empty
@@ -33,7 +35,7 @@ quarantined trajectories and extra duplicate copies, to build reason strings.
 
 from __future__ import annotations
 
-from collections.abc import Collection
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 
 import numpy as np
@@ -46,6 +48,7 @@ from prodrl_pipelines.trajectories.validation_rules import (
     Rule,
     TrajectoryRewards,
     call_index_rule,
+    crossed_rule,
     duplicate_rule,
     length_rules,
     logprob_rule,
@@ -60,6 +63,7 @@ from prodrl_pipelines.trajectories.validation_rules import (
 
 REASONS: tuple[str, ...] = (
     "duplicate_call_id",
+    "crossed_versions",
     "bad_call_index",
     "unknown_policy_version",
     "empty_generation",
@@ -171,9 +175,12 @@ def validate_rows(
     check_prompt: bool,
     include: np.ndarray | None = None,
     routing_shape: tuple[int, int, int] | None = None,
+    crossed: Mapping[str, str] | None = None,
 ) -> RowVerdict:
     """Row-level verdict without materialising the valid table. ``include``: optional row mask;
-    rows outside it (whole trajectories, e.g. already used) are ignored: neither valid nor quarantined."""
+    rows outside it (whole trajectories, e.g. already used) are ignored: neither valid nor quarantined.
+    ``crossed``: trajectories with a call under a version that can never enter the policy window
+    (trajectory -> detail, ``crossing.classify``), quarantined as ``crossed_versions``."""
     required = [
         c
         for c in REQUIRED_CALL_COLUMNS
@@ -187,15 +194,18 @@ def validate_rows(
         return RowVerdict(calls, pa.nulls(0, pa.float64()), np.zeros(0, bool), e, [], counts, e, [], e)
     rows = CallRows(calls, include)
     rewarded = trajectory_rewards(rows, rewards)
-    rules = _rules_in_order(rows, rewarded, vocab_size, known_versions, check_top, check_prompt, routing_shape)
+    rules = _rules_in_order(rows, rewarded, vocab_size, known_versions, check_top, check_prompt, routing_shape,
+                            crossed)
     return _verdict(rows, rules, rewarded, counts)
 
 
 def _rules_in_order(rows: CallRows, rewards: TrajectoryRewards, vocab_size: int, known_versions: Collection[str],
-                    check_top: bool, check_prompt: bool, routing_shape: tuple[int, int, int] | None = None) -> list[Rule]:
+                    check_top: bool, check_prompt: bool, routing_shape: tuple[int, int, int] | None = None,
+                    crossed: Mapping[str, str] | None = None) -> list[Rule]:
     """Every rule, in the order of the module docstring (the first one failing names the reason)."""
     rules = [
         duplicate_rule(rows),
+        crossed_rule(rows, crossed),
         call_index_rule(rows),
         policy_version_rule(rows, known_versions),
         *length_rules(rows, check_prompt),

@@ -8,7 +8,7 @@ row that quarantines a trajectory, so Python loops stay off the clean path.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass
 
 import numpy as np
@@ -203,6 +203,18 @@ def duplicate_rule(rows: CallRows) -> Rule:
         return f"call {conflict_call[tt]} recorded {conflict_times[tt]} times with different content"
 
     return "duplicate_call_id", conflict_traj[t], describe
+
+
+def crossed_rule(rows: CallRows, crossed: Mapping[str, str] | None) -> Rule:
+    """crossed_versions: a call of the trajectory outside the policy window can never enter it
+    (``crossing.classify``: trajectory -> detail)."""
+    crossed = crossed or {}
+    traj_bad = np.array([tid in crossed for tid in rows.traj_ids], dtype=bool)
+
+    def describe(row: int) -> str:
+        return crossed[rows.traj_ids[rows.t[row]]]
+
+    return "crossed_versions", traj_bad[rows.t], describe
 
 
 def call_index_rule(rows: CallRows) -> Rule:
