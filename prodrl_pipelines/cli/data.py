@@ -59,7 +59,8 @@ def cmd_data(args) -> int:
             return 1
     elif args.verb == "migrate":
         try:
-            print(json.dumps(migrate(store, delete_legacy=args.delete_legacy), indent=1))
+            kw = {} if args.batch_rows is None else {"batch_rows": args.batch_rows}
+            print(json.dumps(migrate(store, delete_legacy=args.delete_legacy, **kw), indent=1))
         except MigrationError as e:
             print(f"prodrl: {e}", file=sys.stderr)
             return 1
@@ -76,5 +77,7 @@ def add_data_parser(sub) -> None:
     d.add_argument("--retention-hours", type=float, default=168.0,
                    help="vacuum: keep files unreferenced for less than this (default 168 = 7 days)")
     d.add_argument("--dry-run", action="store_true", help="vacuum: list, delete nothing")
-    d.add_argument("--delete-legacy", action="store_true", help="migrate: remove the old parts once counts match")
+    d.add_argument("--delete-legacy", action="store_true", help="migrate: then remove the old parts, each only once its rows are all in its table")
+    d.add_argument("--batch-rows", type=int, default=None,
+                   help="migrate: rows read into memory per commit (default 200000)")
     d.set_defaults(fn=cmd_data)

@@ -8,11 +8,16 @@ The earlier layout, under the same blob store::
     quarantine/round=<round>/part-<uuid7>.parquet           quarantine
     ledger/round=<round>.parquet                            a round's ledger
 
-``migrate`` appends each kind's parts to its table in one commit, in write order (the part's
-time-ordered name becomes the rows' ``_part``), tagged with the application transaction
-``prodrl-migrate``: running it again finds the commit and writes nothing. Each table's migrated row
-count is checked against the parts' rows before it reports; the old parts are left where they are
-(``delete_legacy`` removes them once the counts match).
+``migrate`` appends each kind's parts to its table in write order (the part's time-ordered name
+becomes the rows' ``_part``; a ledger part's round its ``round``), streaming them: parts are read one
+at a time and committed in batches of at most ``batch_rows`` rows (a larger part alone), each commit
+tagged with the application transaction ``prodrl-migrate``. What is migrated is read back from the
+table itself (the ``_part`` ids, the ledger's rounds), not from a flag: a part an old writer adds
+after a completed migration is migrated by the next run, a run stopped half-way resumes where its
+last commit landed, and nothing is written twice. Each batch's rows are checked against its parts
+after the commit. The old parts are left where they are unless ``delete_legacy``: then, once every
+part of a table is in it with its row count, exactly those parts are removed (a part written while
+the run goes on is not among them).
 """
 
 from __future__ import annotations
@@ -20,7 +25,6 @@ from __future__ import annotations
 from urllib.parse import unquote
 
 import pyarrow as pa
-import pyarrow.compute as pc
 import pyarrow.dataset as ds
 import pyarrow.parquet as pq
 
@@ -79,36 +83,78 @@ def _read_part(store: TrajectoryStore, name: str, key: str) -> pa.Table:
     return t.select(STORED[name].names).cast(STORED[name])
 
 
-def migrate(store: TrajectoryStore, *, delete_legacy: bool = False) -> dict:
-    """Migrate every kind (see the module docstring); per table: legacy parts and rows, rows
-    migrated now, and whether the table already held this migration."""
+DEFAULT_BATCH_ROWS = 200_000  # rows held in memory per migration commit
+_LOOKUP = 1000  # parts whose presence in the table is asked in one scan
+
+
+def _part_id(name: str, key: str) -> str:
+    """What a part's rows carry in the table: the ledger's round, else the part's ``_part`` id."""
+    if name == LEDGER:
+        return _segment_value(key, "round")
+    return key.rsplit("/", 1)[-1].removeprefix("part-").removesuffix(".parquet")
+
+
+def _in_table(store: TrajectoryStore, name: str, ids: list[str]) -> dict[str, int]:
+    """Rows of the table per part id (the ledger: per round) among ``ids``; absent ids are left out."""
+    column = "round" if name == LEDGER else "_part"
+    got = store.tables.scan(name, STORED[name], filter=ds.field(column).isin(ids), columns=[column])
+    if got.num_rows == 0:
+        return {}
+    counts = got.group_by(column).aggregate([(column, "count")])
+    return dict(zip(counts.column(column).to_pylist(), counts.column(f"{column}_count").to_pylist()))
+
+
+def migrate(store: TrajectoryStore, *, delete_legacy: bool = False, batch_rows: int = DEFAULT_BATCH_ROWS) -> dict:
+    """Migrate every kind (see the module docstring); per table: legacy parts and their rows, rows
+    migrated now, whether every part was already in the table, and with ``delete_legacy`` the parts
+    deleted."""
     report = {}
-    parts = legacy_parts(store)
-    for name, keys in parts.items():
-        if not keys:
-            continue
-        tables = [_read_part(store, name, k) for k in keys]
-        rows = sum(t.num_rows for t in tables)
-        done = (store.tables.txn_version(name, MIGRATION_APP_ID) or 0) >= 1
-        if not done:
-            store.tables.append(name, pa.concat_tables(tables), PARTITION_BY.get(name, ()), txn=(MIGRATION_APP_ID, 1))
-        found = _count_migrated(store, name, tables)
-        if found != rows and not done:  # (after the commit, a round may have re-materialised its ledger)
-            raise MigrationError(f"table {name}: {rows} rows in {len(keys)} legacy parts but {found} found in the "
-                                 f"table after migrating: the legacy parts are kept")
-        report[name] = {"legacy_parts": len(keys), "rows": rows, "migrated_now": 0 if done else rows,
-                        "already_migrated": done}
-        if delete_legacy:
-            for k in keys:
-                store.blobs.delete(k, missing_ok=True)
-            report[name]["legacy_deleted"] = len(keys)
+    for name, keys in legacy_parts(store).items():
+        if keys:
+            report[name] = _migrate_table(store, name, keys, delete_legacy, max(int(batch_rows), 1))
     return report
 
 
-def _count_migrated(store: TrajectoryStore, name: str, tables: list[pa.Table]) -> int:
-    if name == LEDGER:
-        rounds = sorted({r for t in tables for r in t.column("round").to_pylist()})
-        return store.tables.scan(name, STORED[name], filter=ds.field("round").isin(rounds), columns=["round"]).num_rows
-    part_ids = pa.array(sorted({p for t in tables for p in t.column("_part").to_pylist()}), pa.string())
-    got = store.tables.scan(name, STORED[name], columns=["_part"])
-    return int(pc.sum(pc.is_in(got.column("_part"), value_set=part_ids)).as_py() or 0)
+def _migrate_table(store: TrajectoryStore, name: str, keys: list[str], delete_legacy: bool, batch_rows: int) -> dict:
+    rows = migrated_now = 0
+    batch: list[tuple[str, pa.Table]] = []
+
+    def commit() -> None:
+        nonlocal migrated_now
+        if not batch:
+            return
+        tag = (store.tables.txn_version(name, MIGRATION_APP_ID) or 0) + 1
+        store.tables.append(name, pa.concat_tables([t for _, t in batch]), PARTITION_BY.get(name, ()),
+                            txn=(MIGRATION_APP_ID, tag))
+        found = _in_table(store, name, [_part_id(name, k) for k, _ in batch])
+        for key, t in batch:
+            if found.get(_part_id(name, key), 0) != t.num_rows:
+                raise MigrationError(f"table {name}: legacy part {key!r} has {t.num_rows} rows but "
+                                     f"{found.get(_part_id(name, key), 0)} are in the table after migrating it: "
+                                     "the legacy parts are kept")
+        migrated_now += sum(t.num_rows for _, t in batch)
+        batch.clear()
+
+    for i in range(0, len(keys), _LOOKUP):
+        chunk = keys[i:i + _LOOKUP]
+        present = _in_table(store, name, [_part_id(name, k) for k in chunk])
+        for key in chunk:
+            t = _read_part(store, name, key)
+            rows += t.num_rows
+            n = present.get(_part_id(name, key))
+            # a ledger round may have been re-materialised since: its rows in the table are the truth
+            if n is not None and (n == t.num_rows or name == LEDGER):
+                continue
+            if n is not None:
+                raise MigrationError(f"table {name}: legacy part {key!r} has {t.num_rows} rows but {n} with its "
+                                     "id are in the table: the legacy parts are kept")
+            if batch and sum(b.num_rows for _, b in batch) + t.num_rows > batch_rows:
+                commit()
+            batch.append((key, t))
+        commit()
+    out = {"legacy_parts": len(keys), "rows": rows, "migrated_now": migrated_now, "already_migrated": migrated_now == 0}
+    if delete_legacy:  # every listed part is in the table with its rows (checked above): those, and only those
+        for k in keys:
+            store.blobs.delete(k, missing_ok=True)
+        out["legacy_deleted"] = len(keys)
+    return out
