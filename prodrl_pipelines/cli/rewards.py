@@ -17,7 +17,11 @@ def cmd_rewards(args) -> int:
     from prodrl_pipelines.cli.services import services_from_file
     from prodrl_pipelines.loop import scoring
 
-    svc = services_from_file(args.settings)
+    try:
+        svc = services_from_file(args.settings)
+    except ValueError as e:  # a bad setting (or file): named as `prodrl check-settings` names it
+        print(f"prodrl: {args.settings}: {e}", file=sys.stderr)
+        return 1
     if args.verb == "score":
         stats = scoring.score_missing_now(svc)
         print(json.dumps({k: v for k, v in stats.items() if k != "rewards"}, indent=1, default=str))

@@ -5,7 +5,8 @@ Requests run concurrently (``judge_concurrency``), each with a timeout (``judge_
 retries with exponential backoff on transport errors, 429 and 5xx (``judge_retries``). A reply
 without a parsable score is an error for that trajectory (it stays unscored), not a retry: the same
 prompt at temperature 0 answers the same. The version hashes the model, rubric and score key, so a
-new rubric makes new reward rows beside the old ones.
+new rubric makes new reward rows beside the old ones. The rubric is filled at its placeholders only
+(``fill_rubric``): its other braces, a JSON example of the reply included, are its own text.
 """
 
 from __future__ import annotations
@@ -25,8 +26,19 @@ _JSON_OBJECT = re.compile(r"\{.*?\}", re.DOTALL)
 RETRY_STATUS = {408, 409, 429, 500, 502, 503, 504}
 
 
-class JudgeError(RuntimeError):
-    pass
+PLACEHOLDERS = ("transcript", "task_id", "final_answer")
+_PLACEHOLDER = re.compile(r"\{(" + "|".join(PLACEHOLDERS) + r")\}")
+
+
+def fill_rubric(rubric: str, **values: str) -> str:
+    """The rubric with ``{transcript}``, ``{task_id}`` and ``{final_answer}`` filled. A rubric written
+    for ``str.format`` (every literal brace doubled, as the default) reads as it always did; any
+    other is filled at those three placeholders only, every other brace kept as written (a literal
+    ``{"score": x}`` would make ``str.format`` raise). The values are never scanned again."""
+    try:
+        return rubric.format(**values)
+    except (KeyError, IndexError, ValueError, AttributeError):
+        return _PLACEHOLDER.sub(lambda m: values[m.group(1)], rubric)
 
 
 def parse_score(content: str, key: str) -> float | None | str:
@@ -53,8 +65,8 @@ class JudgeSource:
         self._sleep = sleep
 
     def prompt(self, view: TrajectoryView) -> str:
-        return self.s.judge_rubric.format(transcript=view.transcript, task_id=view.task_id,
-                                          final_answer=view.outputs[-1] if view.outputs else "")
+        return fill_rubric(self.s.judge_rubric, transcript=view.transcript, task_id=view.task_id,
+                           final_answer=view.outputs[-1] if view.outputs else "")
 
     def _ask(self, client: httpx.Client, view: TrajectoryView) -> Outcome:
         body = {"model": self.s.judge_model, "temperature": 0.0, "max_tokens": self.s.judge_max_tokens,

@@ -4,7 +4,8 @@
   Its rows carry no version.
 - ``grader``: ``package.module:function(trajectory) -> float | None`` on a ``view.TrajectoryView``;
   None means "cannot tell" (the trajectory stays pending). Version: the function's name and a hash
-  of its module's source, so editing the grader makes a new version.
+  of its module's source as loaded, so editing the grader makes a new version once a process imports
+  the edit (a long-lived process keeps running, and naming, the code it imported: ``loaded_code_hash``).
 - ``judge``: an LLM behind an OpenAI-compatible endpoint with a rubric (``judge.JudgeSource``).
 
 A source that fails on a trajectory (the grader raises, the judge times out or answers without a
@@ -14,6 +15,7 @@ score) leaves it unscored and reports the error; it never stands in a 0.
 from __future__ import annotations
 
 import inspect
+import weakref
 from typing import Callable, Sequence
 
 from prodrl_pipelines.rewards.judge import JudgeSource
@@ -33,6 +35,33 @@ class FeedbackSource:
         raise TypeError("the feedback source scores nothing: clients post its rewards to /v1/feedback")
 
 
+# grader -> the hash of its module's source when this process first built a source on it: right after
+# the import in practice (``GraderSource`` imports it); a new function object (a re-import) is hashed anew
+_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
+
+
+def _source_hash(fn: Callable) -> str:
+    module = inspect.getmodule(fn)
+    try:
+        code = inspect.getsource(module) if module is not None else inspect.getsource(fn)
+    except (OSError, TypeError):
+        code = getattr(getattr(fn, "__code__", None), "co_code", b"").hex()
+    return short_hash(code)
+
+
+def loaded_code_hash(fn: Callable) -> str:
+    """A hash of the source ``fn`` was loaded from, not of the file on disk now: the file may have been
+    edited since the import, and this process still runs the imported code."""
+    try:
+        return _LOADED[fn]
+    except KeyError:
+        pass
+    except TypeError:  # not weakly referenceable: hashed each time
+        return _source_hash(fn)
+    _LOADED[fn] = h = _source_hash(fn)
+    return h
+
+
 class GraderSource:
     name = "grader"
     scores = True
@@ -44,12 +73,7 @@ class GraderSource:
         self.fn = fn or import_object(self.path, "rewards_grader")
         if not callable(self.fn):
             raise ValueError(f"rewards_grader={self.path!r} is not callable")
-        module = inspect.getmodule(self.fn)
-        try:
-            code = inspect.getsource(module) if module is not None else inspect.getsource(self.fn)
-        except (OSError, TypeError):
-            code = getattr(getattr(self.fn, "__code__", None), "co_code", b"").hex()
-        self.version = f"{self.path}@{short_hash(code)}"
+        self.version = f"{self.path}@{loaded_code_hash(self.fn)}"
 
     def score(self, views: Sequence[TrajectoryView], progress=None) -> list[Outcome]:
         out = []

@@ -10,7 +10,8 @@ weights 1/(B*T_i), so any partition of the sequences gives the same step.
   number of micro-batches (FSDP2 gathers parameters in every forward): a rank with fewer gets
   zero-weight fillers.
 - Within a rank: first-fit decreasing, so micro-batches fill the budget. A sequence longer than the
-  budget cannot be cut (its positions attend to each other) and gets a micro-batch of its own.
+  budget cannot be cut (its positions attend to each other) and gets a micro-batch of its own; so
+  does a group (``groups``: a trajectory under a sequence-level correction) longer than the budget.
 """
 
 from __future__ import annotations
@@ -27,7 +28,7 @@ class MicroBatchPlan:
     """``ranks[r][m]``: indices of the sequences in micro-batch m of rank r ([] = a filler)."""
 
     ranks: list[list[list[int]]]
-    oversize: int  # sequences longer than the budget, each alone in its micro-batch
+    oversize: int  # sequences (with ``groups``: groups) longer than the budget, each alone in its micro-batch
 
     @property
     def num_micro(self) -> int:
@@ -45,7 +46,7 @@ def plan_microbatches(lengths: list[int], budget: int, world_size: int = 1,
         members = [[i for i, g in enumerate(groups) if g == k] for k in keys]
         plan = plan_microbatches([sum(lengths[i] for i in m) for m in members], budget, world_size)
         ranks = [[[i for gi in mb for i in members[gi]] for mb in r] for r in plan.ranks]
-        return MicroBatchPlan(ranks, sum(1 for x in lengths if x > budget))
+        return MicroBatchPlan(ranks, plan.oversize)  # a group over the budget is what cannot be split
     order = sorted(range(len(lengths)), key=lambda i: (-lengths[i], i))
     load = [0] * world_size
     mine: list[list[int]] = [[] for _ in range(world_size)]

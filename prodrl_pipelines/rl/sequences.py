@@ -93,7 +93,7 @@ class LayoutStats:
     sequence_tokens: int = 0  # positions of the merged sequences (what the trainer computes)
     per_call_tokens: int = 0  # positions of one row per call (what per-call rows would compute)
     micro_batches: int = 0  # per rank, summed over the minibatches
-    oversize_sequences: int = 0  # sequences longer than the micro-batch budget (each alone)
+    oversize_sequences: int = 0  # sequences (trajectories, when kept whole) longer than the micro-batch budget
 
     def as_metrics(self) -> dict[str, float]:
         out = {"layout_calls": self.calls, "layout_merged_calls": self.merged_calls,
