@@ -84,3 +84,32 @@ def wait_healthy(proc, url: str, headers: dict | None = None, timeout_s: float =
         time.sleep(0.05)
     proc.kill()
     raise RuntimeError(f"{what} did not come up")
+
+
+def count_nonfinite(state_dict: dict) -> dict[str, int]:
+    """Tensor name -> number of NaN/Inf entries, only for tensors that have any (the gate's input)."""
+    import torch
+
+    bad = {}
+    for name, t in state_dict.items():
+        if t.is_floating_point():
+            n = int((~torch.isfinite(t)).sum())
+            if n:
+                bad[name] = n
+    return bad
+
+
+def drop_schemas(pg_url: str, prefix: str) -> None:
+    """Drop the stack's schemas (tests clean up with this; the stack itself never drops them)."""
+    import psycopg2
+
+    from prodrl_pipelines.stack.postgres import libpq_dsn, schema_names
+
+    conn = psycopg2.connect(libpq_dsn(pg_url), connect_timeout=5)
+    conn.autocommit = True
+    try:
+        with conn.cursor() as cur:
+            for schema in schema_names(prefix).values():
+                cur.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
+    finally:
+        conn.close()

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from prodrl_pipelines.evaluation.statistics import paired_confidence_interval
-from prodrl_pipelines.loop.gate import count_nonfinite, decide
+from prodrl_pipelines.loop.gate import decide
+from helpers import count_nonfinite
 
 
 def test_paired_interval_hand_computed():

@@ -10,7 +10,8 @@ import pytest
 
 from prodrl_pipelines.config.preflight import PreflightError, libpq_dsn
 from prodrl_pipelines.stack import s3_snapshot
-from prodrl_pipelines.stack.postgres import drop_schemas, known_revisions, prepare_schemas
+from prodrl_pipelines.stack.postgres import known_revisions, prepare_schemas
+from helpers import drop_schemas
 
 from conftest import PG_URL, REPO
 

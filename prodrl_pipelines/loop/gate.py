@@ -12,7 +12,6 @@ from __future__ import annotations
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
-import torch
 
 from prodrl_pipelines.evaluation.statistics import paired_confidence_interval
 from prodrl_pipelines.loop.services import Services, ensure_local, upstream_json
@@ -42,17 +41,6 @@ class GateDecision:
         warn = f"; warnings: {'; '.join(self.warnings)}" if self.warnings else ""
         return (f"passed: {numbers}{warn}" if self.passed
                 else "failed: " + "; ".join(self.reasons) + f" [{numbers}]{warn}")
-
-
-def count_nonfinite(state_dict: dict[str, torch.Tensor]) -> dict[str, int]:
-    """Tensor name -> number of NaN/Inf entries, only for tensors that have any."""
-    bad = {}
-    for name, t in state_dict.items():
-        if t.is_floating_point():
-            n = int((~torch.isfinite(t)).sum())
-            if n:
-                bad[name] = n
-    return bad
 
 
 def decide(

@@ -32,10 +32,7 @@ class LiveDeployment:
 
 class RoundLedger:
     def __init__(self, blobs):
-        from prodrl_pipelines.trajectories.store import TrajectoryStore
-
         self.blobs = blobs
-        self._docs = TrajectoryStore(blobs)  # its JSON documents: atomic, NaN-safe
 
     def _get(self, key: str, default=None):
         return documents.get_json(self.blobs, key) if self.blobs.exists(key) else default

@@ -77,17 +77,3 @@ def prepare_schemas(pg_url: str, prefix: str) -> dict[str, str]:
     finally:
         conn.close()
     return names
-
-
-def drop_schemas(pg_url: str, prefix: str) -> None:
-    """Drop the stack's schemas (tests clean up with this; the stack itself never drops them)."""
-    import psycopg2
-
-    conn = psycopg2.connect(libpq_dsn(pg_url), connect_timeout=5)
-    conn.autocommit = True
-    try:
-        with conn.cursor() as cur:
-            for schema in schema_names(prefix).values():
-                cur.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
-    finally:
-        conn.close()
