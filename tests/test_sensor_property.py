@@ -43,10 +43,10 @@ def from_scratch(store, live, order, lag) -> int:
         saved = store.blobs.get_bytes(STATE_KEY)
     except BlobNotFoundError:
         saved = None
-    store.blobs.delete(STATE_KEY)
+    store.blobs.delete(STATE_KEY, missing_ok=True)
     n = EligibilityTracker(store, VOCAB).count(live, order, lag)
     if saved is None:
-        store.blobs.delete(STATE_KEY)
+        store.blobs.delete(STATE_KEY, missing_ok=True)
     else:
         store.blobs.put_bytes(STATE_KEY, saved)
     return n

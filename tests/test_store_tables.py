@@ -45,10 +45,17 @@ def _full_count(store, live, lag):
                & np.isin(np.asarray(ids.to_pylist(), dtype=object), rewards.column("trajectory_id").to_pylist()))
     verdict = validate_rows(calls, rewards, VOCAB, set(ORDER), check_top=False, check_prompt=False, include=include)
     kept = set(np.unique(verdict.t[verdict.keep]).tolist())
-    # a trajectory with a call outside the window is not eligible (selection would quarantine it)
-    everywhere = store.read_calls(None, dedupe=False, columns=["policy_version"])
-    outside = {t for t, v in zip(everywhere["trajectory_id"].to_pylist(), everywhere["policy_version"].to_pylist())
-               if v not in window}
+    # a call outside the window that selection sees (crossing: recorded since the window's first
+    # call, under a version other than the history's older ones, the predecessor included) holds
+    # the trajectory back or quarantines it; either way it is not eligible
+    everywhere = store.read_calls(None, dedupe=False, columns=["created_at"])
+    start = ORDER.index(window[0])
+    every_row = store.read_calls(None, dedupe=False, columns=["created_at"], retracted=True)
+    first = min(a for a, v in zip(every_row["created_at"].to_pylist(), every_row["policy_version"].to_pylist())
+                if v in window)
+    outside = {t for t, v, a in zip(everywhere["trajectory_id"].to_pylist(), everywhere["policy_version"].to_pylist(),
+                                    everywhere["created_at"].to_pylist())
+               if v not in window and v not in ORDER[: max(start - 1, 0)] and a >= first}
     return len({verdict.traj_ids[t] for t in kept} - outside)
 
 

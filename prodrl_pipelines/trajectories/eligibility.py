@@ -20,8 +20,9 @@ the latest reward (value and time) and whether a round's ledger holds it. Eligib
 the retracted ones are all under the window's versions, their distinct call indices are exactly
 0..n-1, none fails a cheap rule, its reward is finite, no ledger holds it.
 
-The state is rebuilt from a snapshot (the window's calls, the outside calls as above, and the
-rewards, retractions and ledger rows of those trajectories) on the first tick; when the vocabulary
+The state is rebuilt from a snapshot (the window's calls, the outside calls as above, the rewards,
+retractions and ledger rows of those trajectories, and every reward and retraction since the
+window's first call: one may have been committed before its calls) on the first tick; when the vocabulary
 changes; when the window gains a version (a deployment, a rollback, a larger lag: any of these can
 bring back trajectories the state dropped) or its predecessor was not seen before; when the
 window's first call moves earlier (a late commit); when a commit rewrote rows instead of appending
@@ -32,6 +33,7 @@ Expiry: calls under a version that never enters the history (a failed canary, a 
 seen only while they are not older than the window's first call, so the next deployment (a
 rebuild) forgets them; rewards, retractions and ledger rows of trajectories without a call the
 state sees are kept until then too (one of them may be the first row of a trajectory to arrive).
+All of this is what the window's era wrote, never the history before it.
 """
 
 from __future__ import annotations
@@ -226,6 +228,12 @@ class EligibilityTracker:
             self._fold_rewards(trajs, st.read_rewards(latest=False, trajectory_ids=ids, as_of=pinned))
             for tid in st.used_trajectory_ids(trajectory_ids=ids, as_of=pinned):
                 trajs[tid].used = True
+        if since is not None:
+            # rewards and retractions of calls the state sees may have been committed before those
+            # calls (another writer, a commit between two ticks): every one since the window's
+            # first call is kept, as the ticks keep them (folding twice changes nothing)
+            self._fold_retractions(trajs, st.read_retractions(since=since, as_of=pinned))
+            self._fold_rewards(trajs, st.read_rewards(latest=False, since=since, as_of=pinned))
         return pinned, trajs, since
 
     def _why_rebuild(self, meta: dict | None, win: Window) -> str | None:

@@ -87,6 +87,18 @@ def in_write_order(table: pa.Table) -> pa.Table:
     return table.take(pc.sort_indices(table, [("_part", "ascending"), ("_row", "ascending")]))
 
 
+def _row_filter(trajectory_ids: Sequence[str] | None, since) -> ds.Expression | None:
+    """A scan filter: rows of ``trajectory_ids`` (all when None) created at or after ``since`` (a
+    timestamp or microseconds since the epoch; all when None)."""
+    filt = None
+    if trajectory_ids is not None:
+        filt = ds.field("trajectory_id").isin(pa.array(list(trajectory_ids), pa.string()))
+    if since is not None:
+        f = ds.field("created_at") >= pa.scalar(since, CALL_SCHEMA.field("created_at").type)
+        filt = f if filt is None else filt & f
+    return filt
+
+
 def _quote_sql(value: str) -> str:
     return "'" + value.replace("'", "''") + "'"
 
@@ -201,14 +213,12 @@ class TrajectoryStore:
         (one append; returns the committed version, None for no rows)."""
         return self._append(RETRACTIONS, to_table(rows, RETRACTION_SCHEMA, "retract_calls"), txn)
 
-    def read_retractions(self, *, trajectory_ids: Sequence[str] | None = None,
+    def read_retractions(self, *, trajectory_ids: Sequence[str] | None = None, since=None,
                          as_of: TableVersions | None = None) -> pa.Table:
-        """Retractions (RETRACTION_SCHEMA) in write order; ``trajectory_ids`` restricts the rows read
-        (the filter goes into the scan)."""
-        filt = None
-        if trajectory_ids is not None:
-            filt = ds.field("trajectory_id").isin(pa.array(list(trajectory_ids), pa.string()))
-        t = in_write_order(self._scan(RETRACTIONS, filter=filt, as_of=as_of))
+        """Retractions (RETRACTION_SCHEMA) in write order; ``trajectory_ids`` and ``since`` (the
+        retracted row's ``created_at`` at or after it) restrict the rows read (the filters go into
+        the scan)."""
+        t = in_write_order(self._scan(RETRACTIONS, filter=_row_filter(trajectory_ids, since), as_of=as_of))
         return conform(t, RETRACTION_SCHEMA)
 
     def read_call_keys(self, *, skip_versions: Sequence[str], since, trajectory_ids: Sequence[str] | None = None,
@@ -219,10 +229,7 @@ class TrajectoryStore:
         The partitions skipped are never opened; the time and ``trajectory_ids`` filters go into
         the scan (row-group statistics)."""
         cols = ["trajectory_id", "call_index", "policy_version", "created_at"]
-        since = pa.scalar(since, CALL_SCHEMA.field("created_at").type)
-        filt = ds.field("created_at") >= since
-        if trajectory_ids is not None:
-            filt = filt & ds.field("trajectory_id").isin(pa.array(list(trajectory_ids), pa.string()))
+        filt = _row_filter(trajectory_ids, since)
         parts = [("policy_version", "not in", list(dict.fromkeys(skip_versions)))] if skip_versions else None
         t = self._scan(CALLS, filter=filt, columns=cols, as_of=as_of, partitions=parts)
         return conform(t, pa.schema([CALL_SCHEMA.field(c) for c in cols])).combine_chunks()
@@ -233,13 +240,12 @@ class TrajectoryStore:
         """Append reward rows in one commit; returns the committed version (``None`` for no rows)."""
         return self._append(REWARDS, to_table(rows, REWARD_SCHEMA, "write_rewards"), txn)
 
-    def read_rewards(self, *, latest: bool = True, trajectory_ids: Sequence[str] | None = None,
+    def read_rewards(self, *, latest: bool = True, trajectory_ids: Sequence[str] | None = None, since=None,
                      as_of: TableVersions | None = None) -> pa.Table:
         """Rewards (REWARD_SCHEMA) in write order; with ``latest`` one row per trajectory (see
-        ``latest_rewards``); ``trajectory_ids`` restricts the rows read (statistics pruning)."""
-        filt = None
-        if trajectory_ids is not None:
-            filt = ds.field("trajectory_id").isin(pa.array(list(trajectory_ids), pa.string()))
+        ``latest_rewards``); ``trajectory_ids`` and ``since`` (``created_at`` at or after it)
+        restrict the rows read (statistics pruning)."""
+        filt = _row_filter(trajectory_ids, since)
         table = conform(in_write_order(self._scan(REWARDS, filter=filt, as_of=as_of)), REWARD_SCHEMA)
         return latest_rewards(table) if latest and table.num_rows else table
 
