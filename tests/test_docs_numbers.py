@@ -63,7 +63,7 @@ def test_unknown_blocks_and_missing_results_are_named(tmp_path):
     assert any("needs docs/results/slow_drift.json" in p for p in problems)
 
 
-@pytest.mark.long(seconds=150)
+@pytest.mark.long(seconds=70)
 def test_reward_hacking_walkthrough_claims_on_a_real_run(tmp_path, monkeypatch):
     """The walkthrough the README's table comes from, at its own size: every hack round is blocked by
     named checks, and after the fix the held-out reward ends above the base. On the machine the
@@ -78,7 +78,7 @@ def test_reward_hacking_walkthrough_claims_on_a_real_run(tmp_path, monkeypatch):
     hack, fixed = rounds[:hack_rounds], rounds[hack_rounds:]
     assert len(fixed) == fixed_rounds
     for r in hack:
-        blockers = [k for k, v in {**r["monitors"], **r["cumulative_monitors"]}.items()
+        blockers = [k for k, v in [*r["monitors"].items(), *r["cumulative_monitors"].items()]
                     if not v["passed"] and v["blocking"]]
         assert not r["gate_passed"] and not r["deployed"] and blockers, r
         assert r["holey_reward"] > r["exact_reward"]  # the hole pays

@@ -136,3 +136,31 @@ def test_the_reference_is_round_0_until_a_person_approves_a_version(tmp_path):
     assert reference_version(svc) == "round-000005"
     _deploy(svc, "round-000003", kind="rollback")  # rolled back away from round 5: round 3 again
     assert reference_version(svc) == "round-000003"
+
+
+# --- where a reviewer sees them -------------------------------------------------------------------
+def _pair():
+    s = MonitorSettings()
+    cand, live, ref = evaluation(0.12, 3), evaluation(0.08, 2), evaluation(0.0, 0)
+    return ([m.as_dict() for m in run_monitors(cand, live, s, 0.05, 1.96, against="round-000002")],
+            [m.as_dict() for m in run_monitors(cand, ref, s, 0.05, 1.96, scope="cumulative", against="round-000000")])
+
+
+def test_tags_review_cells_and_checks_show_both_comparisons():
+    from dagster import AssetCheckSeverity
+
+    from prodrl_pipelines.assets.monitor_checks import _result
+    from prodrl_pipelines.cli.review import monitor_cell
+    from prodrl_pipelines.loop.lineage_hooks import monitor_tags
+
+    per_round, cumulative = _pair()
+    tags = {**monitor_tags(per_round), **monitor_tags(cumulative, ".cumulative")}
+    assert tags["monitor.format_errors"].startswith("passed (0.04")
+    assert tags["monitor.format_errors.cumulative"] == "blocks (0.12; threshold 0.1; vs round-000000)"
+    assert monitor_cell(per_round) == "ok" and monitor_cell(cumulative) == "format_errors:BLOCKS(+0.12)"
+    res = _result("monitor_format_errors", per_round[0], cumulative[0], "round-000000")
+    assert not res.passed and res.severity == AssetCheckSeverity.ERROR
+    md = {k: getattr(v, "value", v) for k, v in res.metadata.items()}
+    assert md["value"] == pytest.approx(0.04) and md["cumulative_value"] == pytest.approx(0.12)
+    assert (md["threshold"], md["cumulative_threshold"], md["reference_version"]) == (0.05, 0.10, "round-000000")
+    assert "cumulative vs reference round-000000" in res.description
