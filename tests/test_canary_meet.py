@@ -147,7 +147,7 @@ def fleet(tiny_policy_dir, tmp_path):
         yield f
 
 
-@pytest.mark.long(seconds=60)
+@pytest.mark.long(seconds=45)
 def test_a_canary_whose_promotion_was_requested_is_never_failed(fleet, pg_instance, capsys):
     svc, res, rec, app = fleet
     _gate_passed(svc, R1)
@@ -205,7 +205,7 @@ def _wait(cond, what: str, log: Path, timeout_s: float = 240):
     pytest.fail(f"timed out waiting for {what}; daemon log: {log.read_text(errors='replace')[-4000:]}")
 
 
-@pytest.mark.long(seconds=200)
+@pytest.mark.long(seconds=90)
 def test_canaries_through_the_daemon_fail_and_promote_on_scored_reward(tiny_policy_dir, tmp_path, pg_instance):
     overrides = {**GRADED, "rewards_idle_seconds": 1, "canary_min_trajectories": 8, "gate_tolerance": 0.5,
                  "batch_size": 64, "steps_per_round": 64}  # no round starts from this traffic
