@@ -49,6 +49,7 @@ from typing import Any
 import pyarrow as pa
 
 from prodrl_pipelines.recorder.indexer import LocalIndexer
+from prodrl_pipelines.recorder.skips import SKIPPED_PREFIX, load_skips, write_skips
 from prodrl_pipelines.recorder.wal import WriteAheadLog, encode_entry, seq_of
 from prodrl_pipelines.trajectories.schema import CALL_SCHEMA, REWARD_SCHEMA, call_id
 from prodrl_pipelines.trajectories.store import CALLS as CALLS_T
@@ -58,7 +59,6 @@ from prodrl_pipelines.trajectories.store import SchemaMismatchError, TrajectoryS
 
 __all__ = ["Ingestor", "Stats", "SKIPPED_PREFIX", "REJECTED_PREFIX", "now_us"]
 
-SKIPPED_PREFIX = "_recorder/skipped/"
 REJECTED_PREFIX = "_recorder/rejected/"
 
 
@@ -213,10 +213,9 @@ class Ingestor:
                 if r is not None and c is not None:
                     stored_rewards.add(_reward_key(tid, src, c, r))
         stored_skips: set[str] = set()
-        for key in self.store.blobs.list(SKIPPED_PREFIX):
-            for s in json.loads(self.store.blobs.get_bytes(key)):
-                stored_skips.add(call_id(s["trajectory_id"], s["call_index"]))
-                seen.append((s["trajectory_id"], int(s["call_index"])))
+        for s in load_skips(self.store.blobs):  # one folded part, plus those flushed since
+            stored_skips.add(call_id(s["trajectory_id"], s["call_index"]))
+            seen.append((s["trajectory_id"], int(s["call_index"])))
 
         new_calls, new_rewards, new_skips, new_retractions = [], [], [], []
         segments = self.wal.segments()
@@ -506,7 +505,7 @@ class Ingestor:
                 self._write_one_by_one(rewards, "rewards", txn)
         if skips:
             payload = [{k: s[k] for k in ("trajectory_id", "call_index", "reason", "created_at")} for s in skips]
-            self.store.blobs.put_bytes(f"{SKIPPED_PREFIX}part-{uuid7()}.json", json.dumps(payload).encode())
+            write_skips(self.store.blobs, payload)
 
     def _write_one_by_one(self, rows: list[dict], kind: str, txn: tuple[str, int] | None = None) -> None:
         """A row that cannot be brought to its schema is set aside (JSON, counted: ``rejected_rows``),
