@@ -92,7 +92,8 @@ def evaluate(svc: Services, rkey: str) -> dict:
             ref_eval = live_eval if ref == live.policy_version else version_eval(svc, ref, cand["task_ids"])
             kl_ref = None
             if "kl" in mon.enabled and ref != live.policy_version:
-                kl_ref = kl_to_reference(svc, calls, ensure_local(svc, "exports", ref))
+                # no scored tokens: "not measured", never the KL to live in its place
+                kl_ref = kl_to_reference(svc, calls, ensure_local(svc, "exports", ref)) or {"kl_to_live": None}
                 cand["kl_to_reference"] = {"policy_version": ref, **kl_ref}
             cumulative = [m.as_dict() for m in run_monitors(
                 cand, ref_eval, mon, svc.settings.eval.gate_tolerance, svc.settings.eval.gate_z,
