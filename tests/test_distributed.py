@@ -201,7 +201,7 @@ def test_a_single_process_adam_state_continues_sharded(tmp_path):
 MOE_ROUND = r'''
 import datetime, sys, torch, torch.distributed as dist
 from transformers import Qwen3MoeForCausalLM
-from prodrl_pipelines.rl import sharding
+from prodrl_pipelines.rl import round_diagnostics, sharding
 from prodrl_pipelines.rl.checkpoint import TrainerState
 from prodrl_pipelines.rl.config import Recipe
 from prodrl_pipelines.rl.trainer import build_optimizer, train_round
@@ -214,8 +214,14 @@ recipe, state = Recipe(**job["recipe"]), TrainerState()
 res = train_round(root, build_optimizer(root, recipe, state), job["trajs"], job["adv"], job["plan"], recipe, state,
                   pad_id=0, round_seed=0, progress=False, rank=dist.get_rank(), world_size=dist.get_world_size())
 full = sharding.full_model_state(root)
+# a sample smaller than the round: the ranks stop sampling together, whatever each one's own share
+round_diagnostics.ROUTING_DIAGNOSTIC_TOKENS = 6
+state = TrainerState()
+small = train_round(root, build_optimizer(root, recipe, state), job["trajs"], job["adv"], job["plan"], recipe, state,
+                    pad_id=0, round_seed=0, progress=False, rank=dist.get_rank(), world_size=dist.get_world_size())
 if dist.get_rank() == 0:
-    torch.save({"model": full, "routing": res.routing, "mismatch": res.mismatch_abs_logp}, sys.argv[2])
+    torch.save({"model": full, "routing": res.routing, "mismatch": res.mismatch_abs_logp,
+                "small_sample": small.routing}, sys.argv[2])
 dist.destroy_process_group()
 '''
 
@@ -311,3 +317,5 @@ def test_moe_with_recorded_routing_trains_at_two_ranks_as_one_process(tmp_path):
     assert two["routing"].keys() == single.routing.keys()
     for k, v in single.routing.items():
         assert two["routing"][k] == pytest.approx(v, rel=1e-4, abs=1e-6, nan_ok=True), k
+    sampled = two["small_sample"]["routing_diagnostic_tokens"]
+    assert 6 <= sampled < single.routing["routing_diagnostic_tokens"]  # stopped once the ranks had 6 between them
