@@ -5,6 +5,13 @@
     python scripts/docs_numbers.py --check             # exit 1 where a block differs from its results
     python scripts/docs_numbers.py --store NAME FILE   # keep a command's JSON as docs/results/NAME.json, rewrite
 
+The stored results and the commands that write them:
+
+    reward_hacking  prodrl lab reward-hacking                                   runs/reward-hacking/reward_hacking.json
+    slow_drift      prodrl lab reward-hacking --slow-drift --name slow-drift    runs/slow-drift/reward_hacking.json
+    demo_local      PRODRL_LAB_TRAFFIC=http-seeded prodrl demo --rounds 4 --name demo-local   runs/demo-local/summary.json
+    demo_vllm       prodrl demo --engine vllm --rounds 4 --name demo-vllm       runs/demo-vllm/summary.json
+
 A block sits between ``<!-- docs-numbers:NAME -->`` and ``<!-- /docs-numbers:NAME -->`` in a markdown
 file; NAME is a key of ``BLOCKS``, which says which stored result it is made from and how. Each block
 states the command, the commit and the machine the result came from, and the findings the prose
@@ -148,22 +155,67 @@ def render_slow_drift(r: dict, stored: str) -> str:
     return "\n".join(lines) + "\n"
 
 
-BLOCKS: dict[str, tuple[str, Callable[[dict, str], str]]] = {
-    "reward_hacking": ("reward_hacking.json", render_reward_hacking),
-    "slow_drift": ("slow_drift.json", render_slow_drift),
-}
+def _ci(r: dict) -> str:
+    return "-" if r["heldout_reward"] is None else f"{r['heldout_reward']:.3f} ± {r['heldout_reward_ci']:.3f}"
+
+
+def _probe(r: dict) -> str:
+    return "-" if r.get("probe_mean_abs") is None else f"{r['probe_mean_abs']:.2g} / {r['probe_p99_abs']:.2g}"
+
+
+def render_demo_engines(local: dict, vllm: dict | None, stored: list[str]) -> str:
+    """``prodrl demo`` on the local engine and, once its run is stored, on vLLM, side by side."""
+    head = "| round | local engine: held-out | local: \\|log pi_k - log mu\\| | local probe mean / p99 |"
+    lines = [f"_Local engine: {_provenance(local, stored[0])[1:-1]}_", ""]
+    if vllm is None:  # the local columns alone until a vLLM run is stored
+        vllm = {"rounds": [], "seconds": None}
+        lines += [f"_vLLM: no stored run ({stored[1]})._", "", head, "|---|" + "---|" * 3]
+    else:
+        lines += [f"_vLLM: {_provenance(vllm, stored[1])[1:-1]}_", "",
+                  head + " vLLM: held-out | vLLM: \\|log pi_k - log mu\\| | vLLM probe mean / p99 |",
+                  "|---|" + "---|" * 6]
+    by_round = {r["round"]: r for r in vllm["rounds"]}
+    for r in local["rounds"]:
+        row = f"| {r['round']} | {_ci(r)} | {_f(r['mismatch_abs_logp'], '.4f')} | {_probe(r)} |"
+        if by_round:
+            v = by_round.get(r["round"], {"heldout_reward": None})
+            row += f" {_ci(v)} | {_f(v.get('mismatch_abs_logp'), '.4f')} | {_probe(v)} |"
+        lines.append(row)
+    mm = lambda d: [r["mismatch_abs_logp"] for r in d["rounds"] if r.get("mismatch_abs_logp") is not None]  # noqa: E731
+    dep = [r["deploy_seconds"] for r in vllm["rounds"] if r.get("deploy_seconds")]
+    lines += ["", f"- The mismatch column is the seed's engine mismatch: NVFP4 weights on the local engine "
+              f"({min(mm(local)):.4f}-{max(mm(local)):.4f})"
+              + (f", vLLM's bf16 kernels against the fp32 trainer ({min(mm(vllm)):.4f}-{max(mm(vllm)):.4f})."
+                 if mm(vllm) else ".")]
+    if vllm["rounds"]:
+        lines.append((f"- Each vLLM deploy took {min(dep):.0f}-{max(dep):.0f} s from \"deploy\" to \"probe passed\"; "
+                      if dep else "- ") + f"the whole vLLM run {vllm['seconds']:.0f} s against {local['seconds']:.0f} s "
+                     f"on the local engine.")
+    return "\n".join(lines) + "\n"
+
+
+BLOCKS: dict[str, tuple[tuple[str, ...], Callable[..., str]]] = {
+    "reward_hacking": (("reward_hacking.json",), render_reward_hacking),
+    "slow_drift": (("slow_drift.json",), render_slow_drift),
+    "demo_engines": (("demo_local.json", "demo_vllm.json?"), render_demo_engines),
+}  # a result ending in "?" is optional: its renderer gets None until it is stored
 
 
 def render(name: str, root: Path) -> str:
     if name not in BLOCKS:
         raise KeyError(f"unknown docs-numbers block {name!r}; known: {', '.join(BLOCKS)}")
-    file, fn = BLOCKS[name]
-    stored = f"{RESULTS}/{file}"
-    path = root / stored
-    if not path.exists():
-        raise FileNotFoundError(f"block {name!r} needs {stored}: run its command and store its JSON "
-                                f"(python scripts/docs_numbers.py --store {name} PATH)")
-    return fn(json.loads(path.read_text()), stored)
+    files, fn = BLOCKS[name]
+    stored = [f"{RESULTS}/{f.rstrip('?')}" for f in files]
+    data = []
+    for f, path in zip(files, stored):
+        if (root / path).exists():
+            data.append(json.loads((root / path).read_text()))
+        elif f.endswith("?"):
+            data.append(None)
+        else:
+            raise FileNotFoundError(f"block {name!r} needs {path}: run its command and store its JSON "
+                                    f"(python scripts/docs_numbers.py --store {Path(path).stem} PATH)")
+    return fn(*data, stored if len(stored) > 1 else stored[0])
 
 
 def markdown_files(root: Path) -> list[Path]:
@@ -189,14 +241,15 @@ def update(root: Path, check: bool) -> list[str]:
             if body != m.group("body"):
                 diff = "".join(difflib.unified_diff(m.group("body").splitlines(True), body.splitlines(True),
                                                     "docs", "results", n=0))
-                problems.append(f"{md.relative_to(root)}: block {name!r} differs from {RESULTS}/{BLOCKS[name][0]}:\n{diff}")
+                problems.append(f"{md.relative_to(root)}: block {name!r} differs from "
+                                f"{', '.join(RESULTS + '/' + f.rstrip('?') for f in BLOCKS[name][0])}:\n{diff}")
             return f"<!-- docs-numbers:{name} -->\n{body}<!-- /docs-numbers:{name} -->"
 
         new = MARK.sub(sub, text)
         if not check and new != text:
             md.write_text(new)
     for name in sorted(set(BLOCKS) - seen):
-        problems.append(f"block {name!r} ({RESULTS}/{BLOCKS[name][0]}) appears in no markdown file")
+        problems.append(f"block {name!r} ({', '.join(BLOCKS[name][0])}) appears in no markdown file")
     return problems
 
 
@@ -209,10 +262,11 @@ def main(argv: list[str] | None = None) -> int:
     root = Path(a.root)
     if a.store:
         name, src = a.store
-        if name not in BLOCKS:
-            ap.error(f"unknown block {name!r}; known: {', '.join(BLOCKS)}")
+        known = [Path(f.rstrip("?")).stem for files, _ in BLOCKS.values() for f in files]
+        if name not in known:
+            ap.error(f"unknown result {name!r}; known: {', '.join(known)}")
         (root / RESULTS).mkdir(parents=True, exist_ok=True)
-        shutil.copyfile(src, root / RESULTS / BLOCKS[name][0])
+        shutil.copyfile(src, root / RESULTS / f"{name}.json")
     problems = update(root, a.check)
     if a.check:
         for p in problems:
