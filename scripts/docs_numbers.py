@@ -160,7 +160,9 @@ def _ci(r: dict) -> str:
 
 
 def _probe(r: dict) -> str:
-    return "-" if r.get("probe_mean_abs") is None else f"{r['probe_mean_abs']:.2g} / {r['probe_p99_abs']:.2g}"
+    # 4 decimals: the probe's floating noise (~1e-7 here, from how the server batched the probe's
+    # prompts) differs between two otherwise identical runs
+    return "-" if r.get("probe_mean_abs") is None else f"{r['probe_mean_abs']:.4f} / {r['probe_p99_abs']:.4f}"
 
 
 def render_demo_engines(local: dict, vllm: dict | None, stored: list[str]) -> str:
