@@ -161,6 +161,9 @@ def canary_sensor(context: SensorEvaluationContext, settings: ProdRLSettings, st
         if tags.get(canary.END_TAG) in ("promote", "fail"):  # a reviewer ends it early
             by = tags.get(canary.END_BY_TAG) or UNKNOWN_REVIEWER
             verdict.passed, verdict.ended_by = tags[canary.END_TAG] == "promote", f"ended early by {by}"
+        elif (why := canary.paused(svc)) is not None:  # the recorder took a crashed canary off traffic
+            by = "recorder (canary paused)"
+            verdict.passed, verdict.ended_by = False, f"paused by the recorder: {why}"
         if verdict.passed is None:
             if version and tags.get("canary_trajectories") != str(verdict.n_candidate):
                 lineage_hooks.record_canary(svc, rkey, version, "running", verdict)  # the numbers so far

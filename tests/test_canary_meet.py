@@ -254,3 +254,22 @@ def test_canaries_through_the_daemon_fail_and_promote_on_scored_reward(tiny_poli
                 os.killpg(daemon.pid, signal.SIGKILL)
                 daemon.wait()
         assert _traffic(rec, app, 4, 900, None) == {R2: 4}
+
+
+# --- a canary the recorder paused (its server kept refusing connections) ----------------------------
+
+@pytest.mark.long(seconds=40)
+def test_a_canary_the_recorder_paused_is_failed_with_its_reason(fleet, pg_instance):
+    svc, res, rec, app = fleet
+    _gate_passed(svc, R1)
+    assert promotion.deploy(svc, R1).kind == "canary"
+    ep = endpoint_file(svc.settings.home_path)
+    url = ep.read().canary["replicas"][0]["url"]
+    assert canary.paused(svc) is None
+    assert ep.pause_canary(url, R1, f"{url} could not be connected to 3 times in a row")  # what the recorder writes
+    skip = canary_sensor(build_sensor_context(instance=pg_instance, resources=res))
+    d = svc.ledger.decision(R1)
+    assert round_state(d) != CANARY and d["canary"] == "failed" and d["deployed"] is False, skip.skip_message
+    assert "paused by the recorder" in d["canary_verdict"]["ended_by"] and "could not be connected" in skip.skip_message
+    assert ep.read().canary is None  # removed: the champion serves every trajectory
+    assert canary.running_canary(svc) is None

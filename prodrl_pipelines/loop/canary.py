@@ -134,6 +134,15 @@ def judge(svc: Services, rkey: str) -> CanaryVerdict:
                          int(champ.size), diff, lower, s.eval.gate_tolerance, need)
 
 
+def paused(svc: Services) -> str | None:
+    """Why the recorder took the running canary off traffic (its server kept refusing connections),
+    else None: such a canary can no longer be judged on live reward, so it is failed with that reason."""
+    from prodrl_pipelines.deploy_targets.base import endpoint_file
+
+    ep = endpoint_file(svc.settings.home_path).read()
+    return ep.canary_paused() if ep is not None else None
+
+
 def running_canary(svc: Services) -> str | None:
     """The round whose canary is running, if any (at most one: rounds run one at a time)."""
     from prodrl_pipelines.loop.round_state import CANARY, round_key, round_state
