@@ -60,9 +60,11 @@ def test_indexers_agree(pg_url):
         ix.see([("s", 2), ("s", 0), ("u", 5)])
     for ix in (local, shared):
         assert (ix.known("s"), ix.known("nope"), ix.next_index("s"), ix.next_index("u")) == (True, False, 3, 6)
-        assert [ix.take("s"), ix.take("s"), ix.take("new")] == [3, 4, 0]
-        ix.remember("s", "key", 4, 123)
-        assert ix.earlier("s", "key") == (4, 123) and ix.earlier("s", "other") is None
+        assert [ix.assign("s", None, False, 1)[0], ix.assign("s", "key", True, 123), ix.assign("new", None, False, 2)[0]] \
+            == [3, (4, None, False), 0]
+        assert ix.assign("s", "key", True, 124) == (4, 123, True)  # a retry: the same index, superseding 123
+        assert ix.assign("s", "key", False, 125) == (5, None, False)  # not a retry: a new call with that body
+        assert ix.assign("s", "other", True, 126) == (6, None, False)
     shared.close()
     with pytest.raises(ValueError, match="postgresql"):
         make_indexer("redis://x")

@@ -33,6 +33,7 @@ from prodrl_pipelines.recorder.calls import (
     upstream_error,
     upstream_unavailable,
 )
+from prodrl_pipelines.recorder.indexer import IndexerUnavailable
 from prodrl_pipelines.recorder.ingest import Stats
 from prodrl_pipelines.recorder.requests import Unrecordable, client_ask, is_json_number, unrecordable_reason
 from prodrl_pipelines.recorder.responses import ResponsesShape
@@ -166,7 +167,11 @@ async def feedback(request: Request) -> Response:
     if not isinstance(source, str) or not source:
         return err("`source` must be a non-empty string", 422, stats, "feedback_invalid")
     stored = tenant.stored_id(tid)  # a tenant names only its own trajectories
-    if not rec.ingestor.known(stored):
+    try:
+        known = await rec.ingestor.known_async(stored)
+    except IndexerUnavailable as exc:
+        return err(f"the reward could not be recorded: {exc}", 503, stats, "commit_failures")
+    if not known:
         stats.count("feedback_unknown_trajectory", tenant=tenant.name)
         return err(f"unknown trajectory {clip(tid)}: no call was recorded under it", 404)
     created, fut = rec.ingestor.commit_reward(stored, float(reward), source)

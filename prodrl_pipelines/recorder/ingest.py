@@ -187,6 +187,12 @@ class Ingestor:
         with self._lock:
             return self.indexer.known(trajectory_id)
 
+    async def known_async(self, trajectory_id: str) -> bool:
+        """``known`` without waiting on a shared indexer's database on the event loop."""
+        if self.indexer.blocking:
+            return await self.indexer.known_async(trajectory_id)
+        return self.known(trajectory_id)
+
     def next_index(self, trajectory_id: str) -> int:
         with self._lock:
             return self.indexer.next_index(trajectory_id)
@@ -331,47 +337,62 @@ class Ingestor:
             self._cond.notify()
         return fut
 
-    def _index_for(self, tid: str, attempt: Attempt | None) -> tuple[int, int | None, bool]:
-        """(call index, created_at of the row it supersedes, whether it retries an earlier attempt);
-        under ``_lock``."""
-        earlier = self.indexer.earlier(tid, attempt.key) if attempt is not None and attempt.retry else None
-        if earlier is not None:
-            return earlier[0], earlier[1], True
-        return self.indexer.take(tid), None, False
-
-    def _remember(self, tid: str, attempt: Attempt | None, index: int, created: int | None) -> None:
-        if attempt is not None:
-            self.indexer.remember(tid, attempt.key, index, created)
-
-    def _commit(self, tid: str, attempt: Attempt | None, entry_at) -> tuple[int, Future, bool]:
-        """Take the call's index (a retry: its earlier attempt's), queue ``entry_at(index)`` with what
-        it supersedes, remember the attempt. Returns (call_index, durable future, retried)."""
+    def _assign(self, tid: str, attempt: Attempt | None, created: int | None) -> tuple[int, int | None, bool]:
+        """(call index, created_at of the row it supersedes, whether it retries an earlier attempt).
+        A shared indexer decides in its database, atomically; the local one under ``_lock``."""
+        key, retry = (attempt.key, attempt.retry) if attempt is not None else (None, False)
+        if self.indexer.blocking:
+            return self.indexer.assign(tid, key, retry, created)
         with self._lock:
-            index, supersedes, retried = self._index_for(tid, attempt)
-            entry = entry_at(index)
-            if supersedes is not None:
-                entry["supersedes"] = supersedes
-            fut = self._submit(entry)
-            self._remember(tid, attempt, index, entry["row"]["created_at"] if entry["kind"] == "call" else None)
-        return index, fut, retried
+            return self.indexer.assign(tid, key, retry, created)
+
+    async def _assign_async(self, tid: str, attempt: Attempt | None, created: int | None):
+        if self.indexer.blocking:  # off the event loop: a slow database must not stall every route
+            key, retry = (attempt.key, attempt.retry) if attempt is not None else (None, False)
+            return await self.indexer.assign_async(tid, key, retry, created)
+        return self._assign(tid, attempt, created)
+
+    def _enqueue(self, entry: dict, supersedes: int | None) -> Future | asyncio.Future:
+        if supersedes is not None:
+            entry["supersedes"] = supersedes
+        return self._submit(entry)
+
+    @staticmethod
+    def _call_entry(tid: str, row: dict, index: int, created: int) -> dict:
+        row.update(trajectory_id=tid, call_index=index, created_at=created)
+        return {"kind": "call", "row": row}
+
+    @staticmethod
+    def _skip_entry(tid: str, reason: str, index: int) -> dict:
+        return {"kind": "skip", "trajectory_id": tid, "call_index": index, "reason": reason, "created_at": now_us()}
 
     def commit_call(self, trajectory_id: str, row: dict, attempt: Attempt | None = None) -> tuple[int, Future, bool]:
         """Assign the call's index, queue its row; ``row`` gets trajectory_id, call_index and
         created_at (microseconds). A retry of an earlier attempt (``attempt.retry`` with the key of an
         attempt committed before) takes that attempt's index and supersedes its row. Returns
-        (call_index, durable future, retried)."""
-        def entry_at(index: int) -> dict:
-            row.update(trajectory_id=trajectory_id, call_index=index, created_at=now_us())
-            return {"kind": "call", "row": row}
+        (call_index, durable future, retried). On an event loop with a shared indexer, use
+        ``commit_call_async``."""
+        created = now_us()
+        index, supersedes, retried = self._assign(trajectory_id, attempt, created)
+        return index, self._enqueue(self._call_entry(trajectory_id, row, index, created), supersedes), retried
 
-        return self._commit(trajectory_id, attempt, entry_at)
+    async def commit_call_async(self, trajectory_id: str, row: dict,
+                                attempt: Attempt | None = None) -> tuple[int, Future, bool]:
+        """``commit_call`` without waiting on a shared indexer's database on the event loop."""
+        created = now_us()
+        index, supersedes, retried = await self._assign_async(trajectory_id, attempt, created)
+        return index, self._enqueue(self._call_entry(trajectory_id, row, index, created), supersedes), retried
 
     def commit_skip(self, trajectory_id: str, reason: str, attempt: Attempt | None = None) -> tuple[int, Future, bool]:
         """An answered but unrecordable call: it takes an index (or, as a retry, its earlier
         attempt's, whose row it retracts), no row is stored."""
-        return self._commit(trajectory_id, attempt, lambda index: {
-            "kind": "skip", "trajectory_id": trajectory_id, "call_index": index, "reason": reason,
-            "created_at": now_us()})
+        index, supersedes, retried = self._assign(trajectory_id, attempt, None)
+        return index, self._enqueue(self._skip_entry(trajectory_id, reason, index), supersedes), retried
+
+    async def commit_skip_async(self, trajectory_id: str, reason: str,
+                                attempt: Attempt | None = None) -> tuple[int, Future, bool]:
+        index, supersedes, retried = await self._assign_async(trajectory_id, attempt, None)
+        return index, self._enqueue(self._skip_entry(trajectory_id, reason, index), supersedes), retried
 
     def commit_reward(self, trajectory_id: str, reward: float, source: str) -> tuple[int, Future]:
         created = now_us()

@@ -590,11 +590,11 @@ class Recorder:
         """Durably commit a recorded row or a skip; returns the call index. A retry of an earlier
         attempt takes its index and supersedes it (``retried_calls``)."""
         if row is not None:
-            index, fut, retried = self.ingestor.commit_call(tid, row, attempt)
+            index, fut, retried = await self.ingestor.commit_call_async(tid, row, attempt)
             # per served version: a rolling update or a canary shows its mix here
             counters = ["recorded_calls", f"recorded_calls.version.{row['policy_version']}"]
         else:
-            index, fut, retried = self.ingestor.commit_skip(tid, reason or "unknown", attempt)
+            index, fut, retried = await self.ingestor.commit_skip_async(tid, reason or "unknown", attempt)
             counters = [f"unrecordable.{reason}", "unrecordable_calls"]
         await fut
         if retried:
