@@ -69,7 +69,8 @@ def test_reward_hacking_walkthrough_claims_on_a_real_run(tmp_path, monkeypatch):
     """The walkthrough the README's table comes from, at its own size: every hack round is blocked by
     named checks, and after the fix the held-out reward ends above the base. On the machine the
     stored result came from the run reproduces it exactly (whatever the directory)."""
-    from prodrl_pipelines.lab.reward_hacking import provenance, walkthrough, walkthrough_settings
+    from prodrl_pipelines.lab.provenance import provenance
+    from prodrl_pipelines.lab.reward_hacking import walkthrough, walkthrough_settings
 
     monkeypatch.delenv("PRODRL_DAGSTER_HOME", raising=False)
     monkeypatch.delenv("DAGSTER_PG_URL", raising=False)

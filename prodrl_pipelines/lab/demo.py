@@ -211,7 +211,7 @@ def cmd_demo(args) -> int:
     print_table(rows)
     out = home / "summary.json"
     from prodrl_pipelines.lab.http_traffic import TRAFFIC_ENV, traffic_mode
-    from prodrl_pipelines.lab.reward_hacking import provenance
+    from prodrl_pipelines.lab.provenance import provenance
 
     prov = provenance(sys.argv[1:])
     if os.environ.get(TRAFFIC_ENV):  # how the traffic was served decides whether a rerun reproduces it

@@ -20,11 +20,11 @@ reference while nobody reviews) catch it once the drift adds up.
 from __future__ import annotations
 
 import json
-import platform
-import subprocess
 import sys
 import time
 from pathlib import Path
+
+from prodrl_pipelines.lab.provenance import provenance
 
 HOLEY = "prodrl_pipelines.lab.graders:arithmetic_anywhere"
 EXACT = "prodrl_pipelines.lab.graders:arithmetic_exact"
@@ -147,35 +147,6 @@ def failing(monitors: dict, reference: str | None = None) -> str:
     """The failing monitors of a round row, ``name +value`` each (and the reference they compare with)."""
     bad = ", ".join(f"{k} {v['value']:+.3f}" for k, v in monitors.items() if not v["passed"])
     return f"{bad} (vs {reference})" if bad and reference else bad or "-"
-
-
-def provenance(argv: list[str]) -> dict:
-    """What ran, at which commit, on which machine: stated beside every table made from the output."""
-    import torch
-
-    repo = Path(__file__).resolve().parents[2]
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short=12", "HEAD"], capture_output=True, text=True,
-                                cwd=repo, timeout=10).stdout.strip()
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no", "--", "prodrl_pipelines"],
-                               capture_output=True, text=True, cwd=repo, timeout=10).stdout.strip()
-    except (OSError, subprocess.SubprocessError):
-        commit, dirty = "", ""
-    import os
-
-    return {"command": " ".join(["prodrl", *argv]), "commit": (commit + ("+dirty" if dirty else "")) or "unknown",
-            "machine": f"{_cpu_model()}, {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
-                       f"({torch.get_num_threads()} threads), Python {platform.python_version()}"}
-
-
-def _cpu_model() -> str:
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
 
 
 def walkthrough_settings(slow_drift: bool = False) -> tuple[dict, int, int]:
