@@ -17,6 +17,7 @@ latest reward. Every read can name a table version (``as_of``): a round pins wha
 
 from __future__ import annotations
 
+import json
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
@@ -24,13 +25,13 @@ import pyarrow as pa
 import pyarrow.compute as pc
 import pyarrow.dataset as ds
 
-from prodrl_pipelines.storage.blobstore import BlobStore
+from prodrl_pipelines.storage.blobstore import BlobNotFoundError, BlobStore
 from prodrl_pipelines.trajectories.rows import (  # noqa: F401  (the store's public helpers, re-exported for its users)
     MAX_NAME_BYTES, SchemaMismatchError, conform, first_calls, latest_rewards, name_problem, to_table, uuid7,
     without_retracted,
 )
 from prodrl_pipelines.trajectories.schema import CALL_SCHEMA, QUARANTINE_SCHEMA, REWARD_SCHEMA
-from prodrl_pipelines.trajectories.tables import DeltaTables
+from prodrl_pipelines.trajectories.tables import LOG_DIR, TABLES_PREFIX, DeltaTables
 
 CALLS, REWARDS, RETRACTIONS, QUARANTINE, LEDGER = "calls", "rewards", "retractions", "quarantine", "ledger"
 TABLE_NAMES = (CALLS, REWARDS, RETRACTIONS, QUARANTINE, LEDGER)
@@ -115,7 +116,21 @@ class TrajectoryStore:
 
     def versions(self) -> dict[str, int]:
         """Each table's latest version (-1: not created yet): what a round pins."""
-        return {name: self.tables.version(name) for name in TABLE_NAMES}
+        return {name: self._latest_version(name) for name in TABLE_NAMES}
+
+    def _latest_version(self, name: str) -> int:
+        """The latest committed version from the log's listing (the checkpoint ``_last_checkpoint``
+        names, then one LIST of the commits after it) rather than loading the latest snapshot: a
+        scan loads the snapshot of the version pinned, once (``DeltaTables`` keeps it), and a table
+        only pinned is never loaded. Without a checkpoint yet: the snapshot's version."""
+        prefix = f"{TABLES_PREFIX}{name}/{LOG_DIR}"
+        try:
+            start = int(json.loads(self.blobs.get_bytes(prefix + "_last_checkpoint"))["version"])
+        except (BlobNotFoundError, ValueError, KeyError, TypeError):
+            return self.tables.version(name)
+        keys = self.blobs.list(prefix, start_after=f"{prefix}{start:020d}")
+        found = [int(k[len(prefix):-5]) for k in keys if k.endswith(".json") and k[len(prefix):-5].isdigit()]
+        return max(found, default=start)
 
     def _scan(self, name: str, *, filter=None, columns: Sequence[str] | None = None,
               as_of: TableVersions | None = None, partitions: list | None = None) -> pa.Table:
@@ -229,10 +244,16 @@ class TrajectoryStore:
         The partitions skipped are never opened; the time and ``trajectory_ids`` filters go into
         the scan (row-group statistics)."""
         cols = ["trajectory_id", "call_index", "policy_version", "created_at"]
-        filt = _row_filter(trajectory_ids, since)
-        parts = [("policy_version", "not in", list(dict.fromkeys(skip_versions)))] if skip_versions else None
-        t = self._scan(CALLS, filter=filt, columns=cols, as_of=as_of, partitions=parts)
-        return conform(t, pa.schema([CALL_SCHEMA.field(c) for c in cols])).combine_chunks()
+        schema = pa.schema([CALL_SCHEMA.field(c) for c in cols])
+        version = None if as_of is None else as_of.get(CALLS)
+        dt = None if version is not None and version < 0 else self.tables.open(CALLS, version)
+        # the partitions to read, named ("in" prunes far faster than "not in" a long history)
+        wanted = sorted({p["policy_version"] for p in dt.partitions()} - set(skip_versions)) if dt else []
+        if not wanted:
+            return schema.empty_table()
+        t = self._scan(CALLS, filter=_row_filter(trajectory_ids, since), columns=cols,
+                       as_of={CALLS: dt.version()}, partitions=[("policy_version", "in", wanted)])
+        return conform(t, schema).combine_chunks()
 
     # --- rewards -----------------------------------------------------------------------------
 
