@@ -222,3 +222,33 @@ def test_attempts_and_idle_counters_are_pruned_while_running(private_pg):
     assert ix.prune() == {"prodrl_call_attempts": 2, "prodrl_call_index": 2}
     assert not ix.known("old") and not ix.known("fresh")
     ix.close()
+
+
+def test_two_indexers_under_concurrent_retries_hand_out_each_index_once(pg_url):
+    """Eight threads on two indexers (two replicas) assign calls of one trajectory: seeded random
+    attempt keys, each sent several times (a retry), mixed with calls without a key. Every key gets
+    one index, every keyless call its own, and together they are 0..n-1 without a gap."""
+    import random
+    from concurrent.futures import ThreadPoolExecutor
+
+    from prodrl_pipelines.recorder.indexer import PostgresIndexer
+
+    replicas = [PostgresIndexer(pg_url), PostgresIndexer(pg_url)]
+    rng = random.Random(7)
+    plan = [(rng.choice(replicas), None if rng.random() < 0.2 else f"k{rng.randrange(40)}") for _ in range(240)]
+
+    def run(chunk):
+        return [(key, ix.assign("crowd", key, True, 1)) for ix, key in chunk]
+
+    with ThreadPoolExecutor(8) as pool:
+        results = [r for part in pool.map(run, [plan[i::8] for i in range(8)]) for r in part]
+    by_key: dict[str, set[int]] = {}
+    keyless = []
+    for key, (index, _, _) in results:
+        (keyless.append(index) if key is None else by_key.setdefault(key, set()).add(index))
+    assert all(len(v) == 1 for v in by_key.values()), {k: v for k, v in by_key.items() if len(v) > 1}
+    handed = sorted([next(iter(v)) for v in by_key.values()] + keyless)
+    assert handed == list(range(len(handed)))
+    assert sum(retried for _, (_, _, retried) in results) == len(results) - len(handed)
+    for ix in replicas:
+        ix.close()
