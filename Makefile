@@ -29,7 +29,8 @@ vllm:
 
 demo: $(STAMP)
 	rm -rf runs/demo
-	$(BIN)/prodrl demo --name demo --rounds 8
+	# every lab call carries its own seed: the printed table is the same run to run (docs/setup.md)
+	PRODRL_LAB_TRAFFIC=$${PRODRL_LAB_TRAFFIC:-http-seeded} $(BIN)/prodrl demo --name demo --rounds 8
 
 # Tests need PostgreSQL (DESIGN.md s.8): PRODRL_TEST_PG_URL, default postgresql+psycopg2://postgres@127.0.0.1:5432/test
 # Lint first (ruff.toml), then the files on TEST_WORKERS pytest-xdist workers (a file stays on one
