@@ -22,8 +22,10 @@ def provenance(argv: list[str]) -> dict:
     except (OSError, subprocess.SubprocessError):
         commit, dirty = "", ""
     return {"command": " ".join(["prodrl", *argv]), "commit": (commit + ("+dirty" if dirty else "")) or "unknown",
+            # the kernels torch dispatches to (AVX2, AVX512, ...) change float rounding, so the results
             "machine": f"{_cpu_model()}, {platform.machine()}, {os.cpu_count()} CPUs, torch {torch.__version__} "
-                       f"({torch.get_num_threads()} threads), Python {platform.python_version()}"}
+                       f"({torch.get_num_threads()} threads, {torch.backends.cpu.get_cpu_capability()}), "
+                       f"Python {platform.python_version()}"}
 
 
 def _cpu_model() -> str:
