@@ -262,3 +262,65 @@ def pytest_collection_modifyitems(session, config, items):
             longest[path] = max(longest.get(path, 0.0), float(m.kwargs.get("seconds", 60)))
     order = {id(item): i for i, item in enumerate(items)}
     items.sort(key=lambda it: (-longest.get(str(it.path), 0.0), order[id(it)]))
+
+
+# --- one local Ray cluster (two nodes) for the whole run, shared by every xdist worker ------------
+# The controller names a directory before the workers start; the first worker that needs the cluster
+# starts it there (under a file lock) in a process of its own, the others reuse it, and the
+# controller stops it at the end: it survives the worker that started it.
+RAY_ROOT_ENV = "PRODRL_TEST_RAY_ROOT"
+
+
+def pytest_configure(config):
+    if not hasattr(config, "workerinput") and RAY_ROOT_ENV not in os.environ:
+        import tempfile
+
+        os.environ[RAY_ROOT_ENV] = tempfile.mkdtemp(prefix="prodrl-test-ray-")
+        config._prodrl_ray_owner = True
+
+
+def pytest_unconfigure(config):
+    if getattr(config, "_prodrl_ray_owner", False):
+        _stop_test_ray(Path(os.environ.pop(RAY_ROOT_ENV)))
+
+
+def _stop_test_ray(root: Path) -> None:
+    import json
+    import shutil
+    import signal
+    import time
+
+    info = root / "cluster.json"
+    if info.exists():
+        pid = json.loads(info.read_text())["pid"]
+        try:
+            os.kill(pid, signal.SIGTERM)
+            for _ in range(120):  # its own shutdown: raylets, GCS, workers
+                os.kill(pid, 0)
+                time.sleep(0.5)
+            os.killpg(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+    shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.fixture(scope="session")
+def ray_cluster():
+    """The run's local Ray cluster: two nodes on 127.0.0.1, two CPUs each (``cluster.local``);
+    yields its ``LocalRayCluster`` (``dashboard_url`` for job submission, ``gcs_address``)."""
+    import fcntl
+
+    from prodrl_pipelines.cluster.local import LocalRayCluster
+
+    root = Path(os.environ[RAY_ROOT_ENV])
+    with open(root / "start.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        cluster = LocalRayCluster(root, nodes=2, cpus_per_node=2)
+        if (root / "cluster.json").exists():
+            import json
+
+            cluster.info = json.loads((root / "cluster.json").read_text())
+        else:
+            cluster.start()
+            cluster.proc = None  # the controller stops it, not this worker
+    yield cluster

@@ -178,3 +178,20 @@ def test_no_private_names_cross_modules():
         if private:
             bad[str(rel)] = private
     assert not bad, f"private names imported across modules: {bad}"
+
+
+def test_ray_is_imported_only_where_a_step_runs_on_ray():
+    """``cluster: local`` (the default) never loads Ray: outside ``ops/`` (the Dagster glue and the jobs
+    that run on the cluster) Ray is imported inside functions only, never at module level."""
+    bad = {}
+    for path in sorted(PKG.rglob("*.py")):
+        rel = path.relative_to(PKG)
+        if rel.parts[0] == "ops":
+            continue
+        top = ast.parse(path.read_text(), str(path)).body
+        names = [a.name for n in top if isinstance(n, ast.Import) for a in n.names]
+        names += [n.module for n in top if isinstance(n, ast.ImportFrom) and n.module]
+        hits = [m for m in names if m.split(".")[0] in ("ray", "dagster_ray")]
+        if hits:
+            bad[str(rel)] = hits
+    assert not bad, f"modules importing Ray at module level: {bad}"

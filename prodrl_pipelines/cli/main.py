@@ -28,6 +28,7 @@ CLI_GROUP = "prodrl_pipelines.cli"
 def cmd_check_settings(args) -> int:
     from pydantic import ValidationError
 
+    from prodrl_pipelines.cluster.config import cluster_settings
     from prodrl_pipelines.config import environment
     from prodrl_pipelines.evaluation import SuiteError
     from prodrl_pipelines.config.settings import SettingsFileError, check_settings, load_settings_file, settings_from_flat
@@ -36,6 +37,7 @@ def cmd_check_settings(args) -> int:
         fields = load_settings_file(args.file)
         settings = settings_from_flat(fields)
         suite = check_settings(settings, environment.read_store()["s3_endpoint_url"] or None)
+        cluster_settings(fields).check_reachable()
     except ValidationError as e:
         for err in e.errors():
             loc = ".".join(str(x) for x in err["loc"]) or "(settings)"

@@ -8,6 +8,7 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from prodrl_pipelines.cluster.config import CLUSTER_FIELDS
 from prodrl_pipelines.config import environment
 from prodrl_pipelines.engines.types import SamplingParams
 from prodrl_pipelines.evaluation.monitor_config import MonitorSettings
@@ -128,6 +129,10 @@ class EvalSettings(BaseModel):
     live_endpoint: str = ""
     heldout_size: int = Field(256, ge=2)
     eval_seed: int = 1234
+    # episodes played together in one engine batch (0: every held-out task in one batch). Part of what
+    # the evaluation samples (batch b is seeded from eval_seed and b): the same value gives the same
+    # episodes in-process and sharded over Ray workers, which play whole batches
+    episode_batch: int = Field(0, ge=0)
     gate_tolerance: float = Field(0.05, ge=0)
     gate_z: float = Field(1.645, gt=0, description="one-sided 95% paired bound")
 
@@ -282,7 +287,8 @@ def field_info(flat: str):
 
 # how the orchestrator runs a step, not what the round computes: settable beside the core settings
 # (settings files, the Dagster resource), never part of ``Settings``
-EXECUTION_FIELDS = ("train_processes",)
+# (``cluster.config``: where the heavy steps run, local or on Ray)
+EXECUTION_FIELDS = ("train_processes", *CLUSTER_FIELDS)
 
 
 def settings_from_flat(flat: dict) -> Settings:

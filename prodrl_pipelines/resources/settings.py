@@ -7,6 +7,7 @@ from typing import Literal, Optional, Union, get_args, get_origin
 from dagster import ConfigurableResource, InitResourceContext
 from pydantic import Field, PrivateAttr, create_model
 
+from prodrl_pipelines.cluster.config import ClusterSettings, cluster_settings
 from prodrl_pipelines.config import environment
 from prodrl_pipelines.loop.services import Services, build_services
 from prodrl_pipelines.config.settings import Settings, check_settings, field_info, flat_fields, settings_from_flat
@@ -40,6 +41,8 @@ def _resource_fields() -> dict:
         out[flat] = (_config_type(info.annotation), Field(default, description=info.description))
     # execution: >1 launches torchrun with this many ranks through Dagster Pipes
     out["train_processes"] = (int, Field(1, description="training ranks (1: in-process)"))
+    for name, info in ClusterSettings.model_fields.items():  # where the heavy steps run (local or Ray)
+        out[name] = (_config_type(info.annotation), Field(info.default, description=info.description))
     return out
 
 
@@ -57,8 +60,13 @@ class ProdRLSettings(create_model("_ProdRLSettingsFields", __base__=Configurable
         """Validate into the core settings; a bad value fails here, naming the setting."""
         return settings_from_flat(self.fields())
 
+    def cluster_config(self) -> ClusterSettings:
+        """Where the heavy steps run; a bad value fails here, naming the setting."""
+        return cluster_settings(self.fields())
+
     def setup_for_execution(self, context: InitResourceContext) -> None:
         check_settings(self.settings())  # fail before any asset runs
+        self.cluster_config().check_reachable()
 
 
 class MlflowResource(ConfigurableResource):
@@ -104,6 +112,7 @@ def make_resources(settings: dict, store_root: str = "", tracking_uri: str = "",
     from dagster import PipesSubprocessClient
 
     settings_from_flat(settings)  # unknown names fail here
+    cluster_settings(settings)
     res = {
         "settings": ProdRLSettings(**settings),
         "store": StoreResource(root=store_root, **(s3 or {})),

@@ -1,0 +1,161 @@
+"""A multi-node Ray cluster on this machine, for `make up CLUSTER=ray` and the tests.
+
+    python -m prodrl_pipelines.cluster.local --root DIR [--nodes 2] [--cpus 2]
+
+Ray's own ``ray.cluster_utils.Cluster`` runs a head (with the dashboard, so jobs can be submitted)
+and more raylets, each a node with its own id and resources, in a process of their own that keeps
+them up until it gets SIGTERM/SIGINT. The process writes ``DIR/cluster.json`` (dashboard URL, GCS
+address, node ids) once a job can be submitted. Every node registers on 127.0.0.1
+(``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``: otherwise Ray picks the machine's primary address), and
+each gets its own agent and metrics ports (two raylets on one host would collide on the defaults).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+LOOPBACK_ENV = {"RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0", "RAY_USAGE_STATS_ENABLED": "0"}
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _node_args(cpus: float, head: bool, dashboard_port: int = 0, temp_dir: str | None = None) -> dict:
+    args = {"num_cpus": cpus, "node_ip_address": "127.0.0.1", "dashboard_agent_listen_port": _free_port(),
+            "metrics_export_port": _free_port(), "min_worker_port": 0, "max_worker_port": 0}
+    if head:
+        args.update(include_dashboard=True, dashboard_host="127.0.0.1", dashboard_port=dashboard_port,
+                    ray_client_server_port=_free_port())
+        if temp_dir:
+            args["temp_dir"] = temp_dir
+    return args
+
+
+def serve(root: Path, nodes: int, cpus: float) -> int:
+    """Start the cluster, write ``cluster.json``, and keep it up until signalled."""
+    os.environ.update(LOOPBACK_ENV)
+    from ray.cluster_utils import Cluster
+
+    root.mkdir(parents=True, exist_ok=True)
+    dashboard_port = _free_port()
+    cluster = Cluster(initialize_head=True, shutdown_at_exit=False,
+                      head_node_args=_node_args(cpus, head=True, dashboard_port=dashboard_port))
+    for _ in range(nodes - 1):
+        cluster.add_node(**_node_args(cpus, head=False))
+    stop = threading.Event()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(sig, lambda *_: stop.set())
+    url = f"http://127.0.0.1:{dashboard_port}"
+    try:
+        _wait_for_jobs(url, nodes)
+        info = {"dashboard_url": url, "gcs_address": cluster.address, "nodes": nodes, "cpus_per_node": cpus,
+                "pid": os.getpid(), "session_dir": cluster.head_node.get_session_dir_path()}
+        tmp = root / "cluster.json.tmp"
+        tmp.write_text(json.dumps(info, indent=1))
+        tmp.replace(root / "cluster.json")
+        stop.wait()
+    finally:
+        for node in list(cluster.worker_nodes):  # not graceful: a test cluster holds nothing to drain
+            cluster.remove_node(node, allow_graceful=False)
+        cluster.shutdown()
+        (root / "cluster.json").unlink(missing_ok=True)
+    return 0
+
+
+def _wait_for_jobs(url: str, nodes: int, timeout_s: float = 120.0) -> None:
+    """Until the dashboard answers the job API and every node is alive."""
+    import httpx
+
+    deadline, last = time.monotonic() + timeout_s, ""
+    while time.monotonic() < deadline:
+        try:
+            r = httpx.get(f"{url}/api/jobs/", timeout=5)
+            alive = [n for n in httpx.get(f"{url}/nodes?view=summary", timeout=5).json()
+                     .get("data", {}).get("summary", []) if n.get("raylet", {}).get("state") == "ALIVE"]
+            if r.status_code == 200 and len(alive) >= nodes:
+                return
+            last = f"jobs API {r.status_code}, {len(alive)}/{nodes} nodes alive"
+        except (httpx.HTTPError, ValueError) as e:
+            last = f"{type(e).__name__}: {e}"
+        time.sleep(0.5)
+    raise RuntimeError(f"local Ray cluster at {url} not ready after {timeout_s:.0f}s ({last})")
+
+
+class LocalRayCluster:
+    """A local cluster in its own process (``serve``): ``start()`` returns once a job can be
+    submitted; ``stop()`` stops only what it started."""
+
+    def __init__(self, root: Path, nodes: int = 2, cpus_per_node: float = 2):
+        self.root, self.nodes, self.cpus = Path(root), nodes, cpus_per_node
+        self.proc: subprocess.Popen | None = None
+        self.info: dict = {}
+
+    @property
+    def dashboard_url(self) -> str:
+        return self.info["dashboard_url"]
+
+    @property
+    def gcs_address(self) -> str:
+        return self.info["gcs_address"]
+
+    def start(self, timeout_s: float = 180.0) -> "LocalRayCluster":
+        self.root.mkdir(parents=True, exist_ok=True)
+        (self.root / "cluster.json").unlink(missing_ok=True)
+        log = open(self.root / "cluster.log", "ab")
+        self.proc = subprocess.Popen(
+            [sys.executable, "-m", "prodrl_pipelines.cluster.local", "--root", str(self.root),
+             "--nodes", str(self.nodes), "--cpus", str(self.cpus)],
+            env={**os.environ, **LOOPBACK_ENV}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+        log.close()
+        deadline = time.monotonic() + timeout_s
+        while not (self.root / "cluster.json").exists():
+            if self.proc.poll() is not None:
+                tail = (self.root / "cluster.log").read_text(errors="replace")[-3000:]
+                raise RuntimeError(f"local Ray cluster exited with {self.proc.returncode}:\n{tail}")
+            if time.monotonic() > deadline:
+                self.stop()
+                raise RuntimeError(f"local Ray cluster not up after {timeout_s:.0f}s (log: {self.root / 'cluster.log'})")
+            time.sleep(0.3)
+        self.info = json.loads((self.root / "cluster.json").read_text())
+        return self
+
+    def stop(self, timeout_s: float = 60.0) -> None:
+        if self.proc is None or self.proc.poll() is not None:
+            return
+        self.proc.send_signal(signal.SIGTERM)
+        try:
+            self.proc.wait(timeout_s)
+        except subprocess.TimeoutExpired:  # its whole session: the raylets, GCS and workers it started
+            os.killpg(self.proc.pid, signal.SIGKILL)
+            self.proc.wait(10)
+
+    def __enter__(self) -> "LocalRayCluster":
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--root", required=True, type=Path, help="where cluster.json and the log go")
+    ap.add_argument("--nodes", type=int, default=2)
+    ap.add_argument("--cpus", type=float, default=2, help="CPUs each node offers")
+    a = ap.parse_args(argv)
+    return serve(a.root, a.nodes, a.cpus)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

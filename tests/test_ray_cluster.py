@@ -1,0 +1,67 @@
+"""The cluster setting and the local Ray cluster: two nodes on loopback, jobs submitted through the
+dashboard, and a cluster that cannot be reached failing before any work starts, naming its address."""
+
+import json
+import subprocess
+import sys
+import time
+
+import pytest
+
+from prodrl_pipelines.cluster.config import ClusterSettings, cluster_settings
+from prodrl_pipelines.cluster.jobs import submit_params
+
+
+def test_cluster_settings_validate_early_naming_the_field():
+    assert ClusterSettings().cluster == "local" and not ClusterSettings().on_ray
+    with pytest.raises(ValueError, match="cluster_address: cluster 'ray' needs"):
+        cluster_settings({"cluster": "ray"})
+    with pytest.raises(ValueError, match="cluster_address: .*not the Ray dashboard's http"):
+        cluster_settings({"cluster": "ray", "cluster_address": "127.0.0.1:6379"})
+    with pytest.raises(ValueError, match="cluster_runtime_env: .*JSON object"):
+        cluster_settings({"cluster_runtime_env": "[1]"})
+    with pytest.raises(ValueError, match="cluster_placement"):
+        cluster_settings({"cluster_placement": "everywhere"})
+    s = cluster_settings({"cluster": "ray", "cluster_address": "http://127.0.0.1:8265/", "cluster_placement": "pack",
+                          "learning_rate": 1e-4})  # other settings are not the cluster's business
+    assert s.cluster_address == "http://127.0.0.1:8265" and s.placement_strategy == "PACK"
+
+
+def test_an_unreachable_cluster_fails_check_settings_naming_the_address(tmp_path):
+    from prodrl_pipelines.resources.settings import ProdRLSettings
+
+    f = tmp_path / "s.json"
+    f.write_text(json.dumps({"home": str(tmp_path / "h"), "cluster": "ray", "cluster_address": "http://127.0.0.1:9"}))
+    p = subprocess.run([sys.executable, "-m", "prodrl_pipelines.cli.main", "check-settings", str(f)],
+                       capture_output=True, text=True, timeout=120)
+    assert p.returncode == 1 and "the Ray cluster at http://127.0.0.1:9 cannot be reached" in p.stderr, p.stderr
+    res = ProdRLSettings(home=str(tmp_path / "h"), cluster="ray", cluster_address="http://127.0.0.1:9")
+    with pytest.raises(ValueError, match="127.0.0.1:9 cannot be reached"):
+        res.cluster_config().check_reachable()
+
+
+def test_the_local_cluster_has_two_loopback_nodes_and_runs_a_job(ray_cluster, tmp_path):
+    """Every node registers as 127.0.0.1 (no test traffic leaves loopback); a job submitted with the
+    project's runtime env sees the PRODRL_* settings and both nodes."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    cluster = ClusterSettings(cluster="ray", cluster_address=ray_cluster.dashboard_url,
+                              cluster_runtime_env=json.dumps({"env_vars": {"MARK": "x"}}))
+    cluster.check_reachable()
+    params = submit_params(cluster, "train", [], {"home": str(tmp_path)}, {"root": ""}, "probe")
+    script = ("import json, os, ray; ray.init(); "
+              "print('NODES', json.dumps([[n['NodeID'], n['NodeManagerAddress'], n['Alive']] for n in ray.nodes()])); "
+              "print('ENV', os.environ['MARK'], json.loads(os.environ['PRODRL_SETTINGS_JSON'])['home'])")
+    params["entrypoint"] = f"{sys.executable} -c \"{script}\""
+    client = JobSubmissionClient(ray_cluster.dashboard_url)
+    job = client.submit_job(**params)
+    deadline = time.monotonic() + 240
+    while not client.get_job_status(job).is_terminal():
+        assert time.monotonic() < deadline, client.get_job_logs(job)
+        time.sleep(0.5)
+    logs = client.get_job_logs(job)
+    assert client.get_job_status(job) == JobStatus.SUCCEEDED, logs
+    nodes = json.loads(next(line for line in logs.splitlines() if line.startswith("NODES "))[6:])
+    alive = [n for n in nodes if n[2]]
+    assert len({n[0] for n in alive}) == 2 and {n[1] for n in alive} == {"127.0.0.1"}, nodes
+    assert f"ENV x {tmp_path}" in logs
