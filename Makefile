@@ -47,9 +47,11 @@ test: $(STAMP) vllm
 # (prodrl serve) and its recorder. Database: DAGSTER_PG_URL (default postgresql+psycopg2://postgres@127.0.0.1:5432/test).
 STACK_HOME ?= runs/stack
 STACK_SETTINGS ?= examples/lab-demo.json
+# CLUSTER=ray: a local two-node Ray cluster runs the rounds' training, evaluation and scoring (docs/ray.md)
+CLUSTER ?= local
 up: $(STAMP)
 	bash scripts/ensure_postgres.sh
-	$(BIN)/prodrl up --home $(STACK_HOME) --settings $(STACK_SETTINGS)
+	$(BIN)/prodrl up --home $(STACK_HOME) --settings $(STACK_SETTINGS) --cluster $(CLUSTER)
 
 bench: $(STAMP) vllm
 	for b in bench/*.py; do $(BIN)/python $$b || exit 1; done

@@ -104,7 +104,7 @@ def cmd_up(args) -> int:
 
     settings = load_settings_file(args.settings) if args.settings else {}
     settings.pop("home", None)  # the stack's home is --home
-    return up(Path(args.home), args.pg_url, settings, schema=args.schema_prefix)
+    return up(Path(args.home), args.pg_url, settings, schema=args.schema_prefix, cluster=args.cluster)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -128,6 +128,9 @@ def build_parser() -> argparse.ArgumentParser:
     u.add_argument("--schema-prefix", default="prodrl",
                    help="PostgreSQL schemas <prefix>_dagster and <prefix>_mlflow (created if missing, kept)")
     u.add_argument("--settings", help="JSON or YAML file of ProdRLSettings fields")
+    u.add_argument("--cluster", choices=("local", "ray"), default="local",
+                   help="ray: start a local two-node Ray cluster and run the rounds' training, evaluation and "
+                        "scoring on it (docs/ray.md)")
     u.set_defaults(fn=cmd_up)
     from prodrl_pipelines.cli.serve import add_serve_parser
     from prodrl_pipelines.cli.record import add_record_parser

@@ -10,7 +10,9 @@ Services, in start order:
 - Dagster: ``dagster-webserver`` and ``dagster-daemon`` on the instance of this repo's dagster.yaml,
   storage in schema ``<prefix>_dagster``; the daemon runs the data-volume sensor;
 - the deployment: ``prodrl serve`` on the live export and ``prodrl record`` in front of it
-  (``serving``), up as soon as a policy is live.
+  (``serving``), up as soon as a policy is live;
+- with ``--cluster ray`` (``make up CLUSTER=ray``): a local Ray cluster of two nodes (``cluster.local``)
+  with its dashboard; the rounds train, evaluate and score there as Ray jobs (``cluster`` settings).
 
 Each schema is created if missing and kept (``postgres``), so ``prodrl up`` run again on the same
 home and database continues the same instance, runs, registry and stores. Ports: the preferred ones
@@ -68,6 +70,8 @@ class Stack:
     serving: LiveServing | None = None
     token_source: str = ""
     schemas: dict = field(default_factory=dict)
+    cluster: str = "local"  # "ray": a local two-node Ray cluster runs the rounds' heavy steps
+    ray: object = None  # its LocalRayCluster
 
     @property
     def env(self) -> dict:
@@ -114,6 +118,8 @@ class Stack:
         self.settings["target_port"] = self.ports["deployment"]
         s3 = self.urls["s3"]
         os.environ.update(S3_CREDENTIALS)  # this process's own S3 clients (the deployment poller) talk to moto
+        if self.cluster == "ray":  # its jobs inherit the S3 credentials set just above
+            self._start_ray()
         s3_store = {"s3_bucket": self.bucket, "s3_prefix": "prodrl", "s3_endpoint_url": s3, "s3_region": "us-east-1"}
         self._env = {
             **os.environ, **S3_CREDENTIALS,
@@ -153,6 +159,16 @@ class Stack:
         self.write_state()
         return self
 
+    def _start_ray(self) -> None:
+        from prodrl_pipelines.cluster.local import LocalRayCluster
+
+        self.log("Ray: starting a local cluster of two nodes ...")
+        self.ray = LocalRayCluster(self.home / "ray", nodes=2, cpus_per_node=2).start()
+        self.ports["ray"] = int(self.ray.dashboard_url.rsplit(":", 1)[1])
+        # training ranks one per node; evaluation and scoring on two workers each
+        self.settings = {"cluster_workers": 2, "cluster_eval_workers": 2, "cluster_scoring_workers": 2,
+                         **self.settings, "cluster": "ray", "cluster_address": self.ray.dashboard_url}
+
     def _spawn(self, name: str, cmd: list[str]) -> ManagedProcess:
         proc = ManagedProcess(name, cmd, self._env, self.home / "logs" / f"{name}.log", cwd=REPO)
         self.procs.append(proc)
@@ -165,6 +181,7 @@ class Stack:
         return {
             "urls": {**self.urls, "recorder": f"{self.urls['recorder']}/v1"},
             "pids": {**{p.name: p.pid for p in self.all_processes()},
+                     **({"ray cluster": self.ray.proc.pid} if self.ray is not None and self.ray.proc else {}),
                      **(self.serving.server_pids() if self.serving else {})},
             "stack_pid": os.getpid(),
             "token_source": self.token_source,
@@ -191,6 +208,9 @@ class Stack:
                          f"the previous snapshot is kept")
         stop_all([p for p in self.procs if p.name not in ("daemon", "webserver")])
         self.procs.clear()
+        if self.ray is not None:  # last: no step is left to run on it
+            self.ray.stop()
+            self.ray = None
 
     def __enter__(self) -> "Stack":
         try:
@@ -214,6 +234,8 @@ class Stack:
             "updates), reached through the recorder once a policy is live",
             f"S3 endpoint   {u['s3']}   (bucket {self.bucket}; mirrored to {self.home / 's3_snapshot'} on stop)",
             f"PostgreSQL    {redact(self.pg_url)}   (schemas {self.schemas['dagster']}, {self.schemas['mlflow']})",
+            *([f"Ray dashboard {u['ray']}   (2 local nodes; the rounds' training, evaluation and scoring jobs)"]
+              if "ray" in u else []),
             f"state, logs   {self.home / 'stack.json'}, {self.home / 'logs'}",
         ])
 
@@ -231,7 +253,7 @@ def fleet_settings(settings: dict) -> dict:
     return out
 
 
-def up(home: Path, pg_url: str, settings: dict, schema: str = "prodrl") -> int:
+def up(home: Path, pg_url: str, settings: dict, schema: str = "prodrl", cluster: str = "local") -> int:
     """Run the stack in the foreground until Ctrl-C or SIGTERM (the `make up` target)."""
     def on_term(signum, frame):
         # the first signal starts the shutdown; later ones (make forwards a TERM to its recipe, a
@@ -243,7 +265,7 @@ def up(home: Path, pg_url: str, settings: dict, schema: str = "prodrl") -> int:
     # explicit, so a stack started from a script (where SIGINT may be ignored) still stops on Ctrl-C
     signal.signal(signal.SIGTERM, on_term)
     signal.signal(signal.SIGINT, on_term)
-    stack = Stack(home=home, pg_url=pg_url, settings=settings, schema=schema,
+    stack = Stack(home=home, pg_url=pg_url, settings=settings, schema=schema, cluster=cluster,
                   log=lambda m: print(m, flush=True))
     try:
         stack.start()
@@ -264,14 +286,15 @@ def up(home: Path, pg_url: str, settings: dict, schema: str = "prodrl") -> int:
     code = 0
     try:
         last = None
-        while all(p.alive() for p in stack.procs):
+        while all(p.alive() for p in stack.procs) and (stack.ray is None or stack.ray.proc.poll() is None):
             now = (stack.serving.version, tuple(p.pid for p in stack.all_processes()),
                    tuple(sorted(stack.serving.server_pids().items())))
             if now != last:  # a (re)deploy: new version, new pids
                 last = now
                 stack.write_state()
             time.sleep(1)
-        dead = [p.name for p in stack.procs if not p.alive()]
+        dead = [p.name for p in stack.procs if not p.alive()] + (
+            ["ray cluster"] if stack.ray is not None and stack.ray.proc.poll() is not None else [])
         print(f"{', '.join(dead)} exited; stopping the stack (see {stack.home / 'logs'})", file=sys.stderr)
         code = 1
     except KeyboardInterrupt:
