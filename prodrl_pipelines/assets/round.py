@@ -8,9 +8,9 @@ from prodrl_pipelines.loop import data
 from prodrl_pipelines.loop import evaluate
 from prodrl_pipelines.loop import export
 from prodrl_pipelines.loop import gate
-from prodrl_pipelines.loop import scoring
 from prodrl_pipelines.loop import lineage_hooks
 from prodrl_pipelines.assets.partitions import ACTION_TAG, AT_TAG, BY_TAG, MODEL_VERSION_TAG, round_asset
+from prodrl_pipelines.ops.ray_scoring import score_round_step
 from prodrl_pipelines.ops.training import train_op
 from prodrl_pipelines.loop.phases import PhaseMeter
 from prodrl_pipelines.loop.plots import markdown_image
@@ -24,7 +24,7 @@ def scored_rewards(context: AssetExecutionContext, settings: ProdRLSettings, sto
     """Rewards for the window's recorded trajectories that lack one from the configured scorers
     (grader, judge): only what is missing is scored; a failure leaves the trajectory pending, counted."""
     svc = open_services(settings, store, mlflow)
-    stats = scoring.score_round(svc, context.partition_key)
+    stats = score_round_step(context, settings, store, svc)  # a Ray Data job on a Ray cluster with scoring workers
     meta = {"rule": stats["rule"], "trajectories": stats["trajectories"], "in_flight": stats["in_flight"]}
     for name, r in stats["sources"].items():
         meta.update({f"{name}_{k}": r[k] for k in ("version", "scored", "already", "skipped", "pending", "failed",

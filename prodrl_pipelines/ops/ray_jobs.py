@@ -17,6 +17,8 @@ import sys
 
 STEPS = {
     "train": "prodrl_pipelines.ops.ray_train:train_job",
+    "score": "prodrl_pipelines.ops.ray_scoring:score_job",
+    "rescore": "prodrl_pipelines.ops.ray_scoring:rescore_job",
 }
 
 

@@ -2,8 +2,8 @@
 
 from dagster import Config, MetadataValue, OpExecutionContext, Output, job, op
 
-from prodrl_pipelines.loop import scoring
-from prodrl_pipelines.resources.settings import ProdRLSettings, StoreResource, open_services
+from prodrl_pipelines.ops.ray_scoring import rescore_step
+from prodrl_pipelines.resources.settings import ProdRLSettings, StoreResource
 
 
 class RescoreConfig(Config):
@@ -11,9 +11,10 @@ class RescoreConfig(Config):
     versions: list[str] = []  # default: every older version of the source
 
 
-@op(description="Re-score stored trajectories with a source's current version; old reward rows are kept.")
+@op(description="Re-score stored trajectories with a source's current version; old reward rows are kept. "
+                 "On a Ray cluster with scoring workers: a Ray Data job.")
 def rescore_op(context: OpExecutionContext, config: RescoreConfig, settings: ProdRLSettings, store: StoreResource):
-    rep = scoring.rescore(open_services(settings, store), config.source, config.versions or None)
+    rep = rescore_step(context, settings, store, config.source, config.versions or None)
     context.log.info(rep.summary())
     return Output(rep.summary(), metadata={
         "source": rep.source, "version": rep.version, "from_versions": MetadataValue.json(rep.from_versions),

@@ -2,6 +2,12 @@
 current version. Both only append reward rows: an old version's rows stay, and selection reads the
 version the settings name (``RewardPlan.versions``). Only complete episodes are scored
 (``rewards.completion``); one still under way is counted ``in_flight`` and asked again later.
+
+Where the sources run is the ``runner``'s choice (``rewards.runners``: this process, or a Ray Data
+actor pool); the rows are the same. A job writes its rows in one commit carrying an application
+transaction (app id: the job's inputs; version: the rewards table version it read, plus one), so an
+attempt that read the same snapshot as one that already committed (a retry after a crash, an
+overlapping re-run) writes nothing.
 """
 
 from __future__ import annotations
@@ -17,6 +23,8 @@ from tqdm.auto import tqdm
 
 from prodrl_pipelines.rewards.combine import combine, rows_of
 from prodrl_pipelines.rewards.completion import completion, fresh_rows
+from prodrl_pipelines.rewards.outcome import short_hash
+from prodrl_pipelines.rewards.runners import LOCAL, Runner, run_source
 from prodrl_pipelines.rewards.sources import make_source
 from prodrl_pipelines.rewards.view import views_from_calls
 from prodrl_pipelines.trajectories.rows import conform, latest_rewards
@@ -96,9 +104,9 @@ def _rows(outcomes, views, source: str, version: str, last_call_us: dict[str, in
             for v, o in zip(views, outcomes) if o.reward is not None]
 
 
-def _run_source(src, views, report: SourceReport, desc: str) -> list:
+def _run_source(plan: RewardPlan, name: str, views, report: SourceReport, desc: str, runner: Runner) -> list:
     with tqdm(total=len(views), desc=desc, unit="traj", leave=False, disable=not views) as bar:
-        outcomes = src.score(views, progress=bar.update)
+        outcomes = run_source(runner, name, plan.sources[name], views, plan.settings, progress=bar.update)
     for o in outcomes:
         if o.error:
             report.failed += 1
@@ -111,20 +119,47 @@ def _run_source(src, views, report: SourceReport, desc: str) -> list:
     return outcomes
 
 
-def score_missing(store, plan: RewardPlan, calls: pa.Table, now_us: int | None = None) -> dict[str, SourceReport]:
+def read_version(store) -> int:
+    """The rewards table's latest version (-1: none yet): what a job reads, and its commit names."""
+    from prodrl_pipelines.trajectories.store import REWARDS
+
+    return store.versions()[REWARDS]
+
+
+def commit_once(store, rows: list[dict], app_id: str, read_at: int) -> int | None:
+    """Append ``rows`` in one commit recording (``app_id``, ``read_at + 1``), unless a commit of
+    ``app_id`` already records a read at least that new (then its rows are these: None). Returns
+    the committed version (None when nothing was written)."""
+    from prodrl_pipelines.trajectories.store import REWARDS
+
+    if not rows:
+        return None
+    done = store.tables.txn_version(REWARDS, app_id)
+    if done is not None and done >= read_at + 1:
+        return None
+    return store.write_rewards(rows, txn=(app_id, read_at + 1))
+
+
+def score_missing(store, plan: RewardPlan, calls: pa.Table, now_us: int | None = None,
+                  runner: Runner = LOCAL) -> dict[str, SourceReport]:
     """Score the complete trajectories of ``calls`` (CALL_SCHEMA, with ``created_at``) that lack a
     row of a scorer's current version as new as their last call, source by source in ``sources``
-    order, one append per source. With the ``first`` rule a trajectory an earlier source already
-    rewards is not sent to later ones. Episodes under way at ``now_us`` (default now) are counted
-    ``in_flight``, not scored. Idempotent: a re-run scores only what is still missing (failures and
-    "cannot tell" are asked again)."""
+    order, every source's rows in one commit. With the ``first`` rule a trajectory an earlier
+    source already rewards is not sent to later ones. Episodes under way at ``now_us`` (default now)
+    are counted ``in_flight``, not scored. Idempotent: a re-run scores only what is still missing
+    (failures and "cannot tell" are asked again)."""
+    from prodrl_pipelines.trajectories.store import REWARDS
+
     ids = list(dict.fromkeys(calls.column("trajectory_id").to_pylist()))
-    stored = store.read_rewards(latest=False, trajectory_ids=ids) if ids else REWARD_SCHEMA.empty_table()
+    read_at = read_version(store)
+    stored = store.read_rewards(latest=False, trajectory_ids=ids, as_of={REWARDS: read_at}) if ids \
+        else REWARD_SCHEMA.empty_table()
     stored = conform(stored, REWARD_SCHEMA)
     done = completion(calls, stored, plan.settings.idle_seconds, now_us)
     versions = plan.versions()
     rewarded_before: set[str] = set()
     reports: dict[str, SourceReport] = {}
+    written: list[dict] = []
     for name in plan.settings.sources:
         src = plan.sources[name]
         mine = rows_of(stored, name, versions[name] if src.scores else None)
@@ -149,10 +184,12 @@ def score_missing(store, plan: RewardPlan, calls: pa.Table, now_us: int | None =
         todo = [t for t in todo if t in done.complete]
         views = views_from_calls(calls.filter(pc.is_in(calls.column("trajectory_id"),
                                                          value_set=pa.array(todo, pa.string()))))
-        outcomes = _run_source(src, views, rep, f"scoring with {name}")
+        outcomes = _run_source(plan, name, views, rep, f"scoring with {name}", runner)
         new = _rows(outcomes, views, name, current, done.last_call_us)
-        store.write_rewards(new)
+        written += new
         rewarded_before |= have | {r["trajectory_id"] for r in new}
+    app_id = "prodrl-score-" + short_hash(plan.describe(), *sorted(ids))
+    commit_once(store, written, app_id, read_at)
     return reports
 
 
@@ -172,6 +209,7 @@ class RescoreReport:
     old_mean: float = float("nan")
     new_mean: float = float("nan")
     already_trained: int = 0  # already trained on: those rounds keep the rewards they used
+    committed_version: int | None = None  # the rewards table version of this job's one commit (None: none)
 
     def summary(self) -> str:
         return (f"rescored {self.scored} of {self.trajectories} trajectories with {self.source}@{self.version} "
@@ -182,17 +220,27 @@ class RescoreReport:
                 + f"; {self.already_trained} were trained on already: those rounds keep the rewards they used")
 
 
-def rescore(store, plan: RewardPlan, source: str, versions: Sequence[str] | None = None) -> RescoreReport:
-    """Re-score with ``source``'s current version the stored trajectories that have a row of an
-    older version (of ``versions`` when given) and none of the current one. Appends the new rows;
-    the old ones stay (``rewards_versions`` can pin selection back to them)."""
+def check_rescore_source(plan: RewardPlan, source: str):
+    """The source ``rescore`` would re-score with; a ValueError says why ``source`` cannot be."""
     if source not in plan.sources:
         raise ValueError(f"--source {source!r} is not a configured reward source ({list(plan.settings.sources)})")
     src = plan.sources[source]
     if not src.scores:
         raise ValueError(f"--source {source!r} does not score: its rewards come from clients")
+    return src
+
+
+def rescore(store, plan: RewardPlan, source: str, versions: Sequence[str] | None = None,
+            runner: Runner = LOCAL) -> RescoreReport:
+    """Re-score with ``source``'s current version the stored trajectories that have a row of an
+    older version (of ``versions`` when given) and none of the current one. Appends the new rows in
+    one commit; the old ones stay (``rewards_versions`` can pin selection back to them)."""
+    from prodrl_pipelines.trajectories.store import REWARDS
+
+    src = check_rescore_source(plan, source)
     current = src.version
-    rows = conform(store.read_rewards(latest=False), REWARD_SCHEMA)
+    read_at = read_version(store)
+    rows = conform(store.read_rewards(latest=False, as_of={REWARDS: read_at}), REWARD_SCHEMA)
     rows = rows.filter(pc.fill_null(pc.equal(rows.column("source"), source), False))
     vers = rows.column("version").to_pylist()
     tids = rows.column("trajectory_id").to_pylist()
@@ -209,10 +257,11 @@ def rescore(store, plan: RewardPlan, source: str, versions: Sequence[str] | None
     calls = store.read_calls(trajectory_ids=targets)
     views = views_from_calls(calls)
     tmp = SourceReport(source, current)
-    outcomes = _run_source(src, views, tmp, f"re-scoring with {source}")
+    outcomes = _run_source(plan, source, views, tmp, f"re-scoring with {source}", runner)
     rep.scored, rep.pending, rep.failed, rep.first_error = tmp.scored, tmp.pending, tmp.failed, tmp.first_error
     new = _rows(outcomes, views, source, current)
-    store.write_rewards(new)
+    rep.committed_version = commit_once(store, new, "prodrl-rescore-" + short_hash(source, current, *sorted(targets)),
+                                        read_at)
     pairs = [(old_by[r["trajectory_id"]], r["reward"]) for r in new if old_by.get(r["trajectory_id"]) is not None]
     if pairs:
         o, n = np.asarray(pairs, dtype=np.float64).T
