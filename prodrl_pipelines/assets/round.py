@@ -5,12 +5,12 @@ from dagster import AssetExecutionContext, Failure, MaterializeResult, MetadataV
 
 from prodrl_pipelines.loop import promotion
 from prodrl_pipelines.loop import data
-from prodrl_pipelines.loop import evaluate
 from prodrl_pipelines.loop import export
 from prodrl_pipelines.loop import gate
 from prodrl_pipelines.loop import lineage_hooks
 from prodrl_pipelines.assets.partitions import ACTION_TAG, AT_TAG, BY_TAG, MODEL_VERSION_TAG, round_asset
 from prodrl_pipelines.ops.ray_scoring import score_round_step
+from prodrl_pipelines.ops.ray_eval import heldout_eval_op
 from prodrl_pipelines.ops.training import train_op
 from prodrl_pipelines.loop.phases import PhaseMeter
 from prodrl_pipelines.loop.plots import markdown_image
@@ -120,13 +120,15 @@ def exported_policy(context: AssetExecutionContext, settings: ProdRLSettings, st
 @round_asset(deps=[exported_policy])
 def heldout_eval(context: AssetExecutionContext, settings: ProdRLSettings, store: StoreResource,
                  mlflow: MlflowResource) -> MaterializeResult:
-    """Held-out reward of the candidate export and of the live deployment on the same tasks. Once the
-    round's gate has decided, re-running it reproduces the recorded evaluation (nothing is re-judged)."""
+    """Held-out reward of the candidate export and of the live deployment on the same tasks (in-process,
+    or sharded over Ray workers with `cluster: ray` and `cluster_eval_workers`). Once the round's gate
+    has decided, re-running it reproduces the recorded evaluation (nothing is re-judged)."""
     svc = open_services(settings, store, mlflow)
     rkey = context.partition_key
     meter = PhaseMeter()
     with meter.phase("evaluate"):
-        res = evaluate.evaluate(svc, rkey)
+        res = heldout_eval_op(context, svc, rkey, settings.cluster_config(), settings.fields(),
+                              {k: getattr(store, k) for k in type(store).model_fields})
     run_id = lineage_hooks.record_evaluation(svc, rkey, res)
     cand = res["candidate"]
     return MaterializeResult(metadata={

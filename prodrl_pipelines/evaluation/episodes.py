@@ -96,11 +96,15 @@ def trajectory_ids(policy_version: str, seed: int, n: int) -> list[str]:
 
 
 def play_episodes(engine: Engine, tokenizer, suite, tasks: list, params: SamplingParams, policy_version: str,
-                  seed: int, stops: tuple[int, ...] | None = None) -> list[PlayedEpisode]:
+                  seed: int, stops: tuple[int, ...] | None = None, ids: list[str] | None = None) -> list[PlayedEpisode]:
     """One episode per task of ``suite``, all batched through ``engine`` turn by turn (seed of turn t:
-    ``turn_seed(seed, t)``). ``stops`` default to the tokenizer's eos token."""
+    ``turn_seed(seed, t)``). ``stops`` default to the tokenizer's eos token. ``ids``: the episodes'
+    trajectory ids (default ``trajectory_ids(policy_version, seed, len(tasks))``; a batch of a larger
+    evaluation passes its slice of the evaluation's ids)."""
     params = with_stop_tokens(params, stops if stops is not None else stop_token_ids(tokenizer))
-    traj_ids = trajectory_ids(policy_version, seed, len(tasks))
+    traj_ids = trajectory_ids(policy_version, seed, len(tasks)) if ids is None else list(ids)
+    if len(traj_ids) != len(tasks):
+        raise ValueError(f"{len(traj_ids)} trajectory ids for {len(tasks)} tasks")
     tools = getattr(suite, "tools", None)
     parse_reply = get_reply_parser(reply_parser(suite))
     messages = [suite.initial_messages(t) for t in tasks]

@@ -9,7 +9,6 @@ from pathlib import Path
 
 import numpy as np
 
-from prodrl_pipelines.evaluation.episodes import play_episodes, stop_token_ids
 from prodrl_pipelines.evaluation.monitors import episode_facts
 from prodrl_pipelines.evaluation.statistics import mean_confidence_interval
 
@@ -33,20 +32,24 @@ def heldout_shortfall(asked: int, have: int, suite_name: str) -> str:
 
 
 def evaluate_policy(settings, suite, export_dir: str | Path, policy_version: str, engine=None,
-                    keep_calls: bool = False) -> dict:
+                    keep_calls: bool = False, runner=None) -> dict:
     """Per-task rewards, mean and 95% half-width of ``policy_version`` on ``suite``'s first
     ``eval.heldout_size`` held-out tasks (seed ``eval.eval_seed``); ``engine`` defaults to the local
     engine on the export (NVFP4 dequantized, as deployed). Reward-function errors are counted.
     ``facts``: per episode, what the monitors compare. ``keep_calls``: also return every call's
-    prompt ids, output ids and logprobs (``calls``; for the KL monitor, not for storing)."""
-    from prodrl_pipelines.engines.local import LocalEngine
+    prompt ids, output ids and logprobs (``calls``; for the KL monitor, not for storing).
 
-    engine = engine or LocalEngine.from_pretrained(export_dir)
-    tok = engine.tokenizer
+    The episodes are played in batches of ``eval.episode_batch`` by ``runner`` (``runners``; default:
+    this process; ``engine`` given: this process on it): the same episodes wherever they run."""
+    from prodrl_pipelines.evaluation.runners import EpisodeWork, InProcessRunner
+
     tasks = heldout_tasks(settings, suite)
-    params = settings.deploy.sampling()
-    eps = play_episodes(engine, tok, suite, tasks, params, policy_version, settings.eval.eval_seed,
-                        stops=stop_token_ids(tok, export_dir))
+    work = EpisodeWork(str(export_dir), policy_version, suite, tasks, settings.deploy.sampling(),
+                       settings.eval.eval_seed, settings.eval.episode_batch)
+    if engine is not None:
+        eps = InProcessRunner().play(work, engine=engine)
+    else:
+        eps = (runner or InProcessRunner()).play(work)
     rewards = [e.reward for e in eps]
     errors = [e.reward_error for e in eps if e.reward_error]
     mean, ci = mean_confidence_interval(np.asarray(rewards))

@@ -13,7 +13,8 @@ def evaluate_export(svc: Services, export_dir: Path, policy_version: str, keep_c
     """Held-out reward per task of one exported policy on the suite, served as the deployment would."""
     from prodrl_pipelines.evaluation import evaluate_policy as _evaluate
 
-    return _evaluate(svc.settings, svc.suite, export_dir, policy_version, keep_calls=keep_calls)
+    return _evaluate(svc.settings, svc.suite, export_dir, policy_version, keep_calls=keep_calls,
+                     runner=svc.episode_runner)
 
 
 def reference_version(svc: Services) -> str:

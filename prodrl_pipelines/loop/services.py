@@ -29,6 +29,7 @@ class Services:
     lineage: Lineage | None = None
     exports_store: object | None = None  # CheckpointStore where deployable exports are published
     checkpoints_store: object | None = None  # CheckpointStore where trained checkpoints are published
+    episode_runner: object | None = None  # who plays held-out episodes (evaluation.runners); None: this process
 
     @property
     def ledger(self) -> RoundLedger:

@@ -17,6 +17,7 @@ import sys
 
 STEPS = {
     "train": "prodrl_pipelines.ops.ray_train:train_job",
+    "evaluate": "prodrl_pipelines.ops.ray_eval:evaluate_job",
     "score": "prodrl_pipelines.ops.ray_scoring:score_job",
     "rescore": "prodrl_pipelines.ops.ray_scoring:rescore_job",
 }
