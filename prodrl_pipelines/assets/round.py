@@ -69,7 +69,7 @@ def training_batch(context: AssetExecutionContext, settings: ProdRLSettings, sto
 def trained_checkpoint(context: AssetExecutionContext, settings: ProdRLSettings, store: StoreResource,
                        mlflow: MlflowResource, pipes: PipesSubprocessClient) -> MaterializeResult:
     """theta_{k+1}: S Adam steps from the live checkpoint theta_k (Adam state carried over);
-    in-process, or `torchrun` with `train_processes` ranks through Dagster Pipes."""
+    in-process, `torchrun` with `train_processes` ranks, or Ray Train (`cluster: ray`), through Dagster Pipes."""
     svc = open_services(settings, store, mlflow)
     rkey = context.partition_key
     run_id = lineage_hooks.training_run(svc, rkey)
@@ -78,7 +78,8 @@ def trained_checkpoint(context: AssetExecutionContext, settings: ProdRLSettings,
         svc.lineage.log_metrics(run_id, m, step)
 
     stats = train_op(context, svc, rkey, settings.train_processes, settings.fields(),
-                     {k: getattr(store, k) for k in type(store).model_fields}, pipes, on_step)
+                     {k: getattr(store, k) for k in type(store).model_fields}, pipes, on_step,
+                     cluster=settings.cluster_config())
     rec = lineage_hooks.record_training(svc, rkey, run_id, stats)
     stats.pop("steps")
     return MaterializeResult(metadata={

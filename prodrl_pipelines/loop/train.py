@@ -8,6 +8,7 @@ from typing import Callable
 
 import numpy as np
 
+from prodrl_pipelines.loop import in_round
 from prodrl_pipelines.loop.services import (
     Services, check_recipe_fits_deployment, publish_checkpoint, reference_export, refuse_if_decided, round_seed, upstream_json,
     upstream_table, version_dirs,
@@ -61,10 +62,17 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
             reference[v].eval()
     # in-round resume: one file (one process), or one sharded directory every rank writes its part of
     resume = s.checkpoints_root / ".in-round" / (f"{rkey}-fsdp{world_size}" if sharded else f"{rkey}-rank{rank}.pt")
+    # ... mirrored to the blob store by rank 0 (the ranks share the state's directory, as its save
+    # assumes), and fetched back from it when this machine has none (another node resumes)
+    if rank == 0:
+        in_round.pull(svc.blobs, resume)
+    if sharded:
+        torch.distributed.barrier()
     res = train_round(trained, opt, trajs, np.asarray(batch["advantages"]), batch["plan"], s.recipe, state,
                       pad_id, round_seed(s, rkey), on_step=on_step, progress=progress, reference_model=reference,
                       resume_path=resume, rank=rank, world_size=world_size,
-                      behavior_steps=behavior_steps)
+                      behavior_steps=behavior_steps,
+                      on_saved=(lambda p: in_round.push(svc.blobs, p)) if rank == 0 else None)
     out = Path(out_dir) if out_dir is not None else s.checkpoints_root / rkey
     whole = {}
     if sharded:  # gathered by every rank (collectives), written whole by rank 0
@@ -81,6 +89,8 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
         sharding.remove_sharded_state(resume)
     else:
         resume.unlink(missing_ok=True)
+    if rank == 0:
+        in_round.drop(svc.blobs, resume)
     done = [m for m in res.steps if not m.get("skipped")]
     return {
         "checkpoint_dir": str(out), "trained_from": live.policy_version, "global_step": state.global_step,

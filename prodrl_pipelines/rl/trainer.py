@@ -298,6 +298,7 @@ def train_round(
     rank: int = 0,
     world_size: int = 1,
     behavior_steps: Mapping[str, int] | None = None,
+    on_saved: Callable[[Path], None] | None = None,
 ) -> RoundResult:
     """S Adam steps, minibatch s = trajs[plan[s]], with precomputed advantages ``adv_all``.
 
@@ -371,6 +372,8 @@ def train_round(
             continue
         if resume_path is not None and recipe.checkpoint_every and s > start and s % recipe.checkpoint_every == 0:
             _save_in_round(resume_path, fingerprint, s, model, optimizer, state, result)
+            if on_saved is not None:  # e.g. mirrored to the store, for a resume on another machine
+                on_saved(resume_path)
         adv_mb = adv_all[plan[s]]
         base = {
             "adv_mean": float(adv_mb.mean()), "adv_std": float(adv_mb.std()),
