@@ -1,8 +1,8 @@
 """Held-out evaluation on 2 Ray workers vs 1: the wall time of one suite's episodes, side by side.
 
-A local two-node Ray cluster (``cluster.local``, one CPU per node unless ``--cpus``), the lab's demo
-policy (built once, a short warm start), the lab suite's first ``--tasks`` held-out tasks in batches
-of ``--batch`` (``eval.episode_batch``). Two warm actor pools (``evaluation.ray_runner``), one of 1
+A local two-node Ray cluster (``cluster.local``, two CPUs per node unless ``--cpus``: both pools
+stay up), the lab's demo policy (built once, a short warm start), the lab suite's first ``--tasks``
+held-out tasks in batches of ``--batch`` (``eval.episode_batch``). Two warm actor pools (``evaluation.ray_runner``), one of 1
 worker and one of 2, each worker with one torch thread: the pools are started and every worker has
 loaded the engine before anything is timed, and each pool plays the suite once untimed, so worker
 start-up (process, imports, engine load) is counted in neither; a round's evaluation job pays it
@@ -57,7 +57,7 @@ def _work(policy: Path, tasks: int, batch: int, max_tokens: int, home: Path):
 
 
 def measure(tasks: int = 64, batch: int = 8, repeats: int = 3, max_tokens: int = 12, size: str = "demo",
-            sft_steps: int = 30, cpus_per_node: float = 1, root: Path | None = None, log=print) -> float:
+            sft_steps: int = 30, cpus_per_node: float = 2, root: Path | None = None, log=print) -> float:
     """Median wall time of the suite on 2 warm Ray workers over that on 1 (same episodes checked)."""
     from prodrl_pipelines.cluster.local import LOOPBACK_ENV
 
@@ -116,7 +116,7 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--size", default="demo", help="lab policy size")
-    ap.add_argument("--cpus", type=float, default=1, help="CPUs per Ray node")
+    ap.add_argument("--cpus", type=float, default=2, help="CPUs per Ray node (both pools stay up: 3 workers)")
     a = ap.parse_args(argv)
     x = measure(a.tasks, a.batch, a.repeats, a.max_tokens, a.size, cpus_per_node=a.cpus)
     print(f"ray_eval: tasks={a.tasks}; eval 2 workers/1={x:.2f}", flush=True)
