@@ -3,7 +3,7 @@ Dagster: Ray Train's two workers run on different nodes and write the torchrun p
 the same metadata and MLflow metric keys; a worker killed mid-round fails the asset naming it
 (rank, node, pid, exit) and re-materialising resumes, from the store's copy of the in-round state,
 to the bitwise-identical checkpoint;
-cancelling the Dagster run while training stops the Ray job (unfinished: skipped)."""
+cancelling the Dagster run while training stops the Ray job (skipped: see the test)."""
 
 import json
 import os
@@ -66,14 +66,19 @@ def _poll(what: str, fn, timeout_s: float = 180.0, every_s: float = 0.5):
 
 
 CANCEL = r'''
-import json, sys
+import json, signal, sys
+# a run worker handles SIGINT (a process started from a pytest-xdist worker inherits it ignored)
+signal.signal(signal.SIGINT, signal.default_int_handler)
 from dagster import DagsterInstance, materialize
 from prodrl_pipelines.assets.round import recorded_trajectories, trained_checkpoint, training_batch
 from prodrl_pipelines.resources.settings import make_resources
 res = make_resources(json.loads(sys.argv[1]))
-out = materialize([recorded_trajectories, training_batch, trained_checkpoint], selection=[trained_checkpoint],
-                  instance=DagsterInstance.get(), partition_key=sys.argv[2], resources=res, raise_on_error=False)
-print("SUCCESS" if out.success else "FAILED", flush=True)
+try:
+    out = materialize([recorded_trajectories, training_batch, trained_checkpoint], selection=[trained_checkpoint],
+                      instance=DagsterInstance.get(), partition_key=sys.argv[2], resources=res, raise_on_error=False)
+    print("SUCCESS" if out.success else "FAILED", flush=True)
+except KeyboardInterrupt:
+    print("INTERRUPTED", flush=True)
 '''
 
 
@@ -122,8 +127,8 @@ def test_a_round_trains_on_ray_as_with_torchrun_and_resumes_after_a_dead_worker(
     assert metrics["loss"] == metrics_before["loss"] + 4
 
 
-@pytest.mark.skip(reason="unfinished: the SIGINT sent to the materialising process while the ranks trained "
-                         "did not interrupt the step (the run succeeded); to be looked at")
+@pytest.mark.skip(reason="SIGINT to a process materialising the round while its Ray job trains does not interrupt "
+                         "the step (it succeeds), though it does interrupt a plain asset: not yet understood")
 @pytest.mark.long(seconds=90)
 def test_cancelling_the_dagster_run_while_training_stops_the_ray_job(tmp_path, pg_instance, ray_cluster):
     from ray.job_submission import JobStatus, JobSubmissionClient
@@ -148,5 +153,6 @@ def test_cancelling_the_dagster_run_while_training_stops_the_ray_job(tmp_path, p
     finally:
         if proc.poll() is None:
             proc.kill()
-    assert "FAILED" in log and "Will terminate RayJob" in log, log[-3000:]
+    assert log.rstrip().endswith(("FAILED", "INTERRUPTED")), log[-3000:]
+    assert "Will terminate RayJob" in log or "stopped Ray job" in log, log[-3000:]
     _poll("the Ray job stopped", lambda: client.get_job_status(job.submission_id) == JobStatus.STOPPED, 120)
