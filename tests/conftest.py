@@ -272,6 +272,10 @@ RAY_ROOT_ENV = "PRODRL_TEST_RAY_ROOT"
 
 
 def pytest_configure(config):
+    from prodrl_pipelines.cluster.local import LOOPBACK_ENV
+
+    # Ray reads these once, when it is first imported: set before any test imports it
+    os.environ.update(LOOPBACK_ENV)
     if not hasattr(config, "workerinput") and RAY_ROOT_ENV not in os.environ:
         import tempfile
 
@@ -296,9 +300,14 @@ def _stop_test_ray(root: Path) -> None:
         try:
             os.kill(pid, signal.SIGTERM)
             for _ in range(120):  # its own shutdown: raylets, GCS, workers
-                os.kill(pid, 0)
+                try:  # without xdist it is this process's child: reap it, or it stays a zombie
+                    if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                        break
+                except ChildProcessError:
+                    os.kill(pid, 0)
                 time.sleep(0.5)
-            os.killpg(pid, signal.SIGKILL)
+            else:
+                os.killpg(pid, signal.SIGKILL)
         except ProcessLookupError:
             pass
     shutil.rmtree(root, ignore_errors=True)

@@ -59,14 +59,14 @@ def fresh_database():
 class MakeUp:
     """`make up` in a process group of its own, as a terminal would run it."""
 
-    def __init__(self, home: Path, db_url: str, log: Path, settings: Path | None = None):
+    def __init__(self, home: Path, db_url: str, log: Path, settings: Path | None = None, cluster: str = "local"):
         self.home, self.log = home, log
         env = {**os.environ, "DAGSTER_PG_URL": db_url}
         for k in ("DAGSTER_HOME", "PRODRL_HOME", "PRODRL_SETTINGS_JSON", "MLFLOW_TRACKING_URI", "PRODRL_RECORDER_TOKEN"):
             env.pop(k, None)
         (home / "stack.json").unlink(missing_ok=True)
         self.fh = open(log, "ab")
-        extra = [f"STACK_SETTINGS={settings}"] if settings else []
+        extra = ([f"STACK_SETTINGS={settings}"] if settings else []) + [f"CLUSTER={cluster}"]
         self.proc = subprocess.Popen(["make", "up", f"STACK_HOME={home}", *extra], cwd=REPO, env=env, stdout=self.fh,
                                      stderr=subprocess.STDOUT, start_new_session=True)
         self.t0 = time.monotonic()
@@ -301,11 +301,16 @@ def _loop_and_restart(home, tmp_path, fresh_database, started):
     figures["rss_mb"] = _rss_mb(up.current_state()["pids"])
     figures["stop_s"] = round(up.stop(signal.SIGINT), 1)
 
-    # the same home and database again: the previous round is there and the loop goes on
-    up = MakeUp(home, fresh_database, tmp_path / "make_up_2.log")
+    # the same home and database again, now with a local two-node Ray cluster for the rounds' heavy
+    # steps: the previous round is there and the loop goes on
+    up = MakeUp(home, fresh_database, tmp_path / "make_up_2.log", cluster="ray")
     started.append(up)
     figures["restart_s"] = round(up.startup_s, 1)
     urls = up.state["urls"]
+    assert f"Ray dashboard {urls['ray']}" in up.log.read_text() and "ray cluster" in up.state["pids"]
+    assert httpx.get(urls["ray"] + "/api/version", timeout=10).status_code == 200  # the link answers
+    nodes = httpx.get(urls["ray"] + "/nodes?view=summary", timeout=10).json()["data"]["summary"]
+    assert len(nodes) == 2 and {n["raylet"]["nodeManagerAddress"] for n in nodes} == {"127.0.0.1"}, nodes
     gql = DagsterGraphQLClient("127.0.0.1", port_number=int(urls["dagster"].rsplit(":", 1)[1]))
     assert _round_succeeded(gql, 1)
     live = "round-000001" if deployed_1 else "round-000000"

@@ -60,7 +60,9 @@ def serve(root: Path, nodes: int, cpus: float) -> int:
     url = f"http://127.0.0.1:{dashboard_port}"
     try:
         _wait_for_jobs(url, nodes)
-        info = {"dashboard_url": url, "gcs_address": cluster.address, "nodes": nodes, "cpus_per_node": cpus,
+        # the GCS answers on loopback; Ray reports it under the machine's primary address
+        gcs = "127.0.0.1:" + cluster.address.rsplit(":", 1)[1]
+        info = {"dashboard_url": url, "gcs_address": gcs, "nodes": nodes, "cpus_per_node": cpus,
                 "pid": os.getpid(), "session_dir": cluster.head_node.get_session_dir_path()}
         tmp = root / "cluster.json.tmp"
         tmp.write_text(json.dumps(info, indent=1))
