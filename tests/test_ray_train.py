@@ -3,7 +3,7 @@ Dagster: Ray Train's two workers run on different nodes and write the torchrun p
 the same metadata and MLflow metric keys; a worker killed mid-round fails the asset naming it
 (rank, node, pid, exit) and re-materialising resumes, from the store's copy of the in-round state,
 to the bitwise-identical checkpoint;
-cancelling the Dagster run while training stops the Ray job (skipped: see the test)."""
+cancelling the Dagster run while training stops the Ray job."""
 
 import json
 import os
@@ -127,8 +127,6 @@ def test_a_round_trains_on_ray_as_with_torchrun_and_resumes_after_a_dead_worker(
     assert metrics["loss"] == metrics_before["loss"] + 4
 
 
-@pytest.mark.skip(reason="SIGINT to a process materialising the round while its Ray job trains does not interrupt "
-                         "the step (it succeeds), though it does interrupt a plain asset: not yet understood")
 @pytest.mark.long(seconds=90)
 def test_cancelling_the_dagster_run_while_training_stops_the_ray_job(tmp_path, pg_instance, ray_cluster):
     from ray.job_submission import JobStatus, JobSubmissionClient
@@ -149,10 +147,14 @@ def test_cancelling_the_dagster_run_while_training_stops_the_ray_job(tmp_path, p
         _poll("both ranks training", lambda: all(svc.blobs.exists(keys.train_worker(key, r)) for r in range(2)))
         assert client.get_job_status(job.submission_id) == JobStatus.RUNNING
         proc.send_signal(signal.SIGINT)  # what Dagster's run termination delivers to the step
-        log, _ = proc.communicate(timeout=180)
+        _poll("the Ray job stopped", lambda: client.get_job_status(job.submission_id) == JobStatus.STOPPED, 180)
     finally:
-        if proc.poll() is None:
-            proc.kill()
-    assert log.rstrip().endswith(("FAILED", "INTERRUPTED")), log[-3000:]
-    assert "Will terminate RayJob" in log or "stopped Ray job" in log, log[-3000:]
-    _poll("the Ray job stopped", lambda: client.get_job_status(job.submission_id) == JobStatus.STOPPED, 120)
+        # an in-process materialize retries the interrupted step under the round's retry policy (a new
+        # job): not what is tested here, so it is stopped with its process
+        proc.kill()
+        log = proc.communicate(timeout=60)[0]
+        for j in client.list_jobs():
+            if j.submission_id not in before and not j.status.is_terminal():
+                client.stop_job(j.submission_id)
+    assert (f"Will terminate RayJob {job.submission_id}" in log
+            or f"stopped Ray job {job.submission_id}" in log), log[-3000:]
