@@ -23,7 +23,7 @@ def _on_ray(fields: dict, cluster, svc, step: str, argv: list[str]) -> dict | No
 
     if runner_for(cluster).name != "ray":
         return None
-    from prodrl_pipelines.cli.ray_job import run_job
+    from prodrl_pipelines.cluster.jobs import run_job
 
     return run_job(cluster, step, argv, {**fields, "home": str(svc.settings.home_path)}, environment.read_store(),
                    f"{step}-cli")
