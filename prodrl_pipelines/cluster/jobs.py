@@ -65,9 +65,12 @@ def result_of(logs: str) -> dict | None:
 
 
 def run_job(cluster: ClusterSettings, step: str, args: list[str], settings_fields: Mapping, store_fields: Mapping,
-            name: str, *, timeout_s: float = 24 * 3600, poll_s: float = 0.5, log=sys.stderr) -> dict:
-    """Run ``step`` as a Ray job on ``cluster`` and return the dict it reported."""
+            name: str, *, timeout_s: float = 24 * 3600, poll_s: float = 0.5, log=None) -> dict:
+    """Run ``step`` as a Ray job on ``cluster`` and return the dict it reported (progress on ``log``,
+    default the current ``sys.stderr``)."""
     from ray.job_submission import JobStatus, JobSubmissionClient
+
+    log = log or sys.stderr
 
     client = JobSubmissionClient(cluster.cluster_address)
     params = submit_params(cluster, step, args, settings_fields, store_fields, name)
