@@ -250,24 +250,49 @@ def mlflow_server(s3_endpoint, tmp_path_factory):
         conn.close()
 
 
+def _group(path) -> str:
+    """The unit a worker runs whole: the test's file, except that every Ray test file is one unit
+    (they share the Ray cluster, which is up only while they run: ``ray_cluster``)."""
+    name = Path(str(path)).name
+    return "tests/test_ray_*.py" if name.startswith("test_ray_") else str(path)
+
+
 def pytest_collection_modifyitems(session, config, items):
-    """Files with long end-to-end tests (``@pytest.mark.long(seconds=N)``) first, longest first:
-    ``make test`` hands whole files to its xdist workers in this order, so the long ones start at
-    once instead of ending the run alone (longest-processing-time-first scheduling)."""
+    """Groups with long end-to-end tests (``@pytest.mark.long(seconds=N)``) first, longest first:
+    ``make test`` hands whole groups (``_group``) to its xdist workers in this order, so the long ones
+    start at once instead of ending the run alone (longest-processing-time-first scheduling)."""
     longest: dict[str, float] = {}
     for item in items:
         m = item.get_closest_marker("long")
         if m is not None:
-            path = str(item.path)
-            longest[path] = max(longest.get(path, 0.0), float(m.kwargs.get("seconds", 60)))
+            g = _group(item.path)
+            longest[g] = max(longest.get(g, 0.0), float(m.kwargs.get("seconds", 60)))
     order = {id(item): i for i, item in enumerate(items)}
-    items.sort(key=lambda it: (-longest.get(str(it.path), 0.0), order[id(it)]))
+    first = {}
+    for item in items:
+        first.setdefault(_group(item.path), order[id(item)])
+    items.sort(key=lambda it: (-longest.get(_group(it.path), 0.0), first[_group(it.path)], order[id(it)]))
 
 
-# --- one local Ray cluster (two nodes) for the whole run, shared by every xdist worker ------------
-# The controller names a directory before the workers start; the first worker that needs the cluster
-# starts it there (under a file lock) in a process of its own, the others reuse it, and the
-# controller stops it at the end: it survives the worker that started it.
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+    """``--dist loadfile`` with the Ray test files as one unit (``_group``)."""
+    if config.getoption("dist") != "loadfile":
+        return None
+    from xdist.scheduler import LoadFileScheduling
+
+    class LoadGroupScheduling(LoadFileScheduling):
+        def _split_scope(self, nodeid: str) -> str:
+            return _group(nodeid.split("::", 1)[0])
+
+    return LoadGroupScheduling(config, log)
+
+
+# --- one local Ray cluster (two nodes), up only while the Ray tests run ----------------------------
+# The controller names a directory before the workers start. The worker that runs the Ray group
+# (``_group``: one worker runs it whole) starts the cluster there, under a file lock, in a process of
+# its own, when the first test needs it, and stops it after the group's last test: the rest of the
+# run does not share two cores with an idle cluster. The controller stops whatever is left at the end.
 RAY_ROOT_ENV = "PRODRL_TEST_RAY_ROOT"
 
 
@@ -285,51 +310,62 @@ def pytest_configure(config):
 
 def pytest_unconfigure(config):
     if getattr(config, "_prodrl_ray_owner", False):
-        _stop_test_ray(Path(os.environ.pop(RAY_ROOT_ENV)))
+        import shutil
+
+        root = Path(os.environ.pop(RAY_ROOT_ENV))
+        _stop_test_ray(root)
+        shutil.rmtree(root, ignore_errors=True)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_teardown(item, nextitem):
+    yield  # after the test's own fixtures (a module's Ray connection) are torn down
+    if _group(item.path) == "tests/test_ray_*.py" and (nextitem is None or _group(nextitem.path) != _group(item.path)):
+        _stop_test_ray(Path(os.environ[RAY_ROOT_ENV]))
 
 
 def _stop_test_ray(root: Path) -> None:
     import json
-    import shutil
     import signal
     import time
 
     info = root / "cluster.json"
-    if info.exists():
-        pid = json.loads(info.read_text())["pid"]
-        try:
-            os.kill(pid, signal.SIGTERM)
-            for _ in range(120):  # its own shutdown: raylets, GCS, workers
-                try:  # without xdist it is this process's child: reap it, or it stays a zombie
-                    if os.waitpid(pid, os.WNOHANG)[0] == pid:
-                        break
-                except ChildProcessError:
-                    os.kill(pid, 0)
-                time.sleep(0.5)
-            else:
-                os.killpg(pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-    shutil.rmtree(root, ignore_errors=True)
+    if not info.exists():
+        return
+    pid = json.loads(info.read_text())["pid"]
+    try:
+        os.kill(pid, signal.SIGTERM)
+        for _ in range(120):  # its own shutdown: raylets, GCS, workers
+            try:  # the worker that started it is its parent: reap it, or it stays a zombie
+                if os.waitpid(pid, os.WNOHANG)[0] == pid:
+                    break
+            except ChildProcessError:
+                os.kill(pid, 0)
+            time.sleep(0.5)
+        else:
+            os.killpg(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+    info.unlink(missing_ok=True)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def ray_cluster():
-    """The run's local Ray cluster: two nodes on 127.0.0.1, two CPUs each (``cluster.local``);
-    yields its ``LocalRayCluster`` (``dashboard_url`` for job submission, ``gcs_address``)."""
+    """The run's local Ray cluster: two nodes on 127.0.0.1, two CPUs each (``cluster.local``), started
+    on first use; yields its ``LocalRayCluster`` (``dashboard_url`` for job submission, ``gcs_address``)."""
     import fcntl
+    import json
 
     from prodrl_pipelines.cluster.local import LocalRayCluster
 
     root = Path(os.environ[RAY_ROOT_ENV])
+    root.mkdir(parents=True, exist_ok=True)
     with open(root / "start.lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         cluster = LocalRayCluster(root, nodes=2, cpus_per_node=2)
         if (root / "cluster.json").exists():
-            import json
-
             cluster.info = json.loads((root / "cluster.json").read_text())
         else:
             cluster.start()
-            cluster.proc = None  # the controller stops it, not this worker
+            cluster.proc = None  # stopped after the Ray group (or by the controller), not by this fixture
     yield cluster

@@ -27,6 +27,7 @@ from prodrl_pipelines.rl.trainer import build_optimizer
 from prodrl_pipelines.assets.round import recorded_trajectories, trained_checkpoint, training_batch
 from prodrl_pipelines.lab.traffic import simulate_traffic
 from prodrl_pipelines.resources.settings import make_resources, open_services
+from prodrl_pipelines.storage import documents
 
 TINY = {"lab_size": "tiny", "lab_sft_steps": 5, "steps_per_round": 2, "batch_size": 4, "heldout_size": 4,
         "max_tokens": 6, "learning_rate": 1e-2, "correction": "tis", "kl_beta": 0.1,
@@ -111,7 +112,11 @@ def test_a_rank_killed_mid_round_resumes_from_the_sharded_checkpoint(tmp_path, p
     assert not in_round.exists()  # removed once the round's checkpoint was written
     killed = torchrun(tmp_path / "resumed", **{KILL_RANK_AT_STEP: "3"})
     assert killed.returncode != 0 and not (tmp_path / "resumed").exists()
-    assert in_round.is_dir() and {p.name for p in in_round.glob("meta-rank*.pt")} == {"meta-rank0.pt", "meta-rank1.pt"}
+    # each rank wrote its part into a directory of its own; the store holds the whole state
+    assert {p.relative_to(in_round).as_posix() for p in in_round.glob("rank*/meta-rank*.pt")} == {
+        "rank0/meta-rank0.pt", "rank1/meta-rank1.pt"}
+    stored = documents.get_json(svc.blobs, f"in-round/{key}-fsdp2/latest.json")["files"]
+    assert {"meta-rank0.pt", "meta-rank1.pt", ".metadata", "__0_0.distcp", "__1_0.distcp"} <= set(stored), stored
     resumed = torchrun(tmp_path / "resumed")
     assert resumed.returncode == 0, resumed.stderr[-3000:]
     stats = json.loads(resumed.stdout.strip().splitlines()[-1])

@@ -1,11 +1,12 @@
 """`make up` exactly as the README shows it, on a database created for this test, driven over HTTP only.
 
-The stack (S3 endpoint, MLflow server, Dagster webserver + daemon, `prodrl serve` + `prodrl record`)
-is started by the Makefile target; the test bootstraps through the webserver's GraphQL API, plays lab
+The stack (S3 endpoint, MLflow server, Dagster webserver + daemon, `prodrl serve` + `prodrl record`,
+first with `CLUSTER=ray`: a local two-node Ray cluster for the rounds' training, evaluation and
+scoring) is started by the Makefile target; the test bootstraps through the webserver's GraphQL API, plays lab
 episodes through the recorder with the official `openai` client, posts rewards, waits for the
 daemon's sensor to run a round to its gate decision, reads the registry through MLflow's REST API,
 stops the stack with Ctrl-C (SIGINT to the terminal's process group) and checks that no process it
-started is left. Then it starts the stack again on the same home and database: the previous round
+started is left. Then it starts the stack again on the same home and database, without Ray: the previous round
 is there, the deployment serves the live version, and new traffic is recorded.
 """
 
@@ -224,6 +225,18 @@ def _round_succeeded(gql, k: int):
             and {"key": "dagster/partition", "value": f"round-{k:06d}"} in r["tags"]]
 
 
+def _s3_object(endpoint: str, key: str) -> bytes:
+    """An object of the stack's bucket, read over the S3 endpoint's HTTP API."""
+    import boto3
+
+    from prodrl_pipelines.stack.stack import S3_CREDENTIALS
+
+    client = boto3.client("s3", endpoint_url=endpoint, region_name="us-east-1",
+                          aws_access_key_id=S3_CREDENTIALS["AWS_ACCESS_KEY_ID"],
+                          aws_secret_access_key=S3_CREDENTIALS["AWS_SECRET_ACCESS_KEY"])
+    return client.get_object(Bucket="prodrl", Key=key)["Body"].read()
+
+
 def _mlflow(url: str, path: str, **params) -> dict:
     r = httpx.get(f"{url}/api/2.0/mlflow/{path}", params=params, timeout=30)
     assert r.status_code == 200, r.text
@@ -248,10 +261,15 @@ def _loop_and_restart(home, tmp_path, fresh_database, started):
     settings = tmp_path / "stack-settings.json"
     settings.write_text(json.dumps({**json.loads((REPO / "examples" / "lab-demo.json").read_text()),
                                     "gate_tolerance": 1.0}))
-    up = MakeUp(home, fresh_database, tmp_path / "make_up.log", settings)
+    # with a local two-node Ray cluster: the rounds train, evaluate and score there as Ray jobs
+    up = MakeUp(home, fresh_database, tmp_path / "make_up.log", settings, cluster="ray")
     started.append(up)
     figures["startup_s"] = round(up.startup_s, 1)
     urls = up.state["urls"]
+    assert f"Ray dashboard {urls['ray']}" in up.log.read_text() and "ray cluster" in up.state["pids"]
+    assert httpx.get(urls["ray"] + "/api/version", timeout=10).status_code == 200  # the link answers
+    nodes = httpx.get(urls["ray"] + "/nodes?view=summary", timeout=10).json()["data"]["summary"]
+    assert len(nodes) == 2 and {n["raylet"]["nodeManagerAddress"] for n in nodes} == {"127.0.0.1"}, nodes
     assert up.state["schemas"] == {"dagster": "prodrl_dagster", "mlflow": "prodrl_mlflow"}
     token = (home / "recorder_token").read_text().strip()
     assert str(home / "recorder_token") in up.state["token_source"]
@@ -295,22 +313,27 @@ def _loop_and_restart(home, tmp_path, fresh_database, started):
     assert tags["prodrl.round"] == "round-000001" and tags["gate"] in ("passed", "failed")
     assert (tags.get("deployed") == "true") == (tags["gate"] == "passed")
     assert challenger["source"].startswith("s3://prodrl/")
+    # round 1's training, held-out evaluation and scoring ran as Ray jobs; its ranks on both nodes
+    jobs = httpx.get(urls["ray"] + "/api/jobs/", timeout=30).json()
+    for step in ("train", "eval", "score"):
+        mine = [j for j in jobs if (j.get("submission_id") or "").startswith(f"prodrl-{step}-round-000001")]
+        assert [j["status"] for j in mine] == ["SUCCEEDED"], (step, [(j["submission_id"], j["status"]) for j in jobs])
+    workers = [json.loads(_s3_object(urls["s3"], f"prodrl/rounds/round-000001/train_workers/rank{r}.json"))
+               for r in range(2)]
+    assert workers[0]["node"] != workers[1]["node"], workers
     deployed_1 = champion["version"] == challenger["version"]
     up.wait(lambda: "prodrl serve" in up.current_state()["pids"] and "prodrl record" in up.current_state()["pids"],
             "the deployment after round 1")
     figures["rss_mb"] = _rss_mb(up.current_state()["pids"])
     figures["stop_s"] = round(up.stop(signal.SIGINT), 1)
 
-    # the same home and database again, now with a local two-node Ray cluster for the rounds' heavy
-    # steps: the previous round is there and the loop goes on
-    up = MakeUp(home, fresh_database, tmp_path / "make_up_2.log", cluster="ray")
+    # the same home and database again, now without Ray (the default): the previous round is there
+    # and the loop goes on
+    up = MakeUp(home, fresh_database, tmp_path / "make_up_2.log")
     started.append(up)
     figures["restart_s"] = round(up.startup_s, 1)
     urls = up.state["urls"]
-    assert f"Ray dashboard {urls['ray']}" in up.log.read_text() and "ray cluster" in up.state["pids"]
-    assert httpx.get(urls["ray"] + "/api/version", timeout=10).status_code == 200  # the link answers
-    nodes = httpx.get(urls["ray"] + "/nodes?view=summary", timeout=10).json()["data"]["summary"]
-    assert len(nodes) == 2 and {n["raylet"]["nodeManagerAddress"] for n in nodes} == {"127.0.0.1"}, nodes
+    assert "ray" not in urls and "ray cluster" not in up.state["pids"]
     gql = DagsterGraphQLClient("127.0.0.1", port_number=int(urls["dagster"].rsplit(":", 1)[1]))
     assert _round_succeeded(gql, 1)
     live = "round-000001" if deployed_1 else "round-000000"

@@ -11,6 +11,7 @@ import shutil
 import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -19,7 +20,7 @@ from dagster import materialize
 from safetensors.torch import load_file
 
 from prodrl_pipelines.assets.round import recorded_trajectories, trained_checkpoint, training_batch
-from prodrl_pipelines.config.environment import KILL_RANK_AT_STEP
+from prodrl_pipelines.config.environment import HOLD_RANK_AT_STEP
 from prodrl_pipelines.resources.settings import make_resources
 from prodrl_pipelines.storage import documents, keys
 from tests.test_distributed import _round_with_data
@@ -65,6 +66,31 @@ def _poll(what: str, fn, timeout_s: float = 180.0, every_s: float = 0.5):
         time.sleep(every_s)
 
 
+def _kill_held_rank(dashboard_url: str, svc, key: str, found: dict) -> None:
+    """Once the last rank holds, SIGKILL the Ray Train worker whose pid the state API reports on that
+    rank's node (whatever is found goes into ``found``; the held rank is killed even when a check fails,
+    so that the step ends)."""
+    from ray.util.state import list_actors
+
+    held = None
+    try:
+        held = _poll("rank 1 holding", lambda: (d := _doc(svc, key, 1)) and d.get("holding_at_step") and d, 240)
+        actors = list_actors(address=dashboard_url, detail=True, raise_on_missing_output=False,
+                             filters=[("class_name", "=", "RayTrainWorker"), ("state", "=", "ALIVE")])
+        on_node = [a for a in actors if a.node_id == held["node"]]
+        assert len(on_node) == 1 and on_node[0].pid == held["pid"], (held, actors)
+        found.update(pid=on_node[0].pid, node=on_node[0].node_id)
+        os.kill(on_node[0].pid, signal.SIGKILL)
+    except BaseException as e:  # noqa: BLE001 - reported by the test's own assertion
+        found["error"] = f"{type(e).__name__}: {e}"
+        if held:
+            os.kill(held["pid"], signal.SIGKILL)
+
+
+def _doc(svc, key: str, rank: int) -> dict | None:
+    return documents.get_json(svc.blobs, keys.train_worker(key, rank)) if svc.blobs.exists(keys.train_worker(key, rank)) else None
+
+
 CANCEL = r'''
 import json, signal, sys
 # a run worker handles SIGINT (a process started from a pytest-xdist worker inherits it ignored)
@@ -97,18 +123,25 @@ def test_a_round_trains_on_ray_as_with_torchrun_and_resumes_after_a_dead_worker(
     shutil.copytree(ckpt, tmp_path / "torchrun")
     metrics_before = _metric_counts(res, run_id)
 
-    # Ray: the last rank SIGKILLs itself after step 3; the asset fails naming that worker
-    ray_kill = make_resources(_ray_settings(res, ray_cluster, **{KILL_RANK_AT_STEP: "3"}))
-    killed = _train(pg_instance, key, ray_kill, raise_on_error=False)
-    assert not killed.success
+    # Ray: the last rank holds after step 3; the test kills it by the pid Ray's state API reports for it
+    ray_hold = make_resources(_ray_settings(res, ray_cluster, **{HOLD_RANK_AT_STEP: "3"}))
+    for r in range(2):
+        svc.blobs.delete(keys.train_worker(key, r), missing_ok=True)
+    killer = threading.Thread(target=_kill_held_rank, args=(ray_cluster.dashboard_url, svc, key, found := {}))
+    killer.start()
+    killed = _train(pg_instance, key, ray_hold, raise_on_error=False)
+    killer.join()
+    assert not killed.success and "pid" in found, found
     failure = killed.get_step_failure_events()[0].step_failure_data
     message = failure.user_failure_data.description if failure.user_failure_data else failure.error.message
     w0, w1 = _workers(svc, key)
     assert w0["node"] != w1["node"]  # one rank per node (STRICT_SPREAD)
-    assert f"training worker rank 1 (node {w1['node']}, pid {w1['pid']}) died: exit" in message, message
+    assert found["node"] == w1["node"]
+    assert f"training worker rank 1 (node {w1['node']}, pid {found['pid']}) died: exit" in message, message
     assert "resume" in message
-    assert {p.name for p in in_round.glob("meta-rank*.pt")} == {"meta-rank0.pt", "meta-rank1.pt"}
-    shutil.rmtree(in_round)  # resumed elsewhere: the state comes back from the store's mirror
+    assert {p.relative_to(in_round).as_posix() for p in in_round.glob("rank*/meta-rank*.pt")} == {
+        "rank0/meta-rank0.pt", "rank1/meta-rank1.pt"}  # each rank's part in a directory of its own
+    shutil.rmtree(in_round)  # resumed elsewhere: the state comes back from the store
 
     # re-materialised on Ray: resumes from the in-round checkpoint, ends on the torchrun checkpoint bit for bit
     ray_res = make_resources(_ray_settings(res, ray_cluster))

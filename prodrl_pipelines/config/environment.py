@@ -40,6 +40,7 @@ UI_URL = "MLFLOW_UI_URL"
 REGISTRY_INTERVAL = "PRODRL_REGISTRY_INTERVAL_S"
 RECORDER_TOKEN = "PRODRL_RECORDER_TOKEN"
 KILL_RANK_AT_STEP = "PRODRL_TEST_KILL_RANK_AT_STEP"  # tests: a training rank exits hard at this step
+HOLD_RANK_AT_STEP = "PRODRL_TEST_HOLD_RANK_AT_STEP"  # tests: a training rank waits (to be killed) after this step
 UPSTREAM_API_KEY = "PRODRL_UPSTREAM_API_KEY"
 DEFAULT_HOME = ".prodrl"
 LOCAL_MLFLOW_UI = "http://127.0.0.1:5000"
@@ -136,3 +137,8 @@ def upstream_api_key(environ: Mapping = os.environ) -> str | None:
 def kill_rank_at_step(environ: Mapping = os.environ) -> int:
     """The step at which a training rank kills itself (0: never); the resume tests set it."""
     return int(environ.get(KILL_RANK_AT_STEP, "0") or 0)
+
+
+def hold_rank_at_step(environ: Mapping = os.environ) -> int:
+    """The step after which a training rank stops and waits to be killed from outside (0: never)."""
+    return int(environ.get(HOLD_RANK_AT_STEP, "0") or 0)

@@ -60,19 +60,22 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
             export_dir = reference_export(svc, v, version_dirs(svc, v)[1], f"it sampled data of {rkey}")
             reference[v], _ = load_policy(export_dir, dtype=torch.float32)
             reference[v].eval()
-    # in-round resume: one file (one process), or one sharded directory every rank writes its part of
-    resume = s.checkpoints_root / ".in-round" / (f"{rkey}-fsdp{world_size}" if sharded else f"{rkey}-rank{rank}.pt")
-    # ... mirrored to the blob store by rank 0 (the ranks share the state's directory, as its save
-    # assumes), and fetched back from it when this machine has none (another node resumes)
-    if rank == 0:
-        in_round.pull(svc.blobs, resume)
-    if sharded:
+    # in-round resume: one file (one process), or a directory per rank for its part of a sharded save
+    # (ranks on machines that share no disk); kept in the blob store after every save, so that any
+    # machine resumes the round (``in_round``)
+    state_name = f"{rkey}-fsdp{world_size}" if sharded else f"{rkey}-rank{rank}.pt"
+    resume = s.checkpoints_root / ".in-round" / (f"{state_name}/rank{rank}" if sharded else state_name)
+    if sharded:  # every rank resumes from the store's complete state, or none does
+        in_round.pull(svc.blobs, resume, state_name, whole=True)
         torch.distributed.barrier()
+    else:
+        in_round.pull(svc.blobs, resume, state_name)
     res = train_round(trained, opt, trajs, np.asarray(batch["advantages"]), batch["plan"], s.recipe, state,
                       pad_id, round_seed(s, rkey), on_step=on_step, progress=progress, reference_model=reference,
                       resume_path=resume, rank=rank, world_size=world_size,
                       behavior_steps=behavior_steps,
-                      on_saved=(lambda p: in_round.push(svc.blobs, p)) if rank == 0 else None)
+                      on_saved=_mirror_sharded(svc, state_name, rank) if sharded else
+                      (lambda p: in_round.push(svc.blobs, p, state_name)))
     out = Path(out_dir) if out_dir is not None else s.checkpoints_root / rkey
     whole = {}
     if sharded:  # gathered by every rank (collectives), written whole by rank 0
@@ -90,7 +93,7 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
     else:
         resume.unlink(missing_ok=True)
     if rank == 0:
-        in_round.drop(svc.blobs, resume)
+        in_round.drop(svc.blobs, state_name)
     done = [m for m in res.steps if not m.get("skipped")]
     return {
         "checkpoint_dir": str(out), "trained_from": live.policy_version, "global_step": state.global_step,
@@ -104,6 +107,23 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
         "tokens_per_s": float(np.mean([m["tokens_per_s"] for m in done])) if done else float("nan"),
         "steps": res.steps,
     }
+
+
+def _mirror_sharded(svc: Services, name: str, rank: int):
+    """After a sharded save: every rank uploads its part under one upload, then rank 0 publishes it."""
+    import torch.distributed as dist
+
+    def mirror(path: Path) -> None:
+        upload = [in_round.new_upload()]
+        dist.broadcast_object_list(upload, src=0)
+        mine = in_round.upload_part(svc.blobs, path, name, upload[0])
+        parts: list = [None] * dist.get_world_size()
+        dist.all_gather_object(parts, mine)
+        if rank == 0:
+            in_round.publish(svc.blobs, name, upload[0], sorted({f for p in parts for f in p}), is_dir=True)
+        dist.barrier()
+
+    return mirror
 
 
 def training_history(svc: Services) -> tuple[list[dict], list[int]]:

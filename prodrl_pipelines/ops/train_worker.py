@@ -22,6 +22,7 @@ import json
 import os
 import signal
 import socket
+import time
 from pathlib import Path
 from typing import Callable
 
@@ -41,16 +42,21 @@ def run_rank(rkey: str, rank: int, world: int, out_dir: Path | None = None,
 
     torch.set_num_threads(environment.threads_per_rank())
     svc = services_from_env()
-    documents.put_json(svc.blobs, keys.train_worker(rkey, rank), {
-        "rank": rank, "world_size": world, "pid": os.getpid(), "node": node or socket.gethostname(),
-        "host": socket.gethostname()})
-    kill_at = environment.kill_rank_at_step()  # crash tests: the last rank SIGKILLs itself after this step
+    where = {"rank": rank, "world_size": world, "pid": os.getpid(), "node": node or socket.gethostname(),
+             "host": socket.gethostname()}
+    documents.put_json(svc.blobs, keys.train_worker(rkey, rank), where)
+    # crash tests: the last rank SIGKILLs itself after this step, or says it holds there and waits to be killed
+    kill_at, hold_at = environment.kill_rank_at_step(), environment.hold_rank_at_step()
 
     def on_step(step: int, m: dict) -> None:
         if on_step_extra is not None:
             on_step_extra(step, m)
-        if kill_at and step == kill_at and rank == world - 1:
-            os.kill(os.getpid(), signal.SIGKILL)
+        if rank == world - 1 and step in {kill_at, hold_at} - {0}:
+            if step == hold_at:
+                documents.put_json(svc.blobs, keys.train_worker(rkey, rank), {**where, "holding_at_step": step})
+                time.sleep(600)  # nobody came: the step goes on (the test fails on its own timeout)
+            else:
+                os.kill(os.getpid(), signal.SIGKILL)
 
     return train(svc, rkey, on_step=on_step, progress=False, rank=rank, world_size=world, out_dir=out_dir)
 

@@ -20,6 +20,7 @@ rank's RNG and step counters); they resume on the same world size.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import shutil
 from pathlib import Path
@@ -110,43 +111,43 @@ def load_full_optimizer_state(root, optimizer: torch.optim.Optimizer, state: dic
 
 
 def save_sharded_state(path: Path, root, optimizer: torch.optim.Optimizer, meta: dict) -> None:
-    """The sharded model and optimizer at ``path`` (a directory), atomically: every rank writes its
-    part and its ``meta`` (RNG, counters) into a temporary directory that rank 0 renames once all
-    are done. A collective."""
+    """The sharded model and optimizer, this rank's part at ``path`` (a directory of this rank's own:
+    the ranks may share no disk), atomically: the rank writes its part and its ``meta`` (RNG,
+    counters) into a temporary directory and renames it once written; rank 0's part holds the
+    checkpoint's ``.metadata``. A collective; every rank's part is in place when it returns."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict
 
     rank = dist.get_rank()
     tmp = path.with_name(f".{path.name}.tmp")
-    if rank == 0:
-        shutil.rmtree(tmp, ignore_errors=True)
-    dist.barrier()
+    shutil.rmtree(tmp, ignore_errors=True)
     msd, osd = get_state_dict(root, optimizer)
     dcp.save({"model": msd, "optimizer": osd}, checkpoint_id=str(tmp))
     torch.save({**meta, "world_size": dist.get_world_size()}, tmp / f"meta-rank{rank}.pt")
-    dist.barrier()
-    if rank == 0:
-        old = path.with_name(f".{path.name}.old")
-        if path.exists():
-            os.replace(path, old)
-        os.replace(tmp, path)
-        shutil.rmtree(old, ignore_errors=True)
+    old = path.with_name(f".{path.name}.old")
+    if path.exists():
+        os.replace(path, old)
+    os.replace(tmp, path)
+    shutil.rmtree(old, ignore_errors=True)
     dist.barrier()
 
 
 def remove_sharded_state(path: Path) -> None:
-    """Remove ``save_sharded_state``'s directory once every rank is past its last read of it."""
+    """Remove this rank's ``save_sharded_state`` directory once every rank is past its last read of
+    the state (and the state's directory, once it is empty)."""
     import torch.distributed as dist
 
     dist.barrier()
-    if dist.get_rank() == 0:
-        shutil.rmtree(path, ignore_errors=True)
+    shutil.rmtree(path, ignore_errors=True)
+    with contextlib.suppress(OSError):  # not empty yet (another rank's part on a shared disk), or gone
+        path.parent.rmdir()
 
 
 def load_sharded_state(path: Path, root, optimizer: torch.optim.Optimizer, fingerprint: str) -> dict | None:
-    """Load ``save_sharded_state``'s checkpoint into the sharded model and optimizer and return this
-    rank's meta; None (nothing loaded) when it belongs to another plan or another world size."""
+    """Load a whole ``save_sharded_state`` checkpoint (every rank's part, in ``path``) into the sharded
+    model and optimizer and return this rank's meta; None (nothing loaded) when any rank has none, or
+    one of another plan or another world size."""
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict

@@ -138,14 +138,14 @@ def _sharded(model) -> bool:
 
 
 def _resume(path: Path, fingerprint: str, model, optimizer, state: TrainerState, result: RoundResult) -> int:
-    if not path.exists():
-        return 0
-    if _sharded(model):
+    if _sharded(model):  # a collective: every rank takes part, with or without a state of its own
         from prodrl_pipelines.rl.sharding import load_sharded_state
 
         raw = load_sharded_state(path, model, optimizer, fingerprint)
-        if raw is None:  # a different dataset/plan: start the round afresh
+        if raw is None:  # none, or a different dataset/plan: start the round afresh
             return 0
+    elif not path.exists():
+        return 0
     else:
         raw = torch.load(path, map_location="cpu", weights_only=False)
         if raw["fingerprint"] != fingerprint:  # a different dataset/plan: start the round afresh

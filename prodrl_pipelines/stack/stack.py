@@ -165,8 +165,10 @@ class Stack:
         self.log("Ray: starting a local cluster of two nodes ...")
         self.ray = LocalRayCluster(self.home / "ray", nodes=2, cpus_per_node=2).start()
         self.ports["ray"] = int(self.ray.dashboard_url.rsplit(":", 1)[1])
-        # training ranks one per node; evaluation and scoring on two workers each
+        # training ranks one per node; evaluation and scoring on two workers each, the held-out
+        # episodes in batches of 64 so that both evaluation workers get some
         self.settings = {"cluster_workers": 2, "cluster_eval_workers": 2, "cluster_scoring_workers": 2,
+                         "eval_episode_batch": 64,
                          **self.settings, "cluster": "ray", "cluster_address": self.ray.dashboard_url}
 
     def _spawn(self, name: str, cmd: list[str]) -> ManagedProcess:
