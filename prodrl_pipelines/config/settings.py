@@ -38,7 +38,7 @@ class DeploySettings(BaseModel):
     # what the deployment serves: NVFP4 weights (W4A16 data-free, W4A4 calibrated) or bf16
     export_scheme: Literal["nvfp4-w4a16", "nvfp4-w4a4", "bf16"] = "nvfp4-w4a16"
     # how an export becomes live (deploy_targets.TARGETS): pointer | prodrl-serve | vllm-restart |
-    # vllm-reload | command
+    # vllm-reload | vllm-weight-transfer (GPU only) | command
     target: str = "pointer"
     # auto: a candidate that passes the gate is deployed; review: it becomes `challenger` with
     # review=pending and waits for a reviewer in the MLflow registry (or `prodrl review`)
@@ -54,8 +54,12 @@ class DeploySettings(BaseModel):
     # rewarded, then its live reward is compared with the champion's on the same window (0: no canary)
     canary_fraction: float = Field(0.0, ge=0, lt=1)
     canary_min_trajectories: int = Field(64, ge=2)
-    target_endpoint: str = Field("", description="vllm-reload: a running dev-mode vLLM; command: where it serves "
-                                                 "({port} filled in)")
+    target_endpoint: str = Field("", description="vllm-reload, vllm-weight-transfer: a running dev-mode vLLM; "
+                                                 "command: where it serves ({port} filled in)")
+    # vllm-weight-transfer: where the server's workers reach this process (NCCL rank 0 of the transfer
+    # group, its rendezvous store listens there); port 0: a free one
+    weight_transfer_address: str = "127.0.0.1"
+    weight_transfer_port: int = Field(0, ge=0, le=65535)
     target_command: str = Field("", description="command: template with {export_dir}, {policy_version}, {port}")
     vllm_python: str = Field("", description="vLLM's own interpreter (default $PRODRL_VLLM_PYTHON)")
     server_args: tuple[str, ...] = ()  # extra arguments of a managed server (vllm / prodrl serve)
@@ -109,6 +113,13 @@ class DeploySettings(BaseModel):
     def _command_needs_template(self) -> "DeploySettings":
         if self.target == "command" and not self.target_command:
             raise ValueError("deploy target 'command' needs target_command")
+        return self
+
+    @model_validator(mode="after")
+    def _weight_transfer_needs_endpoint(self) -> "DeploySettings":
+        if self.target == "vllm-weight-transfer" and not self.target_endpoint.startswith(("http://", "https://")):
+            raise ValueError("deploy target 'vllm-weight-transfer' needs target_endpoint: the http(s) URL of a running "
+                             "vLLM started in dev mode with --weight-transfer-config '{\"backend\": \"nccl\"}'")
         return self
 
     def sampling(self, stop_token_ids: tuple[int, ...] = ()) -> SamplingParams:

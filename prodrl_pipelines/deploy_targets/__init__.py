@@ -10,12 +10,14 @@ from prodrl_pipelines.deploy_targets.base import DeployError, DeployTarget, Endp
 from prodrl_pipelines.deploy_targets.command import CommandTarget, PointerTarget
 from prodrl_pipelines.deploy_targets.reload import VLLMReloadTarget
 from prodrl_pipelines.deploy_targets.servers import ProdrlServeTarget, VLLMRestartTarget
+from prodrl_pipelines.deploy_targets.weight_transfer import VLLMWeightTransferTarget
 
 TARGETS: dict[str, type] = {
     "pointer": PointerTarget,
     "prodrl-serve": ProdrlServeTarget,
     "vllm-restart": VLLMRestartTarget,
     "vllm-reload": VLLMReloadTarget,
+    "vllm-weight-transfer": VLLMWeightTransferTarget,
     "command": CommandTarget,
 }
 
