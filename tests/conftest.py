@@ -250,11 +250,15 @@ def mlflow_server(s3_endpoint, tmp_path_factory):
         conn.close()
 
 
+# files one worker runs in a row, as one unit: they share an expensive fixture (the Ray cluster)
+# that is up only while they run
+GROUPS = {"tests/test_ray_*.py": lambda name: name.startswith("test_ray_")}
+
+
 def _group(path) -> str:
-    """The unit a worker runs whole: the test's file, except that every Ray test file is one unit
-    (they share the Ray cluster, which is up only while they run: ``ray_cluster``)."""
+    """The unit a worker runs whole: the test's file, or its group (``GROUPS``)."""
     name = Path(str(path)).name
-    return "tests/test_ray_*.py" if name.startswith("test_ray_") else str(path)
+    return next((g for g, member in GROUPS.items() if member(name)), str(path))
 
 
 def pytest_collection_modifyitems(session, config, items):
@@ -276,7 +280,7 @@ def pytest_collection_modifyitems(session, config, items):
 
 @pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
-    """``--dist loadfile`` with the Ray test files as one unit (``_group``)."""
+    """``--dist loadfile`` with each of ``GROUPS`` as one unit."""
     if config.getoption("dist") != "loadfile":
         return None
     from xdist.scheduler import LoadFileScheduling

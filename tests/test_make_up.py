@@ -257,9 +257,11 @@ def test_make_up_runs_the_loop_and_continues_after_a_restart(tmp_path, fresh_dat
 
 def _loop_and_restart(home, tmp_path, fresh_database, started):
     figures = {}
-    # the lab-demo settings with a gate every round passes: round 1 is redeployed under traffic
+    # the lab-demo settings at a quarter of the size (a round of 4 x 64 episodes, 128 held-out tasks)
+    # with a gate every round passes: round 1 is redeployed under traffic
     settings = tmp_path / "stack-settings.json"
     settings.write_text(json.dumps({**json.loads((REPO / "examples" / "lab-demo.json").read_text()),
+                                    "steps_per_round": 4, "batch_size": 64, "heldout_size": 128,
                                     "gate_tolerance": 1.0}))
     # with a local two-node Ray cluster: the rounds train, evaluate and score there as Ray jobs
     up = MakeUp(home, fresh_database, tmp_path / "make_up.log", settings, cluster="ray")
@@ -293,8 +295,8 @@ def _loop_and_restart(home, tmp_path, fresh_database, started):
     t_traffic = time.monotonic()
     background = Background(urls["recorder"], token, "round-000000")
     try:
-        model, n = _play(urls["recorder"], token, 1024, seed=1)
-        assert model == "round-000000" and n == 1024
+        model, n = _play(urls["recorder"], token, 256, seed=1)
+        assert model == "round-000000" and n == 256
         up.wait(lambda: _round_succeeded(gql, 1), "round 1 through the sensor")
         figures["traffic_to_decision_s"] = round(time.monotonic() - t_traffic, 1)
         up.wait(lambda: up.current_state()["deployed_version"] == "round-000001", "round 1 on every replica")
