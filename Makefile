@@ -35,13 +35,14 @@ demo: $(STAMP)
 # Tests need PostgreSQL (DESIGN.md s.8): PRODRL_TEST_PG_URL, default postgresql+psycopg2://postgres@127.0.0.1:5432/test
 # Lint first (ruff.toml), then the files on TEST_WORKERS pytest-xdist workers (a file stays on one
 # worker: its module fixtures are built once; three workers on two cores: most tests wait on servers and
-# subprocesses; --no-loadscope-reorder keeps the collection order, long files first: tests/conftest.py);
+# subprocesses; --no-loadscope-reorder keeps the collection order, long files first: tests/conftest.py;
+# OpenMP threads wait passively: spinning ones starve the other workers on two cores);
 # per-file times: add --durations=0 or --junitxml=FILE.
 TEST_WORKERS ?= 3
 test: $(STAMP) vllm
 	bash scripts/ensure_postgres.sh
 	$(BIN)/ruff check .
-	$(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
 
 # The whole loop on loopback: S3 endpoint, MLflow server, Dagster webserver + daemon, the deployment
 # (prodrl serve) and its recorder. Database: DAGSTER_PG_URL (default postgresql+psycopg2://postgres@127.0.0.1:5432/test).
