@@ -191,12 +191,12 @@ def vllm_exports(tmp_path_factory):
 
 @pytest.fixture(scope="session")
 def vllm_server(vllm_exports, tmp_path_factory):
-    """One real vLLM for the session (dev mode: in-place reloads), serving the dense bf16 export as
-    ``dense-bf16``."""
-    from tests.vllm_support import VLLMServer, vllm_python
+    """One real vLLM for the session (dev mode: in-place reloads; the nccl weight-transfer backend),
+    serving the dense bf16 export as ``dense-bf16``. Its users are one unit of the schedule (``GROUPS``)."""
+    from tests.vllm_support import WEIGHT_TRANSFER_ARGS, VLLMServer, vllm_python
 
     srv = VLLMServer(vllm_python(), vllm_exports["dense-bf16"], "dense-bf16",
-                     tmp_path_factory.mktemp("vllm") / "vllm.log")
+                     tmp_path_factory.mktemp("vllm") / "vllm.log", extra_args=WEIGHT_TRANSFER_ARGS)
     try:
         yield srv.wait()
     finally:
@@ -256,9 +256,10 @@ def mlflow_server(s3_endpoint, tmp_path_factory):
         conn.close()
 
 
-# files one worker runs in a row, as one unit: they share an expensive fixture (the Ray cluster)
-# that is up only while they run
-GROUPS = {"tests/test_ray_*.py": lambda name: name.startswith("test_ray_")}
+# files one worker runs in a row, as one unit: they share an expensive fixture (the Ray cluster, up
+# only while they run; the session's vLLM server) that a second worker would start again
+GROUPS = {"tests/test_ray_*.py": lambda name: name.startswith("test_ray_"),
+          "tests/test_vllm.py+test_weight_transfer.py": lambda name: name in ("test_vllm.py", "test_weight_transfer.py")}
 
 
 def _group(path) -> str:

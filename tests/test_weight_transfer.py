@@ -1,8 +1,8 @@
 """``vllm-weight-transfer``: its refusal on CPU, and its HTTP choreography against a real vLLM CPU server.
 
-The session's shared server (``vllm_server``) is in dev mode but started without
-``--weight-transfer-config``, so its transfer endpoints only answer "Weight transfer not configured":
-this module starts one server of its own (module scope) with the nccl backend. On vLLM's CPU build
+The session's shared server (``vllm_server``) runs in dev mode with ``--weight-transfer-config``
+(the nccl backend): without it the transfer endpoints only answer "Weight transfer not configured".
+This module runs after ``test_vllm.py`` on the same worker (one unit of the schedule). On vLLM's CPU build
 the transfer group cannot be created (``/init_weight_transfer_engine`` answers 500), so the happy
 path needs a GPU (``scripts/gpu_weight_transfer_check.py``); here the choreography is driven with the
 refusal bypassed (the client called directly) through what a CPU server really does: a refused
@@ -13,7 +13,6 @@ from __future__ import annotations
 
 import socket
 from pathlib import Path
-from unittest import mock
 
 import pytest
 
@@ -31,7 +30,6 @@ from prodrl_pipelines.deploy_targets.weight_transfer import (
     server_refusal,
 )
 
-NCCL_BACKEND = ("--weight-transfer-config", '{"backend": "nccl"}')
 PROMPT = {"prompt": [1, 5, 6, 7, 8], "max_tokens": 4, "temperature": 0, "logprobs": 1, "seed": 0}
 
 
@@ -59,19 +57,10 @@ def test_refuses_on_cpu_before_touching_the_server(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def wt_server(vllm_exports, tmp_path_factory):
-    """A dev-mode vLLM with the nccl weight-transfer backend, serving the dense bf16 export."""
-    from tests import vllm_support
-    from tests.vllm_support import VLLMServer, vllm_python
-
-    with mock.patch.object(vllm_support, "SERVER_ARGS", vllm_support.SERVER_ARGS + NCCL_BACKEND):
-        srv = VLLMServer(vllm_python(), vllm_exports["dense-bf16"], "dense-bf16",
-                         tmp_path_factory.mktemp("vllm_wt") / "vllm.log")
-    try:
-        yield srv.wait()
-        print(f"\nweight-transfer vLLM start-up: {srv.startup_s:.1f} s")
-    finally:
-        srv.stop()
+def wt_server(vllm_server):
+    """The session's dev-mode vLLM (the nccl weight-transfer backend configured), serving the dense
+    bf16 export: what a failed transfer leaves is restored from that export's directory."""
+    return vllm_server
 
 
 def first_logprobs(client: WeightTransferClient) -> list[float]:

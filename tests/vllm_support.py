@@ -23,6 +23,8 @@ from prodrl_pipelines.deploy_targets.processes import pick_port, tail
 # 22 s instead of 42 s measured here)
 PROMPTS = [[1, 5, 6, 7, 8], [1, 40, 41, 42, 9, 9], [1, 12, 13], [1, 20, 21, 22, 23, 24, 25]]
 
+# the weight-transfer endpoints answer only with a backend configured (on CPU: a refused init)
+WEIGHT_TRANSFER_ARGS = ("--weight-transfer-config", '{"backend": "nccl"}')
 SERVER_ARGS = ("--max-model-len", "256", "--max-num-seqs", "8", "--max-num-batched-tokens", "256", "--enforce-eager")
 
 
@@ -43,7 +45,8 @@ def vllm_python() -> str:
 class VLLMServer:
     """``python -m vllm.entrypoints.openai.api_server`` on loopback, in its own session."""
 
-    def __init__(self, python: str, export_dir: Path, name: str, log: Path, dev_mode: bool = True) -> None:
+    def __init__(self, python: str, export_dir: Path, name: str, log: Path, dev_mode: bool = True,
+                 extra_args: tuple[str, ...] = ()) -> None:
         self.port = pick_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.name, self.log, self.export_dir = name, log, export_dir
@@ -51,7 +54,7 @@ class VLLMServer:
         if dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         cmd = vllm_serve_command(export_dir, self.port, 20, served_model_name=name, python=python,
-                                 extra_args=SERVER_ARGS)
+                                 extra_args=SERVER_ARGS + tuple(extra_args))
         with open(log, "ab") as fh:
             self.proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
         self.t0 = time.monotonic()
