@@ -49,6 +49,12 @@ class DeploySettings(BaseModel):
     # most max_unavailable replicas, each new replica healthy and probed before its old one drains
     replicas: int = Field(1, ge=1, le=32)
     max_unavailable: int = Field(1, ge=1)
+    # where a managed target's replica servers run: local child processes, or each owned by a detached
+    # Ray actor in a placement group of replica_cpus / replica_gpus on the cluster at cluster_address
+    # (deploy_targets/ray_placement.py); ray needs cluster: ray (checked in settings_from_flat)
+    replica_placement: Literal["local", "ray"] = "local"
+    replica_cpus: float = Field(1.0, gt=0, description="replica_placement ray: CPUs each replica reserves")
+    replica_gpus: float = Field(0.0, ge=0, description="replica_placement ray: GPUs each replica reserves")
     # a canary between "gate passed" (and review approved) and "live": this fraction of trajectories
     # (sticky per trajectory id) goes to the candidate until canary_min_trajectories of them are
     # rewarded, then its live reward is compared with the champion's on the same window (0: no canary)
@@ -107,6 +113,9 @@ class DeploySettings(BaseModel):
         if (self.replicas > 1 or self.canary_fraction > 0) and self.target not in FLEET_TARGETS:
             raise ValueError(f"replicas > 1 and canary_fraction need a managed target ({', '.join(FLEET_TARGETS)}); "
                              f"target {self.target!r} runs one server it does not manage")
+        if self.replica_placement == "ray" and self.target not in FLEET_TARGETS:
+            raise ValueError(f"replica_placement 'ray' needs a managed target ({', '.join(FLEET_TARGETS)}); "
+                             f"target {self.target!r} starts no server of its own")
         return self
 
     @model_validator(mode="after")
@@ -320,7 +329,9 @@ def settings_from_flat(flat: dict) -> Settings:
     from pydantic import ValidationError
 
     try:
-        return Settings(**nested)
+        settings = Settings(**nested)
+        check_replica_placement(settings, flat)
+        return settings
     except ValidationError as e:  # report the flat names the user wrote, not the nested location
         flat_of = {v: k for k, v in table.items()}
         problems = []
@@ -331,3 +342,15 @@ def settings_from_flat(flat: dict) -> Settings:
             where = where or '.'.join(loc) or 'settings'
             problems.append(msg if msg.startswith(f"{where}_") else f"{where}: {msg}")
         raise ValueError("; ".join(problems)) from None
+
+
+def check_replica_placement(settings: Settings, flat: dict) -> None:
+    """``replica_placement: ray`` places the fleet on the cluster the execution settings name: it needs
+    ``cluster: ray`` and its ``cluster_address``; fails naming the fields."""
+    if settings.deploy.replica_placement != "ray":
+        return
+    from prodrl_pipelines.cluster.config import cluster_settings
+
+    if not cluster_settings(flat).on_ray:
+        raise ValueError("replica_placement: 'ray' places the replicas on a Ray cluster: set cluster 'ray' and "
+                         "cluster_address (the Ray dashboard URL, e.g. http://127.0.0.1:8265)")

@@ -26,10 +26,14 @@ TARGETS: dict[str, type] = {
 FLEET_TARGETS = ("prodrl-serve", "vllm-restart")
 
 
-def make_target(settings) -> DeployTarget:
+def make_target(settings, cluster=None) -> DeployTarget:
+    """``cluster`` (``ClusterSettings``): where a fleet target places its replicas with
+    ``replica_placement: ray`` (None: the cluster of ``PRODRL_SETTINGS_JSON``)."""
     name = settings.deploy.target
     if name not in TARGETS:
         raise DeployError(f"unknown deploy target {name!r}; choose one of {sorted(TARGETS)}")
+    if cluster is not None and name in FLEET_TARGETS:
+        return TARGETS[name](settings, settings.home_path, cluster=cluster)
     return TARGETS[name](settings, settings.home_path)
 
 

@@ -7,6 +7,8 @@ the old one. A failed probe stops the new one: the old one never stopped serving
 
 Each server runs in a session of its own, so it outlives the Dagster run that started it; the next
 run finds it again from ``<home>/deployment/<target>/current.json`` (pid, port, version, export).
+With ``replica_placement: ray`` each server is owned by a detached Ray actor on the node Ray picks
+(``ray_placement``); its record adds the node, its address and the actor's name.
 """
 
 from __future__ import annotations
@@ -67,15 +69,37 @@ def stop_process_group(pid: int, grace_s: float = 20.0) -> None:
             time.sleep(0.1)
 
 
+def record_alive(raw: dict) -> bool:
+    """Whether the server a record (or a switch's slot) names still runs: its process here, or its
+    actor's process on a Ray node."""
+    if raw.get("actor"):
+        from prodrl_pipelines.deploy_targets import ray_placement
+
+        return ray_placement.alive(raw["actor"], raw.get("ray_address", ""))
+    return pid_alive(int(raw["pid"]))
+
+
+def stop_record(raw: dict) -> None:
+    """Drain and stop the server a record names (a Ray actor: its server, then the actor itself)."""
+    if raw.get("actor"):
+        from prodrl_pipelines.deploy_targets import ray_placement
+
+        ray_placement.stop(raw["actor"], raw.get("ray_address", ""))
+    else:
+        stop_process_group(int(raw["pid"]))
+
+
 def stop_recorded(state_dir: Path) -> list[str]:
     """Stop the servers a state directory records (pending, then current) and forget them; the
     versions that were still running."""
     stopped = []
     for name in ("pending.json", "current.json"):
         raw = read_json(state_dir / name)
-        if raw and pid_alive(int(raw["pid"])):
-            stop_process_group(int(raw["pid"]))
+        if raw and record_alive(raw):
+            stop_record(raw)
             stopped.append(raw["policy_version"])
+        elif raw and raw.get("actor"):
+            stop_record(raw)  # an actor whose server died: the actor and its placement group go too
         (state_dir / name).unlink(missing_ok=True)
     return stopped
 
@@ -89,9 +113,38 @@ class ServerRecord:
     export_dir: str
     log: str
     started_at: float
+    # replica_placement ray: the node (id, address) and the actor that owns the server, and the
+    # cluster's GCS address (whoever reads the record reaches the actor)
+    node: str = ""
+    host: str = ""
+    actor: str = ""
+    ray_address: str = ""
 
     def alive(self) -> bool:
-        return pid_alive(self.pid)
+        return record_alive(asdict(self))
+
+    def log_tail(self) -> str:
+        if self.actor:
+            from prodrl_pipelines.deploy_targets import ray_placement
+
+            return ray_placement.log_tail(self.actor, self.ray_address)
+        return tail(Path(self.log))
+
+    def slot(self, slot, previous: "ServerRecord | None") -> dict:
+        """What a switch keeps of the new server of ``slot`` (enough to commit, roll back or stop it)."""
+        return {"slot": slot, "pid": self.pid, "port": self.port, "url": self.url, "log": self.log,
+                "actor": self.actor, "ray_address": self.ray_address,
+                "previous": asdict(previous) if previous else None}
+
+
+def same_server(a: dict, b: dict) -> bool:
+    return int(a["pid"]) == int(b["pid"]) and a.get("actor", "") == b.get("actor", "")
+
+
+def blue_green_port(raw: dict) -> int:
+    """The blue/green port a server holds (on Ray: the one its actor is named after; the node may
+    have given it another)."""
+    return int(raw["actor"].rsplit("-", 1)[1]) if raw.get("actor") else int(raw["port"])
 
 
 class ManagedServerTarget:
@@ -108,7 +161,7 @@ class ManagedServerTarget:
     ready_timeout_default = 180.0
 
     def __init__(self, settings, home: str | os.PathLike, *, state_name: str | None = None,
-                 dev_mode: bool = False) -> None:
+                 dev_mode: bool = False, cluster=None) -> None:
         self.settings = settings
         self.deploy = settings.deploy
         self.home = Path(home)
@@ -116,6 +169,8 @@ class ManagedServerTarget:
         self.dev_mode = dev_mode
         self.host = "127.0.0.1"
         self.replicas = int(self.deploy.replicas)
+        self.cluster = cluster  # ClusterSettings (replica_placement ray); None: from PRODRL_SETTINGS_JSON
+        self._ray = None
 
     # what a subclass defines
     def command(self, export_dir: Path, port: int, policy_version: str) -> list[str]:
@@ -145,8 +200,22 @@ class ManagedServerTarget:
         k = int(self.deploy.max_unavailable)
         return [list(range(i, min(i + k, self.replicas))) for i in range(0, self.replicas, k)]
 
+    def on_ray(self) -> bool:
+        return getattr(self.deploy, "replica_placement", "local") == "ray"
+
+    def ray_placement(self):
+        if self._ray is None:
+            from prodrl_pipelines.deploy_targets.ray_placement import placement_for
+
+            self._ray = placement_for(self)
+        return self._ray
+
     def start(self, export_dir: Path, policy_version: str, port: int, slot: int = 0) -> ServerRecord:
         log = self.dir / "logs" / f"{policy_version}-{port}.log"
+        if self.on_ray():
+            from prodrl_pipelines.deploy_targets.ray_placement import start_replica
+
+            return ServerRecord(**start_replica(self, Path(export_dir), policy_version, port, slot, str(log)))
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as fh:
             proc = subprocess.Popen(self.command(export_dir, port, policy_version), env=self.environment(port),
@@ -157,14 +226,14 @@ class ManagedServerTarget:
     def _stale(self, slot: int, port: int) -> None:
         """A server of ours left on ``port`` by a crashed deploy (pending, never committed) is stopped."""
         raw = read_json(self.slot_dir(slot) / "pending.json")
-        if raw and int(raw["port"]) == port and pid_alive(int(raw["pid"])):
-            stop_process_group(int(raw["pid"]))
+        if raw and blue_green_port(raw) == port and record_alive(raw):
+            stop_record(raw)
 
     def _start_beside(self, slot: int, export_dir: Path, policy_version: str) -> tuple[ServerRecord, ServerRecord | None]:
         """A new server for ``slot`` on the port its current one does not hold (pending until commit)."""
         cur = self.current(slot)
         a, b = self._ports(slot)
-        port = b if cur is not None and cur.port == a else a
+        port = b if cur is not None and blue_green_port(asdict(cur)) == a else a
         self._stale(slot, port)
         rec = self.start(Path(export_dir), policy_version, port, slot)
         write_json(self.slot_dir(slot) / "pending.json", asdict(rec))
@@ -173,7 +242,7 @@ class ManagedServerTarget:
     def _wait(self, recs: list[ServerRecord], policy_version: str) -> None:
         for rec in recs:
             wait_healthy(rec.url, self.deploy.health_timeout_s, expect_model=policy_version,
-                         alive=rec.alive, log_tail=lambda rec=rec: tail(Path(rec.log)))
+                         alive=rec.alive, log_tail=rec.log_tail)
 
     # the protocol
     def switch(self, export_dir: Path, policy_version: str, wave: list[int] | None = None) -> Switch:
@@ -187,12 +256,11 @@ class ManagedServerTarget:
             self._wait([rec for _, rec, _ in started], policy_version)
         except BaseException:
             for slot, rec, _ in started:
-                stop_process_group(rec.pid)
+                stop_record(asdict(rec))
                 (self.slot_dir(slot) / "pending.json").unlink(missing_ok=True)
             raise
         _, first, first_cur = started[0]
-        slots = [{"slot": slot, "pid": rec.pid, "port": rec.port, "url": rec.url, "log": rec.log,
-                  "previous": asdict(cur) if cur else None} for slot, rec, cur in started]
+        slots = [rec.slot(slot, cur) for slot, rec, cur in started]
         return Switch(self.name, policy_version, str(export_dir), first.url, policy_version,
                       seconds=time.monotonic() - t0, previous=asdict(first_cur) if first_cur else None,
                       detail={"pid": first.pid, "port": first.port, "log": first.log,
@@ -219,18 +287,18 @@ class ManagedServerTarget:
         slots = switch.detail["slots"]
         pending = [read_json(self.slot_dir(s["slot"]) / "pending.json") for s in slots]
         for s, raw in zip(slots, pending):  # every slot checked before any changes
-            if not raw or int(raw["pid"]) != int(s["pid"]):
+            if not raw or not same_server(raw, s):
                 raise DeployError(f"{self.name}: no pending server for {switch.policy_version} on replica "
                                   f"{s['slot']} to commit")
         for s, raw in zip(slots, pending):
             write_json(self.slot_dir(s["slot"]) / "current.json", raw)
             (self.slot_dir(s["slot"]) / "pending.json").unlink(missing_ok=True)
         self.write_endpoint(switch.policy_version, switch.export_dir)
-        old = [s["previous"] for s in slots if s["previous"] and int(s["previous"]["pid"]) != int(s["pid"])]
+        old = [s["previous"] for s in slots if s["previous"] and not same_server(s["previous"], s)]
         if old:
             time.sleep(DRAIN_S)
             for o in old:  # SIGTERM: the server finishes the requests it accepted, then exits
-                stop_process_group(int(o["pid"]))
+                stop_record(o)
 
     def rollback(self, switch: Switch) -> str:
         """Stop the switch's new servers. A commit that failed half-way made some of them current:
@@ -239,10 +307,10 @@ class ManagedServerTarget:
         committed, lost = [], []
         for s in switch.detail["slots"]:
             cur = read_json(self.slot_dir(s["slot"]) / "current.json")
-            if cur and int(cur["pid"]) == int(s["pid"]):
+            if cur and same_server(cur, s):
                 committed.append(s)
                 prev = s["previous"]
-                if prev and pid_alive(int(prev["pid"])):
+                if prev and record_alive(prev):
                     write_json(self.slot_dir(s["slot"]) / "current.json", prev)
                 else:
                     (self.slot_dir(s["slot"]) / "current.json").unlink(missing_ok=True)
@@ -251,7 +319,7 @@ class ManagedServerTarget:
         if committed and prev:
             self.write_endpoint(prev["policy_version"], prev["export_dir"])
         for s in switch.detail["slots"]:
-            stop_process_group(int(s["pid"]))
+            stop_record(s)
             (self.slot_dir(s["slot"]) / "pending.json").unlink(missing_ok=True)
         notes = []
         if committed:
@@ -261,7 +329,7 @@ class ManagedServerTarget:
             notes.append(self.restore([Switch(self.name, switch.policy_version, switch.export_dir, None,
                                               detail={"slots": lost})]))
         old = switch.previous
-        if old and pid_alive(int(old["pid"])):
+        if old and record_alive(old):
             notes.insert(0, f"stopped the new server; {old['policy_version']} kept serving at {old['url']}")
         elif not lost:
             notes.insert(0, "stopped the new server; nothing else was serving")
@@ -280,7 +348,7 @@ class ManagedServerTarget:
                 rec, cur = self._start_beside(s["slot"], Path(prev["export_dir"]), prev["policy_version"])
                 self._wait([rec], prev["policy_version"])
                 back = Switch(self.name, prev["policy_version"], prev["export_dir"], rec.url, prev["policy_version"],
-                              detail={"slots": [{"slot": s["slot"], "pid": rec.pid, "previous": asdict(cur) if cur else None}]})
+                              detail={"slots": [rec.slot(s["slot"], cur)]})
                 self.commit(back)
                 done.append(f"replica {s['slot']}: {prev['policy_version']}")
         return ("restored " + ", ".join(done)) if done else "no committed wave to restore"
@@ -299,6 +367,9 @@ class ManagedServerTarget:
     def switch_canary(self, export_dir: Path, policy_version: str) -> Switch:
         """Start the candidate beside the fleet and wait until it is healthy (nothing routed to it yet)."""
         t0 = time.monotonic()
+        if self.on_ray():
+            raise DeployError(f"{self.name}: a canary with replica_placement 'ray' is not built yet; run the canary "
+                              "with replica_placement 'local' or set canary_fraction 0")
         port = int(self.deploy.target_port) + 2 * self.replicas
         old = self.canary()
         if old is not None:
@@ -356,8 +427,8 @@ class ManagedServerTarget:
             time.sleep(DRAIN_S)
         stopped = []
         for raw in records:
-            if pid_alive(int(raw["pid"])):
-                stop_process_group(int(raw["pid"]))
+            if record_alive(raw):
+                stop_record(raw)
                 stopped.append(raw["policy_version"])
         paused = routed[0].get("paused") if routed and isinstance(routed[0].get("paused"), dict) else None
         why = f"; it had been taken off traffic: {paused.get('reason', '')}" if paused else ""

@@ -1,0 +1,289 @@
+"""Replica servers on a Ray cluster: each owned by a detached, named actor in a placement group of its own.
+
+``replica_placement: ray`` (``ManagedServerTarget``): instead of a child process of the deploying
+process, a replica's server is a child of a ``ReplicaHost`` actor on whichever node Ray places the
+actor's placement group (one bundle of ``replica_cpus`` CPUs and ``replica_gpus`` GPUs). The actor
+picks the port on its node (the blue/green port when free there), starts the same command line the
+local placement runs (listening on the node's address), and reports (node id, node address, port,
+pid). It is detached (it outlives the Dagster run that started it, as a local server outlives it in a
+session of its own) and named ``<prefix>-<slot>-<blue/green port>`` in ``NAMESPACE``, so the next run
+finds it again from the record in ``current.json``, which carries the name and the GCS address.
+``max_restarts``: Ray restarts an actor whose worker died; the restarted actor holds no server (it
+reports not alive, so the slot counts as down) until a deploy starts one.
+
+Ray is imported inside functions only (``cluster: local`` never loads it). The export path must be
+readable on the node: the local cluster shares this disk; a real cluster reads it from the store.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from urllib.parse import urlparse
+
+from prodrl_pipelines.deploy_targets.base import DeployError
+
+NAMESPACE = "prodrl-fleet"  # named actors are per namespace: every driver of the fleet uses this one
+GCS_PORT = 6379  # `ray start --head`'s default GCS port (a dashboard URL does not say it)
+CALL_TIMEOUT_S = 30.0
+# variables Ray sets per worker for the resources it gave: the node's own values win
+NODE_OWNED = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+
+
+class ReplicaHost:
+    """The actor (``ray.remote`` when placed): one server process on its node, started in a session of
+    its own so a TERM reaches its children; ``stop`` drains it (TERM, KILL after the grace period)."""
+
+    def __init__(self) -> None:
+        self.proc = None
+        self.log = ""
+
+    def where(self, preferred_port: int) -> dict:
+        """This node (id, address) and a free port on it: ``preferred_port`` when it is free."""
+        import socket
+
+        import ray
+
+        host = ray.util.get_node_ip_address()
+        port = 0
+        for want in (preferred_port, 0):
+            with socket.socket() as s:
+                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
+                try:
+                    s.bind((host, want))
+                except OSError:
+                    continue
+                port = s.getsockname()[1]
+                break
+        return {"node": ray.get_runtime_context().get_node_id(), "host": host, "port": port}
+
+    def start(self, cmd: list[str], env: dict, log: str) -> int:
+        import subprocess
+
+        self.stop(5.0)
+        os.makedirs(os.path.dirname(log), exist_ok=True)
+        self.log = log
+        with open(log, "ab") as fh:
+            self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=fh, stderr=subprocess.STDOUT,
+                                         start_new_session=True)
+        return self.proc.pid
+
+    def alive(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def tail(self, n: int = 20) -> str:
+        from pathlib import Path
+
+        from prodrl_pipelines.deploy_targets.processes import tail
+
+        return tail(Path(self.log), n) if self.log else ""
+
+    def stop(self, grace_s: float = 20.0) -> bool:
+        """TERM the server's session, KILL what is left after ``grace_s``; True when one was running."""
+        import signal
+        import subprocess
+
+        if self.proc is None:
+            return False
+        was = self.proc.poll() is None
+        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(self.proc.pid, sig)
+            except ProcessLookupError:
+                break
+            try:
+                self.proc.wait(wait)
+                break
+            except subprocess.TimeoutExpired:
+                continue
+        try:  # leftovers of its session (a child that outlived the server)
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        self.proc = None
+        return was
+
+
+def gcs_address(cluster_address: str) -> str:
+    """Where a driver connects: ``RAY_ADDRESS`` when set, else the dashboard's host on the GCS port."""
+    if os.environ.get("RAY_ADDRESS"):
+        return os.environ["RAY_ADDRESS"]
+    host = urlparse(cluster_address).hostname
+    if not host:
+        raise DeployError(f"replica_placement 'ray': cluster_address {cluster_address!r} names no host")
+    return f"{host}:{GCS_PORT}"
+
+
+def connect(address: str = "") -> str:
+    """This process's Ray connection (made to ``address`` when there is none yet); the GCS address."""
+    if not _ray_initialized():
+        if address.split(":")[0] in ("127.0.0.1", "localhost"):
+            from prodrl_pipelines.cluster.local import LOOPBACK_ENV
+
+            for k, v in LOOPBACK_ENV.items():  # read once, when Ray is first imported
+                os.environ.setdefault(k, v)
+        import ray
+
+        try:
+            ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False)
+        except Exception as e:  # noqa: BLE001 - any failure to connect: said with the address
+            raise DeployError(f"replica_placement 'ray': cannot connect to the Ray cluster at {address or 'auto'} "
+                              f"({type(e).__name__}: {e}); set RAY_ADDRESS to its GCS address") from None
+    import ray
+
+    return ray.get_runtime_context().gcs_address
+
+
+def _ray_initialized() -> bool:
+    import sys
+
+    return "ray" in sys.modules and sys.modules["ray"].is_initialized()
+
+
+class RayPlacement:
+    """Starts, finds and stops replica servers through ``ReplicaHost`` actors (one per slot and
+    blue/green port, ``prefix`` telling deployments apart on a shared cluster)."""
+
+    def __init__(self, cluster_address: str, prefix: str, cpus: float = 1.0, gpus: float = 0.0,
+                 ready_timeout_s: float = 120.0) -> None:
+        self.cluster_address, self.prefix = cluster_address, prefix
+        self.cpus, self.gpus, self.ready_timeout_s = cpus, gpus, ready_timeout_s
+        self.address = ""
+
+    def connect(self) -> None:
+        if not self.address:
+            self.address = connect("" if _ray_initialized() else gcs_address(self.cluster_address))
+
+    def name(self, slot, port: int) -> str:
+        return f"{self.prefix}-{slot}-{port}"
+
+    def start(self, slot, preferred_port: int, command, env: dict, log: str) -> dict:
+        """A server on the node Ray picks: ``command(port, host)`` is its command line. Returns the
+        record's placement fields (node, host, port, pid, actor, ray_address)."""
+        import ray
+        from ray.util.placement_group import placement_group
+        from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        self.connect()
+        name = self.name(slot, preferred_port)
+        stop(name, self.address)  # one left by a crashed deploy (never committed) holds the name
+        bundle = {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {})}
+        pg = placement_group([bundle], strategy="STRICT_PACK", name=name, lifetime="detached")
+        try:
+            ray.get(pg.ready(), timeout=self.ready_timeout_s)
+        except Exception as e:  # noqa: BLE001 - a bundle that does not fit: said with what it asked
+            ray.util.remove_placement_group(pg)
+            raise DeployError(f"replica {slot}: no node of the Ray cluster offered {bundle} within "
+                              f"{self.ready_timeout_s:.0f}s ({type(e).__name__}; cluster resources: "
+                              f"{ray.available_resources()})") from None
+        actor = ray.remote(ReplicaHost).options(
+            name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1, max_concurrency=4,
+            num_cpus=self.cpus, num_gpus=self.gpus,
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)).remote()
+        try:
+            at = ray.get(actor.where.remote(preferred_port), timeout=self.ready_timeout_s)
+            pid = ray.get(actor.start.remote(command(at["port"], at["host"]), env, log), timeout=CALL_TIMEOUT_S)
+        except BaseException:
+            stop(name, self.address)
+            raise
+        return {**at, "pid": pid, "actor": name, "ray_address": self.address}
+
+
+def _actor(name: str, address: str):
+    import ray
+
+    connect(address)
+    try:
+        return ray.get_actor(name, namespace=NAMESPACE)
+    except ValueError:  # no such actor (stopped, or never started)
+        return None
+
+
+def alive(name: str, address: str) -> bool:
+    """Whether the actor ``name`` runs and its server process too (False when either is gone)."""
+    import ray
+
+    actor = _actor(name, address)
+    if actor is None:
+        return False
+    try:
+        return bool(ray.get(actor.alive.remote(), timeout=CALL_TIMEOUT_S))
+    except Exception:  # noqa: BLE001 - dead, restarting or unreachable: not serving
+        return False
+
+
+def log_tail(name: str, address: str) -> str:
+    import ray
+
+    actor = _actor(name, address)
+    try:
+        return ray.get(actor.tail.remote(), timeout=CALL_TIMEOUT_S) if actor is not None else ""
+    except Exception:  # noqa: BLE001 - only for an error message
+        return ""
+
+
+def stop(name: str, address: str, grace_s: float = 20.0) -> bool:
+    """Drain and stop the server of actor ``name``, kill the actor, remove its placement group;
+    True when a server was running. Nothing named so: nothing to do."""
+    import ray
+    from ray.util.placement_group import PlacementGroup, placement_group_table
+
+    actor = _actor(name, address)
+    was = False
+    if actor is not None:
+        try:
+            was = bool(ray.get(actor.stop.remote(grace_s), timeout=grace_s + CALL_TIMEOUT_S))
+        except Exception:  # noqa: BLE001 - a dead actor's server went with its worker
+            pass
+        ray.kill(actor, no_restart=True)
+        deadline = time.monotonic() + CALL_TIMEOUT_S
+        while _actor(name, address) is not None and time.monotonic() < deadline:  # the name frees up
+            time.sleep(0.1)
+    for pg_id, pg in placement_group_table().items():  # by id: a name is looked up in one namespace only
+        if pg.get("name") == name and pg.get("state") != "REMOVED":
+            ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+    return was
+
+
+def placement_for(target) -> RayPlacement:
+    """The placement of a managed target's replicas: the cluster of ``target.cluster`` (else of the
+    environment's settings, ``PRODRL_SETTINGS_JSON``), actors named after the target's state directory."""
+    import hashlib
+
+    cluster = target.cluster
+    if cluster is None:
+        from prodrl_pipelines.cluster.config import cluster_settings
+        from prodrl_pipelines.config import environment
+
+        cluster = cluster_settings(environment.read_settings())
+    if not cluster.on_ray:
+        raise DeployError(f"{target.name}: replica_placement 'ray' needs cluster 'ray' and cluster_address "
+                          "(the Ray dashboard URL)")
+    digest = hashlib.sha1(str(target.dir.resolve()).encode()).hexdigest()[:10]
+    d = target.deploy
+    return RayPlacement(cluster.cluster_address, f"{target.name}-{digest}", d.replica_cpus, d.replica_gpus,
+                        ready_timeout_s=min(float(d.health_timeout_s), 300.0))
+
+
+def on_host(cmd: list[str], host: str) -> list[str]:
+    """The command line listening on ``host`` (the node's address) instead of the driver's loopback."""
+    out = list(cmd)
+    for i, a in enumerate(out[:-1]):
+        if a == "--host":
+            out[i + 1] = host
+    return out
+
+
+def start_replica(target, export_dir, policy_version: str, port: int, slot, log: str) -> dict:
+    """A ``ServerRecord``'s fields for a new server of ``target`` placed on the Ray cluster: the same
+    command line as a local one, on the node's address and the port the node gave (``port`` when free
+    there). Only the variables the target changes travel; the node's own environment is the base."""
+    placement = target.ray_placement()
+    env = {k: v for k, v in target.environment(port).items()
+           if os.environ.get(k) != v and k not in NODE_OWNED}
+    at = placement.start(slot, port, lambda p, host: on_host(target.command(export_dir, p, policy_version), host),
+                         env, log)
+    return {"pid": at["pid"], "port": at["port"], "url": f"http://{at['host']}:{at['port']}",
+            "policy_version": policy_version, "export_dir": str(export_dir), "log": log,
+            "started_at": time.time(), "node": at["node"], "host": at["host"], "actor": at["actor"],
+            "ray_address": at["ray_address"]}
