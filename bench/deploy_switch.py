@@ -36,7 +36,7 @@ from _vllm import SERVER_ARGS, dense_exports, vllm_python_or_exit  # noqa: E402
 from prodrl_pipelines.deploy_targets import endpoint_file, make_target  # noqa: E402
 from prodrl_pipelines.deploy_targets.base import DeployError, wait_healthy  # noqa: E402
 from prodrl_pipelines.deploy_targets.rollout import roll_out  # noqa: E402
-from prodrl_pipelines.deploy_targets.servers import stop_process_group  # noqa: E402
+from prodrl_pipelines.deploy_targets.server_records import stop_process_group  # noqa: E402
 from prodrl_pipelines.engines.server import BackgroundServer  # noqa: E402
 from prodrl_pipelines.engines.vllm_client import vllm_serve_command, vllm_serve_env  # noqa: E402
 from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app  # noqa: E402

@@ -22,7 +22,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from _vllm import SERVER_ARGS, dense_exports, vllm_python_or_exit  # noqa: E402
 
 from prodrl_pipelines.deploy_targets.base import wait_healthy  # noqa: E402
-from prodrl_pipelines.deploy_targets.servers import stop_process_group  # noqa: E402
+from prodrl_pipelines.deploy_targets.server_records import stop_process_group  # noqa: E402
 from prodrl_pipelines.engines.vllm_client import vllm_serve_command, vllm_serve_env  # noqa: E402
 from prodrl_pipelines.deploy_targets.processes import pick_port  # noqa: E402
 

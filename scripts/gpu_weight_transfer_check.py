@@ -91,7 +91,7 @@ def main() -> int:
     from prodrl_pipelines.deploy_targets.probe import parity_probe
     from prodrl_pipelines.deploy_targets.processes import pick_port, tail
     from prodrl_pipelines.deploy_targets.rollout import roll_out
-    from prodrl_pipelines.deploy_targets.servers import stop_process_group
+    from prodrl_pipelines.deploy_targets.server_records import stop_process_group
     from prodrl_pipelines.engines.vllm_client import vllm_serve_command, vllm_serve_env
     from prodrl_pipelines.lab.warmstart import build_base_policy
     from prodrl_pipelines.quant.export import export_policy

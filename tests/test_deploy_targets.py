@@ -14,7 +14,8 @@ from prodrl_pipelines.deploy_targets import TARGETS, endpoint_file, make_target
 from prodrl_pipelines.deploy_targets.base import DeployError
 from prodrl_pipelines.deploy_targets.probe import compare
 from prodrl_pipelines.deploy_targets.rollout import DeployRejected, roll_out
-from prodrl_pipelines.deploy_targets.servers import ProdrlServeTarget, pid_alive
+from prodrl_pipelines.deploy_targets.server_records import pid_alive
+from prodrl_pipelines.deploy_targets.servers import ProdrlServeTarget
 from prodrl_pipelines.engines.server import BackgroundServer
 from prodrl_pipelines.engines.vllm_client import VLLMClient
 from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app

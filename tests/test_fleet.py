@@ -20,7 +20,8 @@ from prodrl_pipelines.deploy_targets import endpoint_file, make_target
 from prodrl_pipelines.deploy_targets.base import Endpoint
 from prodrl_pipelines.deploy_targets.processes import pick_port_range
 from prodrl_pipelines.deploy_targets.rollout import DeployRejected, roll_out
-from prodrl_pipelines.deploy_targets.servers import ProdrlServeTarget, pid_alive
+from prodrl_pipelines.deploy_targets.server_records import pid_alive
+from prodrl_pipelines.deploy_targets.servers import ProdrlServeTarget
 from prodrl_pipelines.engines.server import BackgroundServer
 from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
 from prodrl_pipelines.recorder.balancer import Balancer, canary_share

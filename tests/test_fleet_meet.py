@@ -26,7 +26,8 @@ from prodrl_pipelines.deploy_targets import servers as servers_mod
 from prodrl_pipelines.deploy_targets.base import Endpoint, Switch, write_json
 from prodrl_pipelines.deploy_targets.processes import pick_port_range
 from prodrl_pipelines.deploy_targets.rollout import DeployRejected, roll_out, start_canary
-from prodrl_pipelines.deploy_targets.servers import ProdrlServeTarget, ServerRecord, pid_alive
+from prodrl_pipelines.deploy_targets.server_records import ServerRecord, pid_alive
+from prodrl_pipelines.deploy_targets.servers import ProdrlServeTarget
 from prodrl_pipelines.engines.server import BackgroundServer
 from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
 from prodrl_pipelines.recorder.balancer import Balancer, canary_share

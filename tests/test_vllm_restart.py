@@ -16,7 +16,8 @@ from prodrl_pipelines.config.settings import Settings
 from prodrl_pipelines.deploy_targets import endpoint_file
 from prodrl_pipelines.deploy_targets.base import DeployError
 from prodrl_pipelines.deploy_targets.rollout import probe_and_commit, roll_out
-from prodrl_pipelines.deploy_targets.servers import VLLMRestartTarget, pid_alive
+from prodrl_pipelines.deploy_targets.server_records import pid_alive
+from prodrl_pipelines.deploy_targets.servers import VLLMRestartTarget
 from prodrl_pipelines.engines.local import LocalEngine
 from prodrl_pipelines.engines.types import SamplingParams
 from prodrl_pipelines.engines.vllm_client import VLLMClient

@@ -15,7 +15,7 @@ import pytest
 
 from prodrl_pipelines.config import environment
 from prodrl_pipelines.deploy_targets.base import DeployError, wait_healthy
-from prodrl_pipelines.deploy_targets.servers import stop_process_group
+from prodrl_pipelines.deploy_targets.server_records import stop_process_group
 from prodrl_pipelines.engines.vllm_client import vllm_serve_command, vllm_serve_env
 from prodrl_pipelines.deploy_targets.processes import pick_port, tail
 
