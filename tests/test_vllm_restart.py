@@ -1,6 +1,8 @@
 """Every export scheme the project writes (bf16 dense and MoE, NVFP4 W4A16 and W4A4) loaded by vLLM's
 own loader through the ``vllm-restart`` deploy target: blue/green restarts, probed, one cut-over
-under steady traffic, and a rollback. It starts its own servers (not the session's ``vllm_server``)."""
+under steady traffic. It starts its own servers (not the session's ``vllm_server``). A failed probe's
+rollback is the managed targets' shared code (``ManagedServerTarget``), tested with ``prodrl serve``
+in test_deploy_targets.py and the fleet tests: not here, where it costs one more vLLM start-up."""
 
 from __future__ import annotations
 
@@ -14,7 +16,6 @@ import pytest
 
 from prodrl_pipelines.config.settings import Settings
 from prodrl_pipelines.deploy_targets import endpoint_file
-from prodrl_pipelines.deploy_targets.base import DeployError
 from prodrl_pipelines.deploy_targets.rollout import probe_and_commit, roll_out
 from prodrl_pipelines.deploy_targets.server_records import pid_alive
 from prodrl_pipelines.deploy_targets.servers import VLLMRestartTarget
@@ -134,13 +135,6 @@ def test_every_export_scheme_serves_on_vllm_through_the_restart_target(vllm_expo
         # the next run finds the server again from the state file (a new target object)
         again = VLLMRestartTarget(settings, settings.home_path).current()
         assert again is not None and again.pid == pids[-1]
-        # a probe bound nothing meets: rolled back, the previous server still serves
-        strict = settings.model_copy(update={"deploy": settings.deploy.model_copy(update={"probe_mean_bound": 1e-9})})
-        with pytest.raises(DeployError, match="parity probe failed") as err:
-            roll_out(strict, VLLMRestartTarget(strict, strict.home_path), vllm_exports["dense-nvfp4-w4a4"], "w4a4-again",
-                     PROMPTS)
-        assert "w4a4 kept serving" in str(err.value)
-        assert target.current().pid == pids[-1] and endpoint_file(settings.home_path).read().policy_version == "w4a4"
     finally:
         target.stop()  # first: a server left running would starve every later test
         if traffic is not None:
