@@ -306,6 +306,12 @@ def _loop_and_restart(home, tmp_path, fresh_database, started):
     # the rolling update of round 1 under steady traffic: no call failed, both versions answered
     assert not background.failures, background.failures[:5]
     assert background.models == {"round-000000", "round-000001"}, background.models
+    # ... by replicas each owned by a Ray actor on the cluster (the old ones gone)
+    from ray.util.state import list_actors
+
+    hosts = list_actors(address=urls["ray"], filters=[("class_name", "=", "ReplicaHost"), ("state", "=", "ALIVE")],
+                        raise_on_missing_output=False)
+    assert len(hosts) == 2, hosts
     figures["redeploy_calls"] = background.sent
 
     ml = urls["mlflow"]

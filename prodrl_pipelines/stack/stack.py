@@ -166,10 +166,15 @@ class Stack:
         self.ray = LocalRayCluster(self.home / "ray", nodes=2, cpus_per_node=2).start()
         self.ports["ray"] = int(self.ray.dashboard_url.rsplit(":", 1)[1])
         # training ranks one per node; evaluation and scoring on two workers each, the held-out
-        # episodes in batches of 64 so that both evaluation workers get some
+        # episodes in batches of 64 so that both evaluation workers get some; the fleet's replicas
+        # placed on the cluster, each owned by a Ray actor, reserving half a CPU (wherever they land,
+        # a CPU stays free on each node for a training rank)
         self.settings = {"cluster_workers": 2, "cluster_eval_workers": 2, "cluster_scoring_workers": 2,
-                         "eval_episode_batch": 64,
+                         "eval_episode_batch": 64, "replica_placement": "ray", "replica_cpus": 0.5,
                          **self.settings, "cluster": "ray", "cluster_address": self.ray.dashboard_url}
+        # where this process, the daemon's runs and the deployment connect as Ray drivers (the
+        # cluster itself was started without it)
+        os.environ["RAY_ADDRESS"] = self.ray.gcs_address
 
     def _spawn(self, name: str, cmd: list[str]) -> ManagedProcess:
         proc = ManagedProcess(name, cmd, self._env, self.home / "logs" / f"{name}.log", cwd=REPO)
