@@ -2,7 +2,12 @@
 
 from __future__ import annotations
 
+import contextlib
+import threading
+import time
 from datetime import datetime, timedelta, timezone
+from pathlib import Path
+from typing import Callable, Iterator
 
 import numpy as np
 
@@ -113,3 +118,28 @@ def drop_schemas(pg_url: str, prefix: str) -> None:
                 cur.execute(f'DROP SCHEMA IF EXISTS "{schema}" CASCADE')
     finally:
         conn.close()
+
+
+@contextlib.contextmanager
+def watch_endpoint(home: Path, also: Callable[[], None] | None = None, every_s: float = 0.05) -> Iterator[list]:
+    """While the block runs (a rolling update), the endpoint file's replica versions every ``every_s``
+    (and ``also()`` beside): yields the list they are appended to."""
+    from prodrl_pipelines.deploy_targets import endpoint_file
+
+    seen: list[list[str]] = []
+    stop = threading.Event()
+
+    def watcher() -> None:
+        while not stop.is_set():
+            seen.append([r["policy_version"] for r in endpoint_file(home).read().replica_list()])
+            if also is not None:
+                also()
+            time.sleep(every_s)
+
+    w = threading.Thread(target=watcher)
+    w.start()
+    try:
+        yield seen
+    finally:
+        stop.set()
+        w.join()

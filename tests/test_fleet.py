@@ -25,6 +25,7 @@ from prodrl_pipelines.deploy_targets.servers import ProdrlServeTarget
 from prodrl_pipelines.engines.server import BackgroundServer
 from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
 from prodrl_pipelines.recorder.balancer import Balancer, canary_share
+from tests.helpers import watch_endpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PROMPTS = [[1, 5, 6, 7, 8], [1, 40, 41, 42, 9, 9], [1, 12, 13]]
@@ -135,20 +136,9 @@ def test_rolling_update_of_three_replicas_fails_no_call_and_tags_each_with_its_v
         with BackgroundServer(app) as rec:
             traffic = Traffic(rec.url)
             time.sleep(1.0)
-            seen: list[list[str]] = []  # the endpoint file's versions while the waves run
-            watch = threading.Event()
-
-            def watcher():
-                while not watch.is_set():
-                    ep = endpoint_file(s.home_path).read()
-                    seen.append([r["policy_version"] for r in ep.replica_list()])
-                    time.sleep(0.05)
-            w = threading.Thread(target=watcher)
-            w.start()
-            ro = roll_out(s, ProdrlServeTarget(s, s.home_path), tiny_exports["bf16"], "v2", PROMPTS)  # a later run
-            time.sleep(1.0)
-            watch.set()
-            w.join()
+            with watch_endpoint(s.home_path) as seen:  # the endpoint file's versions while the waves run
+                ro = roll_out(s, ProdrlServeTarget(s, s.home_path), tiny_exports["bf16"], "v2", PROMPTS)  # a later run
+                time.sleep(1.0)
             sent = traffic.finish()
             assert not traffic.failures, traffic.failures[:5]
             assert ro.waves == 3 and ro.probe.passed

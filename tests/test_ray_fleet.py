@@ -7,7 +7,6 @@ replica that fits no node, a server that exits on its node, settings that name n
 from __future__ import annotations
 
 import os
-import threading
 import time
 
 import pytest
@@ -22,6 +21,7 @@ from prodrl_pipelines.deploy_targets.server_records import pid_alive
 from prodrl_pipelines.deploy_targets.servers import ProdrlServeTarget
 from prodrl_pipelines.engines.server import BackgroundServer
 from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
+from tests.helpers import watch_endpoint
 from tests.test_fleet import PROMPTS, Traffic
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -99,28 +99,20 @@ def test_rolling_update_of_three_replicas_on_two_ray_nodes(ray_driver, tiny_expo
         with BackgroundServer(app) as rec:
             traffic = Traffic(rec.url)
             time.sleep(1.0)
-            seen: list[list[str]] = []
-            watch = threading.Event()
 
-            def watcher():
-                while not watch.is_set():
-                    ep = endpoint_file(s.home_path).read()
-                    seen.append([r["policy_version"] for r in ep.replica_list()])
-                    for i in range(3):  # every server started, to check none is left
-                        for name in ("pending.json", "current.json"):
-                            raw = read_json(target.slot_dir(i) / name)
-                            if raw:
-                                seen_pids.add(int(raw["pid"]))
-                    time.sleep(0.05)
-            w = threading.Thread(target=watcher)
-            w.start()
-            t0 = time.monotonic()
-            ro = roll_out(s, ProdrlServeTarget(s, s.home_path, cluster=ray_driver), tiny_exports["bf16"], "v2",
-                          PROMPTS)  # a later run
-            update_s = time.monotonic() - t0
-            time.sleep(1.0)
-            watch.set()
-            w.join()
+            def servers_started():  # every server started, to check none is left
+                for i in range(3):
+                    for name in ("pending.json", "current.json"):
+                        raw = read_json(target.slot_dir(i) / name)
+                        if raw:
+                            seen_pids.add(int(raw["pid"]))
+
+            with watch_endpoint(s.home_path, also=servers_started) as seen:
+                t0 = time.monotonic()
+                ro = roll_out(s, ProdrlServeTarget(s, s.home_path, cluster=ray_driver), tiny_exports["bf16"], "v2",
+                              PROMPTS)  # a later run
+                update_s = time.monotonic() - t0
+                time.sleep(1.0)
             sent = traffic.finish()
         assert not traffic.failures, traffic.failures[:5]
         assert ro.waves == 3 and ro.probe.passed
