@@ -80,6 +80,9 @@ class Scorer:
                         schema=OUTCOME_SCHEMA)
 
 
+WAIT_FOR_ACTORS_S = 300
+
+
 def batch_size(rows: int, workers: int, settings) -> int:
     """About ``BATCHES_PER_WORKER`` batches per actor, each big enough to keep a judge's
     ``judge_concurrency`` requests in flight."""
@@ -103,7 +106,12 @@ def score_on_ray(name: str, version: str | None, views: Sequence[TrajectoryView]
     import ray
 
     connect()
-    ray.data.DataContext.get_current().enable_progress_bars = False
+    ctx = ray.data.DataContext.get_current()
+    ctx.enable_progress_bars = False
+    # Ray Data hands batches to a pool's first ready actor while the others still import (its default
+    # -1 does not wait): one actor could score everything. Wait for the whole pool; a cluster without
+    # room for it fails after this long instead of waiting forever.
+    ctx.wait_for_min_actors_s = WAIT_FOR_ACTORS_S
     table = views_table(views)
     bs = batch_size(table.num_rows, workers, settings)
     blocks = [table.slice(i, bs) for i in range(0, table.num_rows, bs)]
