@@ -16,10 +16,16 @@ A fleet of N ``prodrl serve`` replicas updated in waves of one (``max_unavailabl
 traffic: requests failed during the rollout, p99 latency and capacity (answered requests per second)
 during the rollout against the steady state just before it, and seconds to full rollout. Last line:
 ``deploy_switch: replicas=N failed=F p99_ratio=X capacity_ratio=X`` for the largest N.
+
+    python bench/deploy_switch.py --ray --replicas 3
+
+The same fleet measured twice in one run, first on loopback (``replica_placement: local``) and then placed on a
+two-node local Ray cluster the bench starts and stops (``replica_placement: ray``, 2 CPUs per node, 1 per
+replica). Last line: ``deploy_switch: placement=ray nodes=2 replicas=N failed=F p99_ratio=X capacity_ratio=X``.
 """
 
 import argparse
-
+import os
 import subprocess
 import sys
 import tempfile
@@ -110,53 +116,99 @@ def measure(name: str, settings: Settings, exports: list[Path]) -> str:
             f"slowest {slowest:6.2f} s   {outcome}")
 
 
-def measure_fleet(n: int, root: Path, exports: list[Path]) -> dict:
-    s = Settings(home=str(root / f"fleet{n}"), deploy={
+def measure_fleet(n: int, root: Path, exports: list[Path], placement: str = "local", cluster=None) -> dict:
+    """One rolling update of a fleet of ``n``: ``placement`` local (loopback child processes) or ray (on the
+    Ray cluster of ``cluster``, a ``ClusterSettings``)."""
+    s = Settings(home=str(root / f"fleet{n}-{placement}"), deploy={
         "num_top_logprobs": 8, "max_tokens": 8, "probe_prompts": 4, "export_scheme": "bf16", "target": "prodrl-serve",
-        "target_port": pick_port_range(2 * n + 2), "replicas": n, "max_unavailable": 1})
-    target = make_target(s)
-    roll_out(s, target, exports[0], "v0", PROMPTS)
-    app = build_recorder_app(RecorderConfig(upstream="", follow=str(endpoint_file(s.home_path).path),
-                                            store_dir=str(s.home_path / "store"), token="t", top_logprobs=8))
+        "target_port": pick_port_range(2 * n + 2), "replicas": n, "max_unavailable": 1,
+        "replica_placement": placement})
+    target = make_target(s, cluster)
     try:
+        roll_out(s, target, exports[0], "v0", PROMPTS)
+        app = build_recorder_app(RecorderConfig(upstream="", follow=str(endpoint_file(s.home_path).path),
+                                                store_dir=str(s.home_path / "store"), token="t", top_logprobs=8))
         with BackgroundServer(app) as srv:
             traffic = Traffic(srv.url)
-            time.sleep(3.0)  # warm
-            s0 = time.monotonic()
-            time.sleep(10.0)  # the steady state
-            t0 = time.monotonic()
-            ro = roll_out(s, target, exports[1], "v1", PROMPTS)
-            t1 = time.monotonic()
-            time.sleep(2.0)
-            traffic.finish()
+            try:
+                time.sleep(3.0)  # warm
+                s0 = time.monotonic()
+                time.sleep(10.0)  # the steady state
+                t0 = time.monotonic()
+                ro = roll_out(s, target, exports[1], "v1", PROMPTS)
+                t1 = time.monotonic()
+                time.sleep(2.0)
+            finally:
+                traffic.finish()
     finally:
         target.stop()
+    left = [r for r in target.currents() if r is not None]
+    if left:
+        print(f"WARNING: {placement} fleet of {n}: {len(left)} replica(s) still running after stop(): {left}")
     steady_rate, steady_p99 = traffic.rate_and_p99(s0, t0)
     rate, p99 = traffic.rate_and_p99(t0, t1)
     total, failed, _ = traffic.window(t0, t1)
-    return {"replicas": n, "failed": failed, "requests": total, "rollout_s": round(t1 - t0, 1), "waves": ro.waves,
-            "p99_ratio": round(p99 / steady_p99, 2), "capacity_ratio": round(rate / steady_rate, 2),
+    return {"placement": placement, "replicas": n, "failed": failed, "requests": total, "rollout_s": round(t1 - t0, 1),
+            "waves": ro.waves, "p99_ratio": round(p99 / steady_p99, 2), "capacity_ratio": round(rate / steady_rate, 2),
             "steady_rps": round(steady_rate, 1), "rollout_rps": round(rate, 1)}
 
 
-def main_fleet(sizes: list[int]) -> None:
+def ray_driver(cluster) -> object:
+    """This process as a driver of the local Ray ``cluster`` (``LocalRayCluster``), as tests/test_ray_fleet.py
+    sets it up: the ``ClusterSettings`` a fleet target places its replicas with."""
+    from prodrl_pipelines.cluster.config import cluster_settings
+    from prodrl_pipelines.cluster.local import LOOPBACK_ENV
+
+    os.environ.update(LOOPBACK_ENV)  # before Ray is first imported
+    from ray._private import ray_constants
+
+    ray_constants.ENABLE_RAY_CLUSTER = False  # 127.0.0.1 stays 127.0.0.1
+    os.environ["RAY_ADDRESS"] = "127.0.0.1:" + cluster.gcs_address.rpartition(":")[2]  # not the default GCS port
+    return cluster_settings({"cluster": "ray", "cluster_address": cluster.dashboard_url})
+
+
+def main_fleet(sizes: list[int], ray: bool = False, nodes: int = 2) -> None:
+    rows = []
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         exports = dense_exports(root)
-        rows = [measure_fleet(n, root, exports) for n in sizes]
+        if not ray:
+            rows = [measure_fleet(n, root, exports) for n in sizes]
+        else:
+            from prodrl_pipelines.cluster.local import LocalRayCluster
+
+            # both placements measured while the cluster is up: the same background load on the 2 cores
+            local_ray = LocalRayCluster(root / "ray", nodes=nodes, cpus_per_node=2)
+            try:
+                t = time.monotonic()
+                local_ray.start()
+                print(f"local Ray cluster: {nodes} nodes up in {time.monotonic() - t:.1f} s ({local_ray.dashboard_url})")
+                cluster = ray_driver(local_ray)
+                for n in sizes:
+                    rows.append(measure_fleet(n, root, exports))
+                    rows.append(measure_fleet(n, root, exports, "ray", cluster))
+            finally:
+                if "ray" in sys.modules:  # this driver's connection, then the cluster (its raylets, GCS, workers)
+                    sys.modules["ray"].shutdown()
+                local_ray.stop()
     for r in rows:
-        print(f"replicas {r['replicas']}: {r['rollout_s']:6.1f} s to full rollout ({r['waves']} waves), requests "
-              f"{r['requests']:4d}, failed {r['failed']}, p99 x{r['p99_ratio']}, capacity x{r['capacity_ratio']} "
-              f"({r['rollout_rps']} vs {r['steady_rps']} req/s steady)")
+        print(f"{r['placement'] + ' ' if ray else ''}replicas {r['replicas']}: {r['rollout_s']:6.1f} s to full rollout "
+              f"({r['waves']} waves), requests {r['requests']:4d}, failed {r['failed']}, p99 x{r['p99_ratio']}, "
+              f"capacity x{r['capacity_ratio']} ({r['rollout_rps']} vs {r['steady_rps']} req/s steady)")
     last = rows[-1]
-    print(f"deploy_switch: replicas={last['replicas']} failed={last['failed']} p99_ratio={last['p99_ratio']} "
+    where = f"placement=ray nodes={nodes} " if ray else ""
+    print(f"deploy_switch: {where}replicas={last['replicas']} failed={last['failed']} p99_ratio={last['p99_ratio']} "
           f"capacity_ratio={last['capacity_ratio']}")
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--replicas", type=int, nargs="*", help="measure fleets of these sizes (prodrl serve) instead")
+    ap.add_argument("--ray", action="store_true", help="with --replicas: each fleet on loopback, then placed on a "
+                                                       "two-node local Ray cluster (default --replicas 3)")
     args = ap.parse_args()
+    if args.ray:
+        return main_fleet(args.replicas or [3], ray=True)
     if args.replicas:
         return main_fleet(args.replicas)
     py = vllm_python_or_exit()
