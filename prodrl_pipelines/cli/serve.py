@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import os
 
+from prodrl_pipelines.engines.reply_parsers import TOOL_FORMATS
 from prodrl_pipelines.engines.server import KEEP_ALIVE_S, build_app
 from prodrl_pipelines.engines.server import __doc__ as server_doc
 from prodrl_pipelines.engines.serve_state import load_engine
@@ -36,6 +37,10 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
     s.add_argument("--log-level", default="warning")
     s.add_argument("--enable-return-routed-experts", action="store_true",
                    help="MoE: every choice carries the experts of its forwarded positions, as vLLM's flag")
+    s.add_argument("--reply-parser", choices=["none", *sorted(TOOL_FORMATS)], default="none",
+                   help="the model's reasoning and tool-call format (vLLM's --reasoning-parser and "
+                        "--tool-call-parser): replies are parsed into reasoning and tool_calls, and "
+                        "tool_choice auto / required / a named function are served; none: plain replies")
     s.set_defaults(fn=cmd_serve)
     return s
 
@@ -52,7 +57,7 @@ def cmd_serve(args) -> int:
                     max_logprobs=args.max_logprobs, api_key=args.api_key, batch_wait_ms=args.batch_wait_ms,
                     max_batch_size=args.max_batch_size, generation_config=args.generation_config, device=args.device,
                     batch_quiet_ms=args.batch_quiet_ms, max_body_bytes=args.max_body_bytes,
-                    return_routed_experts=args.enable_return_routed_experts)
+                    return_routed_experts=args.enable_return_routed_experts, reply_parser=args.reply_parser)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_keep_alive=args.timeout_keep_alive)
     return 0

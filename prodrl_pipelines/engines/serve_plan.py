@@ -52,7 +52,7 @@ def _check_supported(req, kind: str) -> None:
     if req.prompt_logprobs is not None:
         raise ProtocolError("`prompt_logprobs` is not supported by prodrl serve", param="prompt_logprobs")
     extra = req.model_extra or {}
-    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar", "tools",
+    for name in ("structured_outputs", "guided_json", "guided_regex", "guided_choice", "guided_grammar",
                  "logprob_token_ids", "prompt_embeds"):
         if extra.get(name):
             raise ProtocolError(f"`{name}` is not supported by prodrl serve", param=name)

@@ -99,6 +99,8 @@ class ServeState:
         # vLLM's --enable-return-routed-experts: each choice carries the experts of its forwarded
         # positions (MoE models only; a dense model answers null)
         self.return_routed_experts = bool(return_routed_experts)
+        # the model's reasoning and tool-call format (``reply_parsers.ToolFormat``; None: plain replies)
+        self.tool_format = None
 
     @property
     def engine(self):

@@ -1,8 +1,8 @@
 """``prodrl serve``: the local engine behind vLLM's OpenAI-compatible HTTP API (DESIGN.md s.7).
 
 Routes: ``POST /v1/completions`` (prompt as text, token ids, or a list of either),
-``POST /v1/chat/completions`` (messages rendered with the tokenizer's chat template), both streaming
-(SSE) and not; ``GET /v1/models``; ``GET /health``; ``POST /v1/load_model {"model_dir": ...}`` to
+``POST /v1/chat/completions`` (messages and tools rendered with the tokenizer's chat template,
+``chat_endpoint``), both streaming (SSE) and not; ``GET /v1/models``; ``GET /health``; ``POST /v1/load_model {"model_dir": ...}`` to
 redeploy a new checkpoint in place. Responses carry vLLM's fields (``prompt_token_ids`` /
 ``token_ids`` with ``return_token_ids``, vLLM's ``logprobs`` layouts, see ``openai_protocol``), and
 logprobs are processed logprobs, as from ``vllm serve --logprobs-mode processed_logprobs``.
@@ -19,12 +19,17 @@ separately): vLLM makes a seeded request's output independent of the other traff
 engine draws one random stream per batch. So ``generate([p], params, seed)`` on the local engine
 reproduces a seeded single-prompt request exactly.
 
+Tools: ``tools``, ``tool_choice`` (``none``, ``auto``, ``required``, a named function) and
+``parallel_tool_calls``, with the model's reasoning and tool-call parser named by ``--reply-parser``
+(vLLM's ``--reasoning-parser`` and ``--tool-call-parser``); see ``chat_tools``.
+
 Known differences from vLLM (documented, deliberate or not yet needed):
 
 * Streaming is simulated: the whole completion is generated, then sent one token per chunk.
 * Not supported (400): penalties, ``min_p``, ``logit_bias``, ``allowed_token_ids``, ``bad_words``,
-  beam search, ``best_of``, ``echo``, ``suffix``, ``prompt_logprobs``, structured outputs, tools and
-  non-text message parts. ``temperature < 1e-5`` (vLLM: greedy) is served as top-k 1 at
+  beam search, ``best_of``, ``echo``, ``suffix``, ``prompt_logprobs``, structured outputs and
+  non-text message parts. A forced tool choice opens the call in the prompt instead of guided
+  decoding (``chat_tools``). ``temperature < 1e-5`` (vLLM: greedy) is served as top-k 1 at
   temperature 1, so its processed logprobs are 0 for the argmax.
 * Stop strings are applied after generation (same tokens and text as vLLM's incremental check).
 * Sampling defaults (temperature/top_p/top_k) come from ``generation_config.json`` when present, as
@@ -39,36 +44,30 @@ Known differences from vLLM (documented, deliberate or not yet needed):
 from __future__ import annotations
 
 import asyncio
-
 import hmac
-import json
 import os
 import threading
 import time
 import uuid
 
-from pydantic import ValidationError
 from starlette.applications import Starlette
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
+from prodrl_pipelines.engines.chat_endpoint import chat_completions
 from prodrl_pipelines.engines.openai_protocol import (
     EXTRA_IDS_FIELD,
     ROUTED_EXPERTS_FIELD,
-    read_body,
     SSE_DONE,
-    ChatCompletionRequest,
     CompletionRequest,
     ProtocolError,
-    chat_logprobs,
     completion_logprobs,
-    error_body,
-    message_content,
     sse,
 )
+from prodrl_pipelines.engines.reply_parsers import TOOL_FORMATS
+from prodrl_pipelines.engines.serve_http import check_model, error_response, json_body, tokenize, validate
 from prodrl_pipelines.engines.serve_plan import (
-    Choice,
     choice_positions,
     finish_choice,
     plan_request,
@@ -93,44 +92,6 @@ KEEP_ALIVE_S = 120
 # ----------------------------------------------------------------------------- handlers
 
 
-def _error(exc: ProtocolError | str, status: int | None = None) -> JSONResponse:
-    if isinstance(exc, ProtocolError):
-        return JSONResponse(error_body(str(exc), exc.status, exc.param), status_code=exc.status)
-    status = status or 400
-    return JSONResponse(error_body(str(exc), status), status_code=status)
-
-
-async def _json_body(request: Request) -> dict:
-    raw = await read_body(request, request.app.state.serve.max_body_bytes)
-    try:
-        body = json.loads(raw)
-    except (ValueError, UnicodeDecodeError) as exc:
-        raise ProtocolError(f"malformed JSON body: {exc}") from None
-    if not isinstance(body, dict):
-        raise ProtocolError("the request body must be a JSON object")
-    return body
-
-
-def _validate(model_cls, body: dict):
-    try:
-        return model_cls.model_validate(body)
-    except ValidationError as exc:
-        first = exc.errors()[0]
-        loc = ".".join(str(x) for x in first.get("loc", ()))
-        raise ProtocolError(f"{loc}: {first.get('msg')}" if loc else str(first.get("msg")),
-                            param=loc or None) from None
-
-
-def _check_model(state: ServeState, model: str | None) -> None:
-    if model is not None and model != state.info.name:
-        raise ProtocolError(f"The model `{model}` does not exist.", status=404, param="model")
-
-
-def _tokenize(state: ServeState, text: str, add_special_tokens: bool) -> list[int]:
-    tok = state.engine.tokenizer
-    return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
-
-
 def _completion_prompts(state: ServeState, req: CompletionRequest) -> tuple[list[list[int]], list[str | None]]:
     p = req.prompt
     if p is None or p == "" or p == []:
@@ -144,7 +105,7 @@ def _completion_prompts(state: ServeState, req: CompletionRequest) -> tuple[list
     prompts, texts = [], []
     for item in items:
         if isinstance(item, str):
-            ids = _tokenize(state, item, req.add_special_tokens)
+            ids = tokenize(state, item, req.add_special_tokens)
             texts.append(item)
         else:
             ids = [int(x) for x in item]
@@ -160,16 +121,16 @@ def _completion_prompts(state: ServeState, req: CompletionRequest) -> tuple[list
 async def completions(request: Request) -> Response:
     state: ServeState = request.app.state.serve
     try:
-        req = _validate(CompletionRequest, await _json_body(request))
-        _check_model(state, req.model)
+        req = validate(CompletionRequest, await json_body(request))
+        check_model(state, req.model)
         # tokenization off the event loop: a long prompt does not hold every other client
         prompts, texts = await asyncio.to_thread(_completion_prompts, state, req)
         plan = plan_request(state, req, "completion", prompts, texts)
         results = await run_plan(state, plan)
     except ProtocolError as exc:
-        return _error(exc)
+        return error_response(exc)
     except ValueError as exc:  # the engine rejected the input
-        return _error(str(exc), 400)
+        return error_response(str(exc), 400)
     rid = f"cmpl-{uuid.uuid4().hex}"
     created = int(time.time())
     as_ids = bool(req.return_tokens_as_token_ids)
@@ -243,111 +204,6 @@ async def _completion_stream(state, req, plan, choices, rid, created, model, tst
     yield SSE_DONE
 
 
-def _render_chat(state: ServeState, req: ChatCompletionRequest) -> tuple[str, list[int]]:
-    tok = state.engine.tokenizer
-    if getattr(tok, "chat_template", None) is None:
-        raise ProtocolError("the tokenizer has no chat template")
-    messages = [{"role": m.role, "content": message_content(m.content)} for m in req.messages]
-    if req.continue_final_message and req.add_generation_prompt:
-        raise ProtocolError("Cannot set both `continue_final_message` and `add_generation_prompt` to True.")
-    try:
-        text = tok.apply_chat_template(
-            messages, tokenize=False, add_generation_prompt=req.add_generation_prompt,
-            continue_final_message=req.continue_final_message, **(req.chat_template_kwargs or {}))
-    except Exception as exc:  # template errors are the client's
-        raise ProtocolError(f"chat template error: {exc}") from None
-    return text, _tokenize(state, text, req.add_special_tokens)
-
-
-def _chat_message(c: Choice) -> dict:
-    return {"role": "assistant", "content": c.text, "refusal": None, "annotations": None, "audio": None,
-            "function_call": None, "tool_calls": [], "reasoning_content": None}
-
-
-async def chat_completions(request: Request) -> Response:
-    state: ServeState = request.app.state.serve
-    try:
-        req = _validate(ChatCompletionRequest, await _json_body(request))
-        _check_model(state, req.model)
-        text, ids = await asyncio.to_thread(_render_chat, state, req)
-        if not ids:
-            raise ProtocolError("the rendered chat prompt is empty", param="messages")
-        plan = plan_request(state, req, "chat", [ids], [text])
-        results = await run_plan(state, plan)
-    except ProtocolError as exc:
-        return _error(exc)
-    except ValueError as exc:
-        return _error(str(exc), 400)
-    rid = f"chatcmpl-{uuid.uuid4().hex}"
-    created = int(time.time())
-    tstr = token_formatter(state, bool(req.return_tokens_as_token_ids))
-    choices = [finish_choice(state, plan, r, req.skip_special_tokens, req.include_stop_str_in_output)
-               for r in results[0]]
-    model = state.info.name
-    if req.stream:
-        return StreamingResponse(_chat_stream(state, req, plan, choices, rid, created, model, tstr, text),
-                                 media_type="text/event-stream")
-    out = []
-    for i, c in enumerate(choices):
-        lp = None
-        if plan.n_logprobs is not None:
-            lp = chat_logprobs(c.token_ids, choice_positions(plan, c), plan.n_logprobs, tstr, state.tokens.piece)
-        item = {"index": i, "message": _chat_message(c), "logprobs": lp, "finish_reason": c.finish_reason,
-                "stop_reason": c.stop_reason, "token_ids": c.token_ids if req.return_token_ids else None}
-        if plan.extra_draw:
-            item[EXTRA_IDS_FIELD] = c.extra_ids
-        if state.return_routed_experts:
-            item[ROUTED_EXPERTS_FIELD] = c.routed_experts
-        out.append(item)
-    n_gen = sum(len(c.token_ids) for c in choices)
-    body = {
-        "id": rid, "object": "chat.completion", "created": created, "model": model, "choices": out,
-        "service_tier": None, "system_fingerprint": None, "usage": usage_block(len(ids), n_gen),
-        "prompt_logprobs": None, "prompt_token_ids": ids if req.return_token_ids else None,
-        "kv_transfer_params": None,
-    }
-    body["prompt_text"] = text if req.return_prompt_text else None
-    return JSONResponse(body)
-
-
-async def _chat_stream(state, req, plan, choices, rid, created, model, tstr, prompt_text):
-    ids = plan.prompts[0]
-
-    def chunk(choice: dict, **top) -> bytes:
-        return sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                    "choices": [choice], "usage": None, "prompt_token_ids": None, "prompt_text": None, **top})
-
-    first = True
-    for i, c in enumerate(choices):
-        extra = {}
-        if first and req.return_token_ids:  # vLLM: in the first chunk only
-            extra["prompt_token_ids"] = ids
-        if first and req.return_prompt_text:
-            extra["prompt_text"] = prompt_text
-        first = False
-        yield chunk({"index": i, "delta": {"role": "assistant", "content": ""}, "logprobs": None,
-                     "finish_reason": None}, **extra)
-        deltas = text_deltas(state, c, req.skip_special_tokens)
-        for t in range(len(c.token_ids)):
-            last = t == len(c.token_ids) - 1
-            lp = None
-            if plan.n_logprobs is not None:
-                lp = chat_logprobs(c.token_ids[t : t + 1], choice_positions(plan, c, slice(t, t + 1)), plan.n_logprobs,
-                                   tstr, state.tokens.piece)
-            item = {"index": i, "delta": {"content": deltas[t]}, "logprobs": lp,
-                    "finish_reason": c.finish_reason if last else None,
-                    "stop_reason": c.stop_reason if last else None,
-                    "token_ids": c.token_ids[t : t + 1] if req.return_token_ids else None}
-            if plan.extra_draw:
-                item[EXTRA_IDS_FIELD] = c.extra_ids[t : t + 1]
-            yield chunk(item)
-    if req.stream_options is not None and req.stream_options.include_usage:
-        n_gen = sum(len(c.token_ids) for c in choices)
-        yield sse({"id": rid, "object": "chat.completion.chunk", "created": created, "model": model,
-                   "choices": [], "usage": usage_block(len(ids), n_gen)})
-    yield SSE_DONE
-
-
 async def models(request: Request) -> Response:
     info: ModelInfo = request.app.state.serve.info
     return JSONResponse({"object": "list", "data": [{
@@ -365,15 +221,15 @@ async def load_model(request: Request) -> Response:
     what every client is served, so it exists only on a server started with ``--api-key``."""
     state: ServeState = request.app.state.serve
     if not state.api_key:
-        return _error("POST /v1/load_model replaces the served weights: start prodrl serve with --api-key "
+        return error_response("POST /v1/load_model replaces the served weights: start prodrl serve with --api-key "
                       "(or $VLLM_API_KEY) to enable it", 403)
     try:
-        body = await _json_body(request)
+        body = await json_body(request)
     except ProtocolError as exc:
-        return _error(exc)
+        return error_response(exc)
     model_dir = body.get("model_dir")
     if not isinstance(model_dir, str) or not model_dir:
-        return _error(ProtocolError("`model_dir` (a checkpoint directory) is required", param="model_dir"))
+        return error_response(ProtocolError("`model_dir` (a checkpoint directory) is required", param="model_dir"))
     name = body.get("served_model_name") or model_dir
 
     def swap():
@@ -387,7 +243,7 @@ async def load_model(request: Request) -> Response:
     try:
         info = await state.batcher.call(swap)
     except (OSError, ValueError) as exc:
-        return _error(ProtocolError(f"cannot load {model_dir}: {exc}", param="model_dir"))
+        return error_response(ProtocolError(f"cannot load {model_dir}: {exc}", param="model_dir"))
     return JSONResponse({"status": "ok", "model": info.name, "model_dir": info.model_dir})
 
 
@@ -427,14 +283,20 @@ def build_app(
     batch_quiet_ms: float = 1.0,
     max_body_bytes: int | None = None,
     return_routed_experts: bool = False,
+    reply_parser: str | None = None,
 ) -> Starlette:
-    """The ASGI app serving ``engine`` (a ``LocalEngine`` or anything with its interface)."""
+    """The ASGI app serving ``engine`` (a ``LocalEngine`` or anything with its interface).
+    ``reply_parser``: the model's reasoning and tool-call format (``reply_parsers.TOOL_FORMATS``;
+    None or ``none``: replies are plain content and only ``tool_choice: none`` is served)."""
+    if reply_parser not in (None, "none") and reply_parser not in TOOL_FORMATS:
+        raise ValueError(f"unknown reply parser {reply_parser!r}; valid: none, {', '.join(sorted(TOOL_FORMATS))}")
     name = served_model_name or (str(model_dir) if model_dir else "prodrl-local")
     info = ModelInfo.from_engine(engine, str(model_dir) if model_dir else None, name, generation_config)
     state = ServeState(engine, info, max_logprobs=max_logprobs, api_key=api_key, batch_wait_ms=batch_wait_ms,
                        max_batch_size=max_batch_size, generation_config=generation_config, device=device,
                        batch_quiet_ms=batch_quiet_ms, max_body_bytes=max_body_bytes,
                        return_routed_experts=return_routed_experts)
+    state.tool_format = TOOL_FORMATS.get(reply_parser or "none")
 
     from contextlib import asynccontextmanager
 
