@@ -1,10 +1,10 @@
 """Tools through `prodrl serve` (``engines.chat_tools``, ``chat_endpoint``) and the recorder: vLLM's
 validation, the template's view of tools and tool results, the reply as an assistant message, forced
-tool choices and streaming through the official openai client.
+tool choices, streaming through the official openai client, and a tool-using conversation recorded.
 
 The tiny test model does not write tool calls. ``ScriptedEngine`` (the local engine's interface)
 answers with the text a tool-calling policy writes, keyed by how the prompt ends; everything after
-the engine (rendering, parsing, streaming) is the real server's. The
+the engine (rendering, parsing, streaming, recording) is the real server's and recorder's. The
 forced-choice test also runs the real tiny model.
 """
 
@@ -25,8 +25,10 @@ from prodrl_pipelines.engines.reply_parsers import QWEN3
 from prodrl_pipelines.engines.server import BackgroundServer, build_app
 from prodrl_pipelines.engines.types import CallRecord, SamplingParams
 from prodrl_pipelines.lab.production_text import QWEN3_STYLE_TEMPLATE, build_byte_bpe_tokenizer
+from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
 
 EOS = 2
+TOKEN = "rec-token"
 # a Qwen3-style template (reasoning kept in the current turn only, calls re-serialised, tool results
 # in <tool_response>) that also renders the tool definitions, compactly (the tiny model has 256 positions)
 TEMPLATE = ("{%- if tools -%}{{- '<|im_start|>system\\n' -}}{%- for t in tools -%}"
@@ -307,3 +309,40 @@ def test_a_required_call_is_opened_in_the_prompt_and_parses(scripted, plain, eng
     assert got["choices"][0]["token_ids"] == want.output_token_ids
     msg = got["choices"][0]["message"]
     assert msg.get("tool_calls") or msg["content"].startswith(opening)  # a tiny model's call rarely parses
+
+
+# ----------------------------------------------------------------------------- through the recorder
+
+
+def test_a_tool_using_conversation_is_one_recorded_trajectory(scripted, tmp_path, engine, model_dir):
+    cfg = RecorderConfig(upstream=scripted.url, store_dir=str(tmp_path / "store"), tokenizer_dir=str(model_dir),
+                         token=TOKEN)
+    app = build_recorder_app(cfg)
+    with BackgroundServer(app) as srv:
+        client = _client(srv.url, api_key=TOKEN, default_headers={"X-Trajectory-Id": "agent-1"})
+        messages = list(USER)
+        first = client.chat.completions.create(model="v0", messages=messages, tools=[ADD, MUL], max_tokens=140,
+                                               parallel_tool_calls=False)
+        msg = first.choices[0].message
+        assert first.choices[0].finish_reason == "tool_calls" and len(msg.tool_calls) == 1  # of the two sampled
+        messages.append(msg.model_dump(exclude_none=True))  # the reasoning echoed back, as pydantic-ai does
+        messages += [{"role": "tool", "tool_call_id": t.id, "content": "ok"} for t in msg.tool_calls]
+        stream = client.chat.completions.create(model="v0", messages=messages, tools=[ADD, MUL], max_tokens=30,
+                                                stream=True)
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "16"
+        forced = client.chat.completions.create(model="v0", messages=USER, tools=[ADD, MUL], max_tokens=40,
+                                                tool_choice="required")
+        assert forced.choices[0].message.tool_calls[0].function.name == "add"
+        no_tools = client.chat.completions.create(model="v0", messages=USER, max_tokens=140)  # reasoning parsed
+        assert no_tools.choices[0].message.content.startswith("<tool_call>")
+        stats = httpx.get(srv.url + "/stats", headers={"Authorization": f"Bearer {TOKEN}"}).json()["counters"]
+        assert app.state.recorder.ingestor.flush(30)
+        rows = sorted(app.state.recorder.store.read_calls().to_pylist(), key=lambda r: r["call_index"])
+    assert stats.get("unrecordable_calls", 0) == 0 and stats["recorded_calls"] == 4
+    assert [(r["trajectory_id"], r["call_index"]) for r in rows] == [("agent-1", i) for i in range(4)]
+    tok = engine.tokenizer
+    for r in rows:  # the sampled text, not the parsed message content
+        assert r["output_text"] == tok.decode(r["output_token_ids"][:-1]) and r["output_token_ids"][-1] == EOS
+    assert rows[0]["output_text"] == rows[3]["output_text"] == CALLS and rows[1]["output_text"] == ANSWER
+    assert "<tool_response>\nok\n</tool_response>" in rows[1]["prompt_text"]
+    assert rows[2]["prompt_text"].endswith(QWEN3.opening(None)) and rows[2]["output_text"].startswith('add", ')

@@ -132,6 +132,9 @@ class StreamAccumulator:
         self.chat_lp: list = []
         self.have_lp = False
         self.finish: str | None = None
+        self.stop_reason: Any = None
+        self.reasoning: list[str] = []  # chat: the reply parser's reasoning deltas
+        self.tool_calls: dict[int, dict] = {}  # chat: parsed tool calls by index (whole or in pieces)
         self.error: Any = None
         self.extra_choices = False
         self.routed_experts: str | None = None
@@ -157,7 +160,7 @@ class StreamAccumulator:
                     self.prompt_ids = ch["prompt_token_ids"]
                 self.text.append(ch.get("text") or "")
             else:
-                self.text.append((ch.get("delta") or {}).get("content") or "")
+                self._delta(ch.get("delta") or {})
             if ch.get("token_ids") is not None:
                 self.have_ids = True
                 self.ids.extend(ch["token_ids"])
@@ -180,6 +183,24 @@ class StreamAccumulator:
                     self.chat_lp.extend(lp.get("content") or [])
             if ch.get("finish_reason") is not None:
                 self.finish = ch["finish_reason"]
+                self.stop_reason = ch.get("stop_reason")
+
+    def _delta(self, delta: dict) -> None:
+        self.text.append(delta.get("content") or "")
+        reasoning = delta.get("reasoning")
+        if reasoning is None:
+            reasoning = delta.get("reasoning_content")
+        if isinstance(reasoning, str):
+            self.reasoning.append(reasoning)
+        for tc in delta.get("tool_calls") or []:
+            if not isinstance(tc, dict):
+                continue
+            acc = self.tool_calls.setdefault(int(tc.get("index") or 0), {"id": None, "type": "function",
+                                                                        "function": {"name": "", "arguments": ""}})
+            acc["id"] = tc.get("id") or acc["id"]
+            fn = tc.get("function") or {}
+            acc["function"]["name"] += fn.get("name") or ""
+            acc["function"]["arguments"] += fn.get("arguments") or ""
 
     def answer(self) -> dict:
         text = "".join(self.text)
@@ -188,9 +209,14 @@ class StreamAccumulator:
                       "token_ids": self.ids if self.have_ids else None,
                       "logprobs": self.comp_lp if self.have_lp else None, "finish_reason": self.finish}
         else:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "token_ids": self.ids if self.have_ids else None,
-                      "logprobs": {"content": self.chat_lp} if self.have_lp else None, "finish_reason": self.finish}
+            message = {"role": "assistant", "content": text}
+            if self.reasoning:
+                message["reasoning"] = "".join(self.reasoning)
+            if self.tool_calls:
+                message["tool_calls"] = [self.tool_calls[i] for i in sorted(self.tool_calls)]
+            choice = {"index": 0, "message": message, "token_ids": self.ids if self.have_ids else None,
+                      "logprobs": {"content": self.chat_lp} if self.have_lp else None, "finish_reason": self.finish,
+                      "stop_reason": self.stop_reason}
         if self.have_extra:
             choice[EXTRA_IDS_FIELD] = self.extra
         if self.routed_experts is not None:

@@ -87,9 +87,6 @@ def unrecordable_reason(body: dict, kind: str) -> str | None:
         rf = body.get("response_format")
         if isinstance(rf, dict) and rf.get("type") not in (None, "text"):
             return "unsupported:response_format"
-        tc = body.get("tool_choice")
-        if body.get("tools") and (tc == "required" or isinstance(tc, dict)):  # forced tool calls: guided decoding
-            return "unsupported:tool_choice"
     if (body.get("n") or 1) != 1:
         return "n>1"
     if body.get("use_beam_search"):

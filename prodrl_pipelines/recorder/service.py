@@ -499,7 +499,7 @@ class Recorder:
         if choice.get("logprobs") is None:
             raise Unrecordable("upstream_missing_logprobs")
         finish = choice.get("finish_reason")
-        if finish not in ("stop", "length"):
+        if finish not in ("stop", "length", "tool_calls"):  # tool_calls: the model stopped after its calls
             raise Unrecordable(f"finish_reason_{finish}")
         ids = [int(t) for t in ids]
         try:
@@ -519,7 +519,7 @@ class Recorder:
             if isinstance(up.get("prompt"), list) and len(up["prompt"]) == 1 and isinstance(up["prompt"][0], str):
                 prompt_text = up["prompt"][0]
         else:
-            out_text = (choice.get("message") or {}).get("content") or ""
+            out_text = self._chat_output_text(choice, up, ids)
             prompt_text = data.get("prompt_text")
         if prompt_text is None and self.tokens is not None:
             prompt_text = self.tokens.text(prompt_ids)
@@ -543,6 +543,18 @@ class Recorder:
             "prompt_text": prompt_text or "",
             "output_text": out_text,
         }
+
+    def _chat_output_text(self, choice: dict, up: dict, ids: list[int]) -> str:
+        """A chat reply's text: the message content, unless the request had tools or the server
+        parsed the reply (``tool_calls``, ``reasoning``: text taken out of the content); then the text
+        of the sampled ids, without the stop token that ended them (finish ``stop`` or
+        ``tool_calls``, not by a stop string), so ``<think>`` and ``<tool_call>`` blocks are kept."""
+        msg = choice.get("message") or {}
+        parsed = bool(msg.get("tool_calls")) or any(msg.get(k) is not None for k in ("reasoning", "reasoning_content"))
+        if self.tokens is None or not (up.get("tools") or parsed):
+            return msg.get("content") or ""
+        stopped = choice.get("finish_reason") in ("stop", "tool_calls") and not isinstance(choice.get("stop_reason"), str)
+        return self.tokens.text(ids[:-1] if stopped else ids)
 
     def _routing(self, choice: dict, up: dict, n_prompt: int, n_out: int) -> tuple[bytes | None, int | None]:
         """The choice's MoE routing (vLLM ``--enable-return-routed-experts``) as the stored blob and
