@@ -21,7 +21,8 @@ import pytest
 from prodrl_pipelines.engines.chat_tools import (
     ToolPlan, forced_opening, normalize_messages, plan_tools, reply_message,
 )
-from prodrl_pipelines.engines.reply_parsers import QWEN3
+from prodrl_pipelines.engines.openai_protocol import ProtocolError
+from prodrl_pipelines.engines.reply_parsers import QWEN3, reply_parser_flags
 from prodrl_pipelines.engines.server import BackgroundServer, build_app
 from prodrl_pipelines.engines.types import CallRecord, SamplingParams
 from prodrl_pipelines.lab.production_text import QWEN3_STYLE_TEMPLATE, build_byte_bpe_tokenizer
@@ -346,3 +347,26 @@ def test_a_tool_using_conversation_is_one_recorded_trajectory(scripted, tmp_path
     assert rows[0]["output_text"] == rows[3]["output_text"] == CALLS and rows[1]["output_text"] == ANSWER
     assert "<tool_response>\nok\n</tool_response>" in rows[1]["prompt_text"]
     assert rows[2]["prompt_text"].endswith(QWEN3.opening(None)) and rows[2]["output_text"].startswith('add", ')
+
+
+def test_reply_parser_settings_and_server_flags(tmp_path):
+    from prodrl_pipelines.config.settings import settings_from_flat
+    from prodrl_pipelines.deploy_targets.servers import ProdrlServeTarget, VLLMRestartTarget
+
+    assert settings_from_flat({}).deploy.reply_parser == "none"
+    for target, flags in ((ProdrlServeTarget, ["--reply-parser", "qwen3"]),
+                          (VLLMRestartTarget, list(QWEN3.vllm_args))):
+        s = settings_from_flat({"reply_parser": "qwen3", "target": target.name, "vllm_python": "/bin/python3"})
+        cmd = target(s, tmp_path).command(tmp_path, 8000, "v1")
+        assert any(cmd[i:i + len(flags)] == flags for i in range(len(cmd))), cmd
+        plain = target(settings_from_flat({"target": target.name, "vllm_python": "/bin/python3"}), tmp_path)
+        assert not {"--reply-parser", "--tool-call-parser"} & set(plain.command(tmp_path, 8000, "v1"))
+    assert settings_from_flat({"reply_parser": "qwen3"}).deploy.reply_parser == "qwen3"
+    with pytest.raises(ValueError, match="reply_parser: unknown reply parser 'hermes'; valid: none, qwen3"):
+        settings_from_flat({"reply_parser": "hermes"})
+    assert reply_parser_flags("none", vllm=True) == [] and reply_parser_flags("qwen3", vllm=False) == [
+        "--reply-parser", "qwen3"]
+    assert reply_parser_flags("qwen3", vllm=True) == ["--enable-auto-tool-choice", "--tool-call-parser", "hermes",
+                                                      "--reasoning-parser", "qwen3"]
+    with pytest.raises(ProtocolError):
+        plan_tools({"tools": [ADD]}, None)  # auto (the default with tools) needs a parser

@@ -69,6 +69,10 @@ class DeploySettings(BaseModel):
     target_command: str = Field("", description="command: template with {export_dir}, {policy_version}, {port}")
     vllm_python: str = Field("", description="vLLM's own interpreter (default $PRODRL_VLLM_PYTHON)")
     server_args: tuple[str, ...] = ()  # extra arguments of a managed server (vllm / prodrl serve)
+    # the served model's reasoning and tool-call format (engines.reply_parsers.TOOL_FORMATS, e.g. qwen3):
+    # managed servers parse replies into reasoning and tool_calls and serve tool_choice (prodrl serve
+    # --reply-parser; vLLM --enable-auto-tool-choice --tool-call-parser --reasoning-parser); none: plain
+    reply_parser: str = "none"
     health_timeout_s: float = Field(300.0, gt=0)
     # the parity probe after every deploy: recorded prompts through the new deployment, the sampled
     # tokens' |log mu_new - log pi_trainer| against these bounds (probe_prompts = 0: no probe)
@@ -95,6 +99,14 @@ class DeploySettings(BaseModel):
         from prodrl_pipelines.deploy_targets import TARGETS
 
         return registered(v, TARGETS, "deploy target")
+
+    @field_validator("reply_parser")
+    @classmethod
+    def _known_reply_parser(cls, v: str) -> str:
+        from prodrl_pipelines.engines.reply_parsers import reply_parser_flags
+
+        reply_parser_flags(v, vllm=True)  # an unknown name fails naming the valid ones
+        return v
 
     @field_validator("target_command")
     @classmethod

@@ -343,9 +343,11 @@ class ProdrlServeTarget(ManagedServerTarget):
     def command(self, export_dir: Path, port: int, policy_version: str) -> list[str]:
         k = self.deploy.num_top_logprobs
         routing = ["--enable-return-routed-experts"] if self.deploy.record_routing and is_moe(export_dir) else []
+        from prodrl_pipelines.engines.reply_parsers import reply_parser_flags
+        parser = reply_parser_flags(self.deploy.reply_parser, vllm=False)
         return [sys.executable, "-m", "prodrl_pipelines.cli", "serve", str(export_dir), "--host", self.host,
                 "--port", str(port), "--served-model-name", policy_version, "--max-logprobs", str(max(k + 1, 20)),
-                "--generation-config", "vllm", "--threads", "1", *routing, *self.deploy.server_args]
+                "--generation-config", "vllm", "--threads", "1", *routing, *parser, *self.deploy.server_args]
 
 
 class VLLMRestartTarget(ManagedServerTarget):
@@ -359,8 +361,10 @@ class VLLMRestartTarget(ManagedServerTarget):
         k = self.deploy.num_top_logprobs
         self._routing = self.deploy.record_routing and is_moe(export_dir) and vllm_serves_routing()
         routing = ["--enable-return-routed-experts"] if self._routing else []
+        from prodrl_pipelines.engines.reply_parsers import reply_parser_flags
+        parser = reply_parser_flags(self.deploy.reply_parser, vllm=True)
         return vllm_serve_command(export_dir, port, max(k + 1, 20), host=self.host, served_model_name=policy_version,
-                                  python=vllm_python(self.deploy), extra_args=[*routing, *self.deploy.server_args])
+                                  python=vllm_python(self.deploy), extra_args=[*routing, *parser, *self.deploy.server_args])
 
     def environment(self, port: int) -> dict:
         from prodrl_pipelines.engines.vllm_client import vllm_serve_env
