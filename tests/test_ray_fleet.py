@@ -70,67 +70,178 @@ def _leftovers(cluster, prefix: str, pids: set[int]) -> list[str]:
     return actors + pgs + [f"pid {p}" for p in sorted(pids) if pid_alive(p)]
 
 
-@pytest.mark.long(seconds=45)
-def test_rolling_update_of_three_replicas_on_two_ray_nodes(ray_driver, tiny_exports, tmp_path):
+def _actor_pid(cluster, name: str) -> int:
+    from ray.util.state import list_actors
+
+    [a] = list_actors(address=cluster.cluster_address, filters=[("name", "=", name), ("state", "=", "ALIVE")],
+                      raise_on_missing_output=False)
+    return int(a.pid)
+
+
+def _until(what, cond, timeout_s: float = 90.0, every_s: float = 0.2):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        out = cond()
+        if out:
+            return out
+        time.sleep(every_s)
+    raise AssertionError(f"not within {timeout_s:.0f}s: {what}")
+
+
+def _serving(target, slot: int, version: str):
+    """The slot's current server when it is alive, serves ``version`` and the endpoint file lists its URL."""
+    from prodrl_pipelines.deploy_targets.fleet_keeper import serves
+
+    rec = target.current(slot)
+    listed = [r["url"] for r in endpoint_file(target.home).read().replica_list()]
+    return rec if rec is not None and rec.url in listed and serves(rec.url, version) else None
+
+
+@pytest.mark.long(seconds=120)
+def test_a_ray_fleet_through_updates_canaries_and_the_failures_a_cluster_has(ray_driver, ray_cluster, tiny_exports,
+                                                                             tmp_path):
+    """Three replicas on two nodes under steady traffic through the recorder, one scenario: rolling
+    update v1 -> v2; a canary that passes (its slice answered by it) and one that fails its probe; a
+    probe failure in wave 2 of 3 (wave 1 restored); a server SIGKILLed, an actor's worker SIGKILLed
+    with its port taken, the worker node removed then a new one added. Every replica comes back at the
+    live version; 0 failed calls; every row tagged with a version that served; nothing left running."""
+    import httpx
     import ray
 
-    s = _settings(tmp_path)
-    target = make_target(s, ray_driver)
-    prefix = target.ray_placement().prefix  # this deployment's actors (its state directory's digest)
+    from prodrl_pipelines.deploy_targets.fleet_keeper import keeper_stats
+    from prodrl_pipelines.deploy_targets.rollout import start_canary
+    from prodrl_pipelines.recorder.balancer import canary_share
+
+    s = _settings(tmp_path, probe_mean_bound=1e-4)
+    bf16, w4a4 = tiny_exports["bf16"], tiny_exports["nvfp4-w4a4"]
+
+    class Broken(ProdrlServeTarget):  # serves W4A4 weights under the bf16 name where the test says
+        def command(self, export_dir, port, policy_version):
+            broken = policy_version == "c2" or (policy_version == "v3" and port in self._ports(1))
+            return super().command(w4a4 if broken else export_dir, port, policy_version)
+
+    target = Broken(s, s.home_path, cluster=ray_driver)
+    prefix = target.ray_placement().prefix
     seen_pids: set[int] = set()
     app = build_recorder_app(RecorderConfig(upstream="", follow=str(endpoint_file(s.home_path).path),
                                             store_dir=str(tmp_path / "store"), token="t", top_logprobs=4))
+    extra, traffic = 0, None
     try:
-        # v1 on all three at once (nothing serves yet): 3 bundles of 1 CPU on two nodes of 2 CPUs
-        first = roll_out(s, make_target(s.model_copy(update={"deploy": s.deploy.model_copy(
-            update={"max_unavailable": 3})}), ray_driver), tiny_exports["bf16"], "v1", PROMPTS)
+        first = roll_out(s, Broken(s.model_copy(update={"deploy": s.deploy.model_copy(
+            update={"max_unavailable": 3})}), s.home_path, cluster=ray_driver), bf16, "v1", PROMPTS)
         assert first.waves == 1
         v1 = target.currents()
-        assert [r.policy_version for r in v1] == ["v1"] * 3
         nodes = {n["NodeID"] for n in ray.nodes() if n["Alive"]}
         assert len(nodes) == 2 and {r.node for r in v1} == nodes  # replicas on both nodes
         for r in v1:
             assert r.actor.startswith(prefix) and r.url == f"http://{r.host}:{r.port}" and r.host == "127.0.0.1"
-            assert read_json(target.slot_dir(v1.index(r)) / "current.json")["actor"] == r.actor
-        assert [x["url"] for x in endpoint_file(s.home_path).read().replica_list()] == [r.url for r in v1]
         seen_pids |= {r.pid for r in v1}
-        assert len(_leftovers(ray_driver, prefix, seen_pids)) == 3 * 3  # the check sees what runs: 3 actors, groups, pids
+        assert len(_leftovers(ray_driver, prefix, seen_pids)) == 3 * 3 + 1  # 3 actors, groups, pids; the keeper
 
         with BackgroundServer(app) as rec:
-            traffic = Traffic(rec.url)
+            traffic = Traffic(rec.url, workers=2, pause_s=0.1)
             time.sleep(1.0)
 
-            def servers_started():  # every server started, to check none is left
-                for i in range(3):
-                    for name in ("pending.json", "current.json"):
-                        raw = read_json(target.slot_dir(i) / name)
-                        if raw:
-                            seen_pids.add(int(raw["pid"]))
+            # 1. the rolling update, wave by wave, each replica's version in the endpoint file
+            with watch_endpoint(s.home_path) as seen:
+                ro = roll_out(s, ProdrlServeTarget(s, s.home_path, cluster=ray_driver), bf16, "v2", PROMPTS)
+            assert ro.waves == 3 and ro.probe.passed
+            assert {tuple(v) for v in seen} <= {("v1",) * 3, ("v2", "v1", "v1"), ("v2", "v2", "v1"), ("v2",) * 3}
+            v2 = target.currents()
+            assert [r.policy_version for r in v2] == ["v2"] * 3 and {r.node for r in v2} == nodes
+            assert not {r.actor for r in v1} & {r.actor for r in v2}
+            assert not [r for r in v1 if ray_alive(r)], "an old replica's actor outlived the update"
+            seen_pids |= {r.pid for r in v2}
 
-            with watch_endpoint(s.home_path, also=servers_started) as seen:
-                t0 = time.monotonic()
-                ro = roll_out(s, ProdrlServeTarget(s, s.home_path, cluster=ray_driver), tiny_exports["bf16"], "v2",
-                              PROMPTS)  # a later run
-                update_s = time.monotonic() - t0
-                time.sleep(1.0)
+            # 2. a canary placed like a replica: probed, then its slice answered by it, then stopped
+            start_canary(s, target, bf16, "c1", PROMPTS, fraction=0.3)
+            can = target.canary()
+            assert can is not None and can.actor.startswith(prefix) and can.policy_version == "c1"
+            seen_pids.add(can.pid)
+            ids = [t for t in (f"slice-{i}" for i in range(200)) if canary_share(t) < 0.3][:3]
+            with httpx.Client(base_url=rec.url, headers={"Authorization": "Bearer t"}, timeout=60) as h:
+                for t in ids:
+                    r = h.post("/v1/completions", json={"model": "any", "prompt": PROMPTS[0], "max_tokens": 4},
+                               headers={"X-Trajectory-Id": t})
+                    assert r.status_code == 200, r.text
+            extra += len(ids)
+            assert "stopped the canary (c1)" in target.stop_canary()
+            assert target.canary() is None and not ray_alive(can)
+
+            # 3. a canary whose weights are not the export's: refused by its probe, the fleet untouched
+            with pytest.raises(DeployRejected) as err:
+                start_canary(s, target, bf16, "c2", PROMPTS, fraction=0.3)
+            assert "canary parity probe failed" in err.value.reason, err.value.reason
+            assert target.canary() is None and endpoint_file(s.home_path).read().canary is None
+            assert [r.actor for r in target.currents()] == [r.actor for r in v2]
+
+            # 4. replica 1's new server broken: wave 1 commits v3, wave 2's probe fails, replica 0 is back at v2
+            with pytest.raises(DeployRejected) as err:
+                roll_out(s, target, bf16, "v3", PROMPTS)
+            e = err.value
+            assert "parity probe failed" in e.reason and "wave 2/3" in e.reason, e.reason
+            assert "restored replica 0: v2" in e.rollback, e.rollback
+            now = target.currents()
+            assert [r.policy_version for r in now] == ["v2"] * 3
+            assert now[0].pid != v2[0].pid and [r.pid for r in now[1:]] == [r.pid for r in v2[1:]]  # a new server on 0
+            seen_pids.add(now[0].pid)
+
+            # 5. replica 0's server SIGKILLed: its actor brings it back at v2, same URL, new pid
+            os.kill(now[0].pid, 9)
+            back = _until("replica 0 back", lambda: (r := _serving(target, 0, "v2")) and r.pid != now[0].pid and r)
+            assert back.actor == now[0].actor and back.url == now[0].url
+            seen_pids.add(back.pid)
+
+            # 6. replica 1's actor killed with its port taken meanwhile: a restarted actor, another port
+            old1 = target.current(1)
+            os.kill(_actor_pid(ray_driver, old1.actor), 9)
+            import socket
+
+            squat = socket.socket()
+            squat.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+            _until("the old port freed", lambda: _bind(squat, old1.port), timeout_s=20, every_s=0.02)
+            squat.listen()
+            try:
+                moved = _until("replica 1 moved", lambda: (r := _serving(target, 1, "v2")) and r.port != old1.port
+                               and r)
+            finally:
+                squat.close()
+            assert moved.actor == old1.actor and not pid_alive(old1.pid) and keeper_stats(target)["moves"] >= 1
+            seen_pids.add(moved.pid)
+
+            # 7. the worker node goes away: its replicas come back at v2 (the last on a new node)
+            gone = ray_cluster.remove_node()
+            added = ray_cluster.add_node()
+            final = [_until(f"replica {i} back after the node died", lambda i=i: _serving(target, i, "v2"),
+                            timeout_s=120) for i in range(3)]
+            assert gone not in {r.node for r in final} and {r.node for r in final} <= nodes - {gone} | {added}
+            seen_pids |= {r.pid for r in final}
+            time.sleep(1.0)
             sent = traffic.finish()
+            stats = httpx.get(f"{rec.url}/stats", headers={"Authorization": "Bearer t"}).json()
         assert not traffic.failures, traffic.failures[:5]
-        assert ro.waves == 3 and ro.probe.passed
-        assert all(len(v) == 3 for v in seen) and seen[-1] == ["v2"] * 3
-        assert {tuple(v) for v in seen} <= {("v1",) * 3, ("v2", "v1", "v1"), ("v2", "v2", "v1"), ("v2",) * 3}
-        v2 = target.currents()
-        assert [r.policy_version for r in v2] == ["v2"] * 3 and {r.node for r in v2} == nodes
-        assert not {r.actor for r in v1} & {r.actor for r in v2}  # blue/green: new actors, old ones gone
-        assert not [r for r in v1 if ray_alive(r)], "an old replica's actor outlived the update"
         assert app.state.recorder.ingestor.flush(30)
         rows = app.state.recorder.store.read_calls().to_pylist()
-        assert len(rows) == sent > 20
-        assert {r["policy_version"] for r in rows} == {"v1", "v2"}
-        print(f"rolling update of 3 Ray replicas: {update_s:.1f} s, {sent} calls")
+        assert len(rows) == sent + extra and sent > 50
+        versions = {r["policy_version"] for r in rows}
+        assert {"v1", "v2", "c1"} <= versions <= {"v1", "v2", "v3", "c1"}, versions
+        counted = {k.rsplit(".", 1)[1]: v for k, v in stats["counters"].items() if k.startswith("recorded_calls.version.")}
+        assert counted == {v: sum(r["policy_version"] == v for r in rows) for v in versions}
+        print(f"Ray fleet scenario: {sent} calls, {len(final)} replicas back after node {gone[:8]} died")
     finally:
+        if traffic is not None:
+            traffic.finish()  # its threads would keep the process alive after a failure
         target.stop()
     assert target.currents() == [None] * 3
     assert not _leftovers(ray_driver, prefix, seen_pids), _leftovers(ray_driver, prefix, seen_pids)
+
+
+def _bind(sock, port: int) -> bool:
+    try:
+        sock.bind(("127.0.0.1", port))
+        return True
+    except OSError:
+        return False
 
 
 def ray_alive(rec) -> bool:
@@ -158,6 +269,91 @@ def test_a_replica_that_fits_no_node_or_exits_on_its_node_is_refused_and_removed
     assert "exited before it was healthy" in err.value.reason and str(missing) in err.value.reason, err.value.reason
     assert target.current() is None and read_json(target.slot_dir(0) / "pending.json") is None
     assert not _leftovers(ray_driver, prefix, set())
+
+
+@pytest.mark.long(seconds=15)
+def test_replica_spread_places_one_replica_per_node_and_refuses_a_third(ray_driver, tiny_exports, tmp_path):
+    """Two nodes, three replicas, ``replica_spread``: the first two new servers land on distinct nodes,
+    the third fits no node without one and the deploy fails naming the setting; nothing is left."""
+    import threading
+
+    s = _settings(tmp_path, max_unavailable=3, replica_spread=True, health_timeout_s=3)
+    target = make_target(s, ray_driver)
+    nodes: dict[int, str] = {}
+    stop = threading.Event()
+
+    def watch():  # the pending servers' nodes while the wave starts
+        while not stop.is_set():
+            for i in range(3):
+                raw = read_json(target.slot_dir(i) / "pending.json")
+                if raw:
+                    nodes[i] = raw["node"]
+            time.sleep(0.02)
+
+    w = threading.Thread(target=watch)
+    w.start()
+    try:
+        with pytest.raises(DeployRejected) as err:
+            roll_out(s, target, tiny_exports["bf16"], "v1", PROMPTS)
+    finally:
+        stop.set()
+        w.join()
+    assert ("replica 2: no node of the Ray cluster offered {'CPU': 1.0} on a node other than the 2 holding the "
+            "other replicas (replica_spread) within 3s") in err.value.reason, err.value.reason
+    assert set(nodes) == {0, 1} and nodes[0] != nodes[1]
+    assert target.currents() == [None] * 3
+    assert not _leftovers(ray_driver, target.ray_placement().prefix, set())
+
+
+@pytest.mark.long(seconds=20)
+def test_a_node_without_the_export_fetches_it_from_the_s3_store(ray_driver, ray_cluster, tiny_exports, s3_endpoint,
+                                                                bucket, tmp_path, monkeypatch):
+    """The deploy environment's store is S3 (a real endpoint): the export is published as a round does,
+    and the deploying host's copy is gone once the command line is built, so the node must fetch it
+    into its cache (verified) and serve that; the record names the cached path."""
+    import json
+    import shutil
+
+    import httpx
+
+    from prodrl_pipelines.config import environment
+    from prodrl_pipelines.deploy_targets import ray_placement
+    from prodrl_pipelines.deploy_targets.node_exports import cache_dir, export_source
+    from prodrl_pipelines.deploy_targets.ray_placement import refresh
+    from prodrl_pipelines.loop.services import build_services, publish_export
+    from prodrl_pipelines.storage.locations import StoreLocation
+
+    s = _settings(tmp_path, replicas=1, probe_prompts=0)  # the probe reads the export here: gone on purpose
+    export = s.exports_root / "round-000001"
+    shutil.copytree(tiny_exports["bf16"], export)
+    loc = StoreLocation(s3_bucket=bucket, s3_prefix="prod", s3_endpoint_url=s3_endpoint)
+    publish_export(build_services(s, loc), "round-000001", export)
+    for k, v in {"bucket": bucket, "prefix": "prod", "endpoint_url": s3_endpoint}.items():
+        monkeypatch.setenv(environment.s3_var(k), v)
+    cache = tmp_path / "node-cache"
+    creds = {k: os.environ[k] for k in ("AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY", "AWS_DEFAULT_REGION")}
+    cluster = ray_driver.model_copy(update={"cluster_runtime_env": json.dumps(
+        {"env_vars": {**creds, "PRODRL_NODE_CACHE": str(cache)}})})
+
+    class HostLosesItsCopy(ProdrlServeTarget):
+        def command(self, export_dir, port, policy_version):
+            cmd = super().command(export_dir, port, policy_version)
+            shutil.rmtree(export_dir, ignore_errors=True)
+            return cmd
+
+    target = HostLosesItsCopy(s, s.home_path, cluster=cluster)
+    try:
+        roll_out(s, target, export, "v1", PROMPTS)
+        rec = target.current()
+        assert rec is not None and not export.exists()
+        assert ray_placement.kv_get(f"rec/{rec.actor}")["export"] == str(
+            cache_dir(export_source(s, export), cache) / "round-000001")  # the node's copy
+        assert refresh({"actor": rec.actor, "ray_address": rec.ray_address})["url"] == rec.url
+        r = httpx.post(f"{rec.url}/v1/completions", json={"model": "v1", "prompt": PROMPTS[0], "max_tokens": 2},
+                       timeout=60)
+        assert r.status_code == 200 and r.json()["model"] == "v1"
+    finally:
+        target.stop()
 
 
 def test_ray_placement_needs_a_ray_cluster(tmp_path):

@@ -8,6 +8,10 @@ them up until it gets SIGTERM/SIGINT. The process writes ``DIR/cluster.json`` (d
 address, node ids) once a job can be submitted. Every node registers on 127.0.0.1
 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``: otherwise Ray picks the machine's primary address), and
 each gets its own agent and metrics ports (two raylets on one host would collide on the defaults).
+
+SIGUSR1 removes the newest worker node (its raylet killed, as when its machine goes away) and
+SIGUSR2 adds one (``LocalRayCluster.remove_node`` / ``add_node``), for the failure tests. The head
+declares a node dead after about 5 s of missed health checks (Ray's default: about 15 s).
 """
 
 from __future__ import annotations
@@ -19,7 +23,6 @@ import signal
 import socket
 import subprocess
 import sys
-import threading
 import time
 from pathlib import Path
 
@@ -43,31 +46,58 @@ def _node_args(cpus: float, head: bool, dashboard_port: int = 0, temp_dir: str |
     return args
 
 
+# a dead node is declared after HEALTH_FAILURES missed checks, one per HEALTH_PERIOD_MS
+HEALTH = {"health_check_period_ms": 1000, "health_check_timeout_ms": 1000, "health_check_failure_threshold": 5}
+
+
+def _write_info(root: Path, info: dict) -> None:
+    tmp = root / "cluster.json.tmp"
+    tmp.write_text(json.dumps(info, indent=1))
+    tmp.replace(root / "cluster.json")
+
+
 def serve(root: Path, nodes: int, cpus: float) -> int:
     """Start the cluster, write ``cluster.json``, and keep it up until signalled."""
+    import queue
+
     os.environ.update(LOOPBACK_ENV)
     from ray.cluster_utils import Cluster
 
     root.mkdir(parents=True, exist_ok=True)
     dashboard_port = _free_port()
     cluster = Cluster(initialize_head=True, shutdown_at_exit=False,
-                      head_node_args=_node_args(cpus, head=True, dashboard_port=dashboard_port))
+                      head_node_args={**_node_args(cpus, head=True, dashboard_port=dashboard_port),
+                                      "_system_config": HEALTH})
     for _ in range(nodes - 1):
         cluster.add_node(**_node_args(cpus, head=False))
-    stop = threading.Event()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        signal.signal(sig, lambda *_: stop.set())
+    events: queue.Queue = queue.Queue()
+    for sig, what in ((signal.SIGTERM, "stop"), (signal.SIGINT, "stop"), (signal.SIGUSR1, "remove"),
+                      (signal.SIGUSR2, "add")):
+        signal.signal(sig, lambda *_, what=what: events.put(what))
     url = f"http://127.0.0.1:{dashboard_port}"
     try:
         _wait_for_jobs(url, nodes)
         # the GCS answers on loopback; Ray reports it under the machine's primary address
         gcs = "127.0.0.1:" + cluster.address.rsplit(":", 1)[1]
         info = {"dashboard_url": url, "gcs_address": gcs, "nodes": nodes, "cpus_per_node": cpus,
-                "pid": os.getpid(), "session_dir": cluster.head_node.get_session_dir_path()}
-        tmp = root / "cluster.json.tmp"
-        tmp.write_text(json.dumps(info, indent=1))
-        tmp.replace(root / "cluster.json")
-        stop.wait()
+                "pid": os.getpid(), "session_dir": cluster.head_node.get_session_dir_path(), "changes": 0,
+                "worker_nodes": [n.node_id for n in cluster.worker_nodes]}
+        _write_info(root, info)
+        while True:
+            try:
+                what = events.get(timeout=1.0)  # a timeout: the signal handlers run between waits
+            except queue.Empty:
+                continue
+            if what == "stop":
+                break
+            if what == "remove" and cluster.worker_nodes:
+                node = list(cluster.worker_nodes)[-1]
+                cluster.remove_node(node, allow_graceful=False)
+                info["removed"] = node.node_id
+            elif what == "add":
+                info["added"] = cluster.add_node(**_node_args(cpus, head=False)).node_id
+            info.update(changes=info["changes"] + 1, worker_nodes=[n.node_id for n in cluster.worker_nodes])
+            _write_info(root, info)
     finally:
         for node in list(cluster.worker_nodes):  # not graceful: a test cluster holds nothing to drain
             cluster.remove_node(node, allow_graceful=False)
@@ -132,6 +162,27 @@ class LocalRayCluster:
             time.sleep(0.3)
         self.info = json.loads((self.root / "cluster.json").read_text())
         return self
+
+    def _change(self, sig: int, key: str, timeout_s: float = 60.0) -> str:
+        info = json.loads((self.root / "cluster.json").read_text())
+        before = info["changes"]
+        os.kill(self.proc.pid if self.proc is not None else info["pid"], sig)  # a cluster started elsewhere: by its pid
+        deadline = time.monotonic() + timeout_s
+        while time.monotonic() < deadline:
+            info = json.loads((self.root / "cluster.json").read_text())
+            if info["changes"] > before:
+                self.info = info
+                return info.get(key, "")
+            time.sleep(0.2)
+        raise RuntimeError(f"local Ray cluster did not {key[:-1]} a node within {timeout_s:.0f}s")
+
+    def remove_node(self) -> str:
+        """Kill the newest worker node's raylet (its machine gone); its node id."""
+        return self._change(signal.SIGUSR1, "removed")
+
+    def add_node(self) -> str:
+        """Add a worker node like the others; its node id."""
+        return self._change(signal.SIGUSR2, "added")
 
     def stop(self, timeout_s: float = 60.0) -> None:
         if self.proc is None or self.proc.poll() is not None:

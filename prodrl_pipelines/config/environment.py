@@ -19,7 +19,9 @@ stores from these variables:
   default: the venv ``make vllm`` builds, when present);
 - ``PRODRL_DEPLOY_API_KEY``: bearer token of the deployment's endpoint (parity probe, reloads);
 - ``PRODRL_RECORDER_TOKEN``: the recorder's bearer token (``prodrl record``; ``prodrl up`` makes one);
-- ``PRODRL_UPSTREAM_API_KEY``: the recorder's key for its upstream server.
+- ``PRODRL_UPSTREAM_API_KEY``: the recorder's key for its upstream server;
+- ``PRODRL_NODE_CACHE``: where a Ray node keeps exports fetched from the store (default
+  ``~/.cache/prodrl/node-exports``).
 """
 
 from __future__ import annotations
@@ -116,6 +118,10 @@ def vllm_python(environ: Mapping = os.environ) -> str | None:
     """``$PRODRL_VLLM_PYTHON``, else the interpreter of the venv ``make vllm`` built, if there is one."""
     default = DEFAULT_VLLM_VENV / "bin" / "python"
     return environ.get("PRODRL_VLLM_PYTHON") or (str(default) if default.exists() else None)
+
+
+def node_cache(environ: Mapping = os.environ) -> str:
+    return environ.get("PRODRL_NODE_CACHE") or str(Path.home() / ".cache" / "prodrl" / "node-exports")
 
 
 def deploy_api_key(environ: Mapping = os.environ) -> str | None:

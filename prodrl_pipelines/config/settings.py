@@ -55,6 +55,7 @@ class DeploySettings(BaseModel):
     replica_placement: Literal["local", "ray"] = "local"
     replica_cpus: float = Field(1.0, gt=0, description="replica_placement ray: CPUs each replica reserves")
     replica_gpus: float = Field(0.0, ge=0, description="replica_placement ray: GPUs each replica reserves")
+    replica_spread: bool = Field(False, description="replica_placement ray: at most one replica per node")
     # a canary between "gate passed" (and review approved) and "live": this fraction of trajectories
     # (sticky per trajectory id) goes to the candidate until canary_min_trajectories of them are
     # rewarded, then its live reward is compared with the champion's on the same window (0: no canary)
@@ -128,6 +129,8 @@ class DeploySettings(BaseModel):
         if self.replica_placement == "ray" and self.target not in FLEET_TARGETS:
             raise ValueError(f"replica_placement 'ray' needs a managed target ({', '.join(FLEET_TARGETS)}); "
                              f"target {self.target!r} starts no server of its own")
+        if self.replica_spread and self.replica_placement != "ray":
+            raise ValueError("replica_spread places replicas on distinct Ray nodes: it needs replica_placement 'ray'")
         return self
 
     @model_validator(mode="after")

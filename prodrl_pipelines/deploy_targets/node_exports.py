@@ -13,7 +13,6 @@ import contextlib
 import fcntl
 import hashlib
 import json
-import os
 import shutil
 import socket
 from pathlib import Path
@@ -25,8 +24,6 @@ from prodrl_pipelines.storage.checkpoints import (MANIFEST_NAME, CheckpointInteg
 from prodrl_pipelines.storage.locations import StoreLocation
 from prodrl_pipelines.storage.s3 import S3BlobStoreError
 
-NODE_CACHE = "PRODRL_NODE_CACHE"
-DEFAULT_CACHE = "~/.cache/prodrl/node-exports"
 KIND = "exports"
 
 
@@ -65,7 +62,9 @@ def _holds(path: Path, manifest: dict) -> bool:
 
 def cache_dir(source: dict, cache_root: str | Path | None = None) -> Path:
     """The directory the export's copy goes in: one per store, so two deployments' ``round-000007`` never mix."""
-    root = cache_root or os.environ.get(NODE_CACHE) or DEFAULT_CACHE
+    from prodrl_pipelines.config import environment
+
+    root = cache_root or environment.node_cache()
     where = json.dumps([source.get(k, "") for k in ("endpoint_url", "bucket", "prefix", "kind")])
     return Path(root).expanduser() / hashlib.sha256(where.encode()).hexdigest()[:16]
 

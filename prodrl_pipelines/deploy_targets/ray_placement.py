@@ -8,8 +8,9 @@ local placement runs (listening on the node's address), and reports (node id, no
 pid). It is detached (it outlives the Dagster run that started it, as a local server outlives it in a
 session of its own) and named ``<prefix>-<slot>-<blue/green port>`` in ``NAMESPACE``, so the next run
 finds it again from the record in ``current.json``, which carries the name and the GCS address.
-``max_restarts``: Ray restarts an actor whose worker died; the restarted actor holds no server (it
-reports not alive, so the slot counts as down) until a deploy starts one.
+The actor (``replica_host``) supervises its server and brings the slot's live version back after the
+server, the actor's worker or the node died; ``refresh`` reads a record with the address its actor
+reports now.
 
 Ray is imported inside functions only (``cluster: local`` never loads it). The export path must be
 readable on the node: the local cluster shares this disk; a real cluster reads it from the store.
@@ -22,86 +23,13 @@ import time
 from urllib.parse import urlparse
 
 from prodrl_pipelines.deploy_targets.base import DeployError
+from prodrl_pipelines.deploy_targets.replica_host import kv_del, kv_get, kv_put, slot_key, with_address
 
 NAMESPACE = "prodrl-fleet"  # named actors are per namespace: every driver of the fleet uses this one
 GCS_PORT = 6379  # `ray start --head`'s default GCS port (a dashboard URL does not say it)
 CALL_TIMEOUT_S = 30.0
 # variables Ray sets per worker for the resources it gave: the node's own values win
 NODE_OWNED = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
-
-
-class ReplicaHost:
-    """The actor (``ray.remote`` when placed): one server process on its node, started in a session of
-    its own so a TERM reaches its children; ``stop`` drains it (TERM, KILL after the grace period)."""
-
-    def __init__(self) -> None:
-        self.proc = None
-        self.log = ""
-
-    def where(self, preferred_port: int) -> dict:
-        """This node (id, address) and a free port on it: ``preferred_port`` when it is free."""
-        import socket
-
-        import ray
-
-        host = ray.util.get_node_ip_address()
-        port = 0
-        for want in (preferred_port, 0):
-            with socket.socket() as s:
-                s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as the server binds
-                try:
-                    s.bind((host, want))
-                except OSError:
-                    continue
-                port = s.getsockname()[1]
-                break
-        return {"node": ray.get_runtime_context().get_node_id(), "host": host, "port": port}
-
-    def start(self, cmd: list[str], env: dict, log: str) -> int:
-        import subprocess
-
-        self.stop(5.0)
-        os.makedirs(os.path.dirname(log), exist_ok=True)
-        self.log = log
-        with open(log, "ab") as fh:
-            self.proc = subprocess.Popen(cmd, env={**os.environ, **env}, stdout=fh, stderr=subprocess.STDOUT,
-                                         start_new_session=True)
-        return self.proc.pid
-
-    def alive(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def tail(self, n: int = 20) -> str:
-        from pathlib import Path
-
-        from prodrl_pipelines.deploy_targets.processes import tail
-
-        return tail(Path(self.log), n) if self.log else ""
-
-    def stop(self, grace_s: float = 20.0) -> bool:
-        """TERM the server's session, KILL what is left after ``grace_s``; True when one was running."""
-        import signal
-        import subprocess
-
-        if self.proc is None:
-            return False
-        was = self.proc.poll() is None
-        for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
-            try:
-                os.killpg(self.proc.pid, sig)
-            except ProcessLookupError:
-                break
-            try:
-                self.proc.wait(wait)
-                break
-            except subprocess.TimeoutExpired:
-                continue
-        try:  # leftovers of its session (a child that outlived the server)
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        except ProcessLookupError:
-            pass
-        self.proc = None
-        return was
 
 
 def gcs_address(cluster_address: str) -> str:
@@ -145,8 +73,9 @@ class RayPlacement:
     blue/green port, ``prefix`` telling deployments apart on a shared cluster)."""
 
     def __init__(self, cluster_address: str, prefix: str, cpus: float = 1.0, gpus: float = 0.0,
-                 ready_timeout_s: float = 120.0) -> None:
+                 ready_timeout_s: float = 120.0, runtime_env: dict | None = None) -> None:
         self.cluster_address, self.prefix = cluster_address, prefix
+        self.runtime_env = runtime_env or {}  # as the jobs get it: credentials, caches
         self.cpus, self.gpus, self.ready_timeout_s = cpus, gpus, ready_timeout_s
         self.address = ""
 
@@ -157,32 +86,42 @@ class RayPlacement:
     def name(self, slot, port: int) -> str:
         return f"{self.prefix}-{slot}-{port}"
 
-    def start(self, slot, preferred_port: int, command, env: dict, log: str) -> dict:
-        """A server on the node Ray picks: ``command(port, host)`` is its command line. Returns the
-        record's placement fields (node, host, port, pid, actor, ray_address)."""
+    def start(self, slot, preferred_port: int, command, env: dict, log: str, version: str = "",
+              export: str = "", avoid_nodes: tuple[str, ...] = (), source: dict | None = None) -> dict:
+        """A server on the node Ray picks (none of ``avoid_nodes``): ``command(port, host)`` is its
+        command line. Returns the record's placement fields (node, host, port, pid, actor, ray_address)."""
         import ray
         from ray.util.placement_group import placement_group
         from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+        from prodrl_pipelines.deploy_targets.replica_host import ReplicaHost
 
         self.connect()
         name = self.name(slot, preferred_port)
         stop(name, self.address)  # one left by a crashed deploy (never committed) holds the name
         bundle = {"CPU": self.cpus, **({"GPU": self.gpus} if self.gpus else {})}
-        pg = placement_group([bundle], strategy="STRICT_PACK", name=name, lifetime="detached")
+        selector = {"bundle_label_selector": [{"ray.io/node-id": f"!in({','.join(sorted(avoid_nodes))})"}]} \
+            if avoid_nodes else {}
+        pg = placement_group([bundle], strategy="STRICT_PACK", name=name, lifetime="detached", **selector)
         try:
             ray.get(pg.ready(), timeout=self.ready_timeout_s)
         except Exception as e:  # noqa: BLE001 - a bundle that does not fit: said with what it asked
             ray.util.remove_placement_group(pg)
-            raise DeployError(f"replica {slot}: no node of the Ray cluster offered {bundle} within "
+            where = (f" on a node other than the {len(avoid_nodes)} holding the other replicas (replica_spread)"
+                     if avoid_nodes else "")
+            raise DeployError(f"replica {slot}: no node of the Ray cluster offered {bundle}{where} within "
                               f"{self.ready_timeout_s:.0f}s ({type(e).__name__}; cluster resources: "
                               f"{ray.available_resources()})") from None
+        # detached: a restartable actor in a placement group is what Ray warns about, and what we want:
+        # removing the group on stop is what ends the replica for good
         actor = ray.remote(ReplicaHost).options(
             name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1, max_concurrency=4,
-            num_cpus=self.cpus, num_gpus=self.gpus,
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)).remote()
+            num_cpus=self.cpus, num_gpus=self.gpus, **({"runtime_env": self.runtime_env} if self.runtime_env else {}),
+            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)).remote(name)
         try:
             at = ray.get(actor.where.remote(preferred_port), timeout=self.ready_timeout_s)
-            pid = ray.get(actor.start.remote(command(at["port"], at["host"]), env, log), timeout=CALL_TIMEOUT_S)
+            pid = ray.get(actor.start.remote(command(at["port"], at["host"]), env, log, at["port"], version, export,
+                                             source), timeout=self.ready_timeout_s)
         except BaseException:
             stop(name, self.address)
             raise
@@ -242,7 +181,48 @@ def stop(name: str, address: str, grace_s: float = 20.0) -> bool:
     for pg_id, pg in placement_group_table().items():  # by id: a name is looked up in one namespace only
         if pg.get("name") == name and pg.get("state") != "REMOVED":
             ray.util.remove_placement_group(PlacementGroup(ray.PlacementGroupID(bytes.fromhex(pg_id))))
+    if kv_get(slot_key(name)) == name:
+        kv_del(slot_key(name))
+    kv_del(f"spec/{name}")
+    kv_del(f"rec/{name}")
     return was
+
+
+def mark_live(raw: dict) -> None:
+    """Make the server a record names its slot's live one: the one brought back after a failure."""
+    if raw.get("actor"):
+        connect(raw.get("ray_address", ""))
+        kv_put(slot_key(raw["actor"]), raw["actor"])
+
+
+def clear_live(raw: dict) -> None:
+    if raw.get("actor"):
+        connect(raw.get("ray_address", ""))
+        if kv_get(slot_key(raw["actor"])) == raw["actor"]:
+            kv_del(slot_key(raw["actor"]))
+
+
+def refresh(raw: dict) -> dict:
+    """A record with the address, port and pid its actor reports now (it moves when the server, the
+    actor or the node was restarted)."""
+    if not raw.get("actor"):
+        return raw
+    connect(raw.get("ray_address", ""))
+    now = kv_get(f"rec/{raw['actor']}")
+    if not isinstance(now, dict):
+        return raw
+    return {**raw, **{k: now[k] for k in ("node", "host", "port", "pid", "url") if k in now}}
+
+
+def info(name: str, address: str) -> dict:
+    """What the actor says of itself (alive, pid, restarts, node); empty when it is gone."""
+    import ray
+
+    actor = _actor(name, address)
+    try:
+        return ray.get(actor.info.remote(), timeout=CALL_TIMEOUT_S) if actor is not None else {}
+    except Exception:  # noqa: BLE001 - dead or restarting
+        return {}
 
 
 def placement_for(target) -> RayPlacement:
@@ -262,27 +242,24 @@ def placement_for(target) -> RayPlacement:
     digest = hashlib.sha1(str(target.dir.resolve()).encode()).hexdigest()[:10]
     d = target.deploy
     return RayPlacement(cluster.cluster_address, f"{target.name}-{digest}", d.replica_cpus, d.replica_gpus,
-                        ready_timeout_s=min(float(d.health_timeout_s), 300.0))
+                        ready_timeout_s=min(float(d.health_timeout_s), 300.0), runtime_env=cluster.runtime_env())
 
 
-def on_host(cmd: list[str], host: str) -> list[str]:
-    """The command line listening on ``host`` (the node's address) instead of the driver's loopback."""
-    out = list(cmd)
-    for i, a in enumerate(out[:-1]):
-        if a == "--host":
-            out[i + 1] = host
-    return out
-
-
-def start_replica(target, export_dir, policy_version: str, port: int, slot, log: str) -> dict:
+def start_replica(target, export_dir, policy_version: str, port: int, slot, log: str,
+                  avoid_nodes: tuple[str, ...] = ()) -> dict:
     """A ``ServerRecord``'s fields for a new server of ``target`` placed on the Ray cluster: the same
     command line as a local one, on the node's address and the port the node gave (``port`` when free
     there). Only the variables the target changes travel; the node's own environment is the base."""
+    from prodrl_pipelines.deploy_targets.node_exports import export_source
+
     placement = target.ray_placement()
     env = {k: v for k, v in target.environment(port).items()
            if os.environ.get(k) != v and k not in NODE_OWNED}
-    at = placement.start(slot, port, lambda p, host: on_host(target.command(export_dir, p, policy_version), host),
-                         env, log)
+    source = export_source(target.settings, export_dir)  # None: the store is this disk, shared with the nodes
+    at = placement.start(slot, port, lambda p, host: with_address(target.command(export_dir, p, policy_version),
+                                                                   host, p),
+                         env, log, version=policy_version, export=str(export_dir), avoid_nodes=avoid_nodes,
+                         source=source)
     return {"pid": at["pid"], "port": at["port"], "url": f"http://{at['host']}:{at['port']}",
             "policy_version": policy_version, "export_dir": str(export_dir), "log": log,
             "started_at": time.time(), "node": at["node"], "host": at["host"], "actor": at["actor"],

@@ -118,7 +118,11 @@ class ServerRecord:
 
 
 def same_server(a: dict, b: dict) -> bool:
-    return int(a["pid"]) == int(b["pid"]) and a.get("actor", "") == b.get("actor", "")
+    """Whether two records name one server: by its actor on Ray (whose server's pid changes when the
+    actor brings it back), else by pid."""
+    if a.get("actor") or b.get("actor"):
+        return a.get("actor", "") == b.get("actor", "")
+    return int(a["pid"]) == int(b["pid"])
 
 
 def blue_green_port(raw: dict) -> int:

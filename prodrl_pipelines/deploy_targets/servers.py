@@ -30,8 +30,9 @@ from prodrl_pipelines.deploy_targets.base import (
     wait_healthy,
     write_json,
 )
+from prodrl_pipelines.deploy_targets.fleet_canary import FleetCanary
 from prodrl_pipelines.deploy_targets.server_records import (
-    ServerRecord, blue_green_port, record_alive, same_server, stop_process_group, stop_record, stop_recorded,
+    ServerRecord, blue_green_port, record_alive, same_server, stop_record, stop_recorded,
 )
 
 # Requests already accepted by the old server finish before it is stopped (the recorder switched
@@ -39,7 +40,7 @@ from prodrl_pipelines.deploy_targets.server_records import (
 DRAIN_S = 2.0
 
 
-class ManagedServerTarget:
+class ManagedServerTarget(FleetCanary):
     """A restart target: subclasses give the command line of a server on (export, port, version).
 
     ``deploy.replicas`` servers (slots 0..N-1) serve behind the endpoint file; slot i uses ports
@@ -77,8 +78,32 @@ class ManagedServerTarget:
 
     def current(self, slot: int = 0) -> ServerRecord | None:
         raw = read_json(self.slot_dir(slot) / "current.json")
-        rec = ServerRecord(**raw) if raw else None
+        rec = ServerRecord(**self.refreshed(raw)) if raw else None
         return rec if rec is not None and rec.alive() else None
+
+    # a Ray-placed server moves when its actor brought it back elsewhere: the record's address is the
+    # one it had at its start, the cluster's store has where it is now
+    def refreshed(self, raw: dict) -> dict:
+        if not raw.get("actor"):
+            return raw
+        from prodrl_pipelines.deploy_targets.ray_placement import refresh
+
+        return refresh(raw)
+
+    def mark_live(self, raw: dict | None) -> None:
+        """The server the slot comes back to after a failure (Ray placement; a local one is not restarted)."""
+        if raw and raw.get("actor"):
+            from prodrl_pipelines.deploy_targets.ray_placement import mark_live
+
+            mark_live(raw)
+
+    def keep_addresses(self) -> None:
+        """Ray placement: the fleet keeper, which moves a replica's URL in the endpoint file when its
+        actor brought it back at another address (started once per deployment)."""
+        if self.on_ray():
+            from prodrl_pipelines.deploy_targets.fleet_keeper import ensure_keeper
+
+            ensure_keeper(self)
 
     def currents(self) -> list[ServerRecord | None]:
         return [self.current(i) for i in range(self.replicas)]
@@ -102,18 +127,30 @@ class ManagedServerTarget:
             self._ray = placement_for(self)
         return self._ray
 
-    def start(self, export_dir: Path, policy_version: str, port: int, slot: int = 0) -> ServerRecord:
+    def start(self, export_dir: Path, policy_version: str, port: int, slot: int | str = 0) -> ServerRecord:
         log = self.dir / "logs" / f"{policy_version}-{port}.log"
         if self.on_ray():
             from prodrl_pipelines.deploy_targets.ray_placement import start_replica
 
-            return ServerRecord(**start_replica(self, Path(export_dir), policy_version, port, slot, str(log)))
+            avoid = self.other_nodes(slot) if self.deploy.replica_spread and slot != self.CANARY else ()
+            return ServerRecord(**start_replica(self, Path(export_dir), policy_version, port, slot, str(log),
+                                                avoid_nodes=avoid))
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as fh:
             proc = subprocess.Popen(self.command(export_dir, port, policy_version), env=self.environment(port),
                                     stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
         return ServerRecord(pid=proc.pid, port=port, url=f"http://{self.host}:{port}", policy_version=policy_version,
                             export_dir=str(export_dir), log=str(log), started_at=time.time())
+
+    def other_nodes(self, slot) -> tuple[str, ...]:
+        """The nodes holding the other slots' servers, current and pending (``replica_spread``)."""
+        nodes = set()
+        for other in range(self.replicas):
+            for name in ("current.json", "pending.json"):
+                raw = read_json(self.slot_dir(other) / name) if other != slot else None
+                if raw and raw.get("actor"):
+                    nodes.add(self.refreshed(raw).get("node", ""))
+        return tuple(sorted(n for n in nodes if n))
 
     def _stale(self, slot: int, port: int) -> None:
         """A server of ours left on ``port`` by a crashed deploy (pending, never committed) is stopped."""
@@ -170,7 +207,8 @@ class ManagedServerTarget:
             head = next((r for r in reps if r.policy_version == policy_version), reps[0])
             return Endpoint(head.url, head.policy_version, policy_version, self.name, export_dir,
                             replicas=[{"url": r.url, "served_model_name": r.policy_version,
-                                       "policy_version": r.policy_version} for r in reps],
+                                       "policy_version": r.policy_version, **({"actor": r.actor} if r.actor else {})}
+                                      for r in reps],
                             canary=old.canary if old is not None else None)
 
         endpoint_file(self.home).update(change)
@@ -185,7 +223,9 @@ class ManagedServerTarget:
         for s, raw in zip(slots, pending):
             write_json(self.slot_dir(s["slot"]) / "current.json", raw)
             (self.slot_dir(s["slot"]) / "pending.json").unlink(missing_ok=True)
+            self.mark_live(raw)
         self.write_endpoint(switch.policy_version, switch.export_dir)
+        self.keep_addresses()
         old = [s["previous"] for s in slots if s["previous"] and not same_server(s["previous"], s)]
         if old:
             time.sleep(DRAIN_S)
@@ -204,6 +244,7 @@ class ManagedServerTarget:
                 prev = s["previous"]
                 if prev and record_alive(prev):
                     write_json(self.slot_dir(s["slot"]) / "current.json", prev)
+                    self.mark_live(prev)
                 else:
                     (self.slot_dir(s["slot"]) / "current.json").unlink(missing_ok=True)
                     lost.append(s)
@@ -245,91 +286,12 @@ class ManagedServerTarget:
                 done.append(f"replica {s['slot']}: {prev['policy_version']}")
         return ("restored " + ", ".join(done)) if done else "no committed wave to restore"
 
-    # the canary: one more server on the pair of ports after the fleet's, outside the rolling slots
-    CANARY = "canary"
-
-    def canary_dir(self) -> Path:
-        return self.dir / self.CANARY
-
-    def canary(self) -> ServerRecord | None:
-        raw = read_json(self.canary_dir() / "current.json")
-        rec = ServerRecord(**raw) if raw else None
-        return rec if rec is not None and rec.alive() else None
-
-    def switch_canary(self, export_dir: Path, policy_version: str) -> Switch:
-        """Start the candidate beside the fleet and wait until it is healthy (nothing routed to it yet)."""
-        t0 = time.monotonic()
-        if self.on_ray():
-            raise DeployError(f"{self.name}: a canary with replica_placement 'ray' is not built yet; run the canary "
-                              "with replica_placement 'local' or set canary_fraction 0")
-        port = int(self.deploy.target_port) + 2 * self.replicas
-        old = self.canary()
-        if old is not None:
-            stop_process_group(old.pid)
-        rec = self.start(Path(export_dir), policy_version, port + (1 if old is not None and old.port == port else 0))
-        write_json(self.canary_dir() / "pending.json", asdict(rec))
-        try:
-            self._wait([rec], policy_version)
-        except BaseException:
-            stop_process_group(rec.pid)
-            (self.canary_dir() / "pending.json").unlink(missing_ok=True)
-            raise
-        return Switch(self.name, policy_version, str(export_dir), rec.url, policy_version,
-                      seconds=time.monotonic() - t0, detail={"pid": rec.pid, "port": rec.port, "log": rec.log,
-                                                             "role": "canary", "slots": []})
-
-    def commit_canary(self, switch: Switch, fraction: float) -> None:
-        """Route ``fraction`` of trajectories (sticky per trajectory id) to the canary; one step under
-        the endpoint file's lock, so it cannot interleave with a ``stop_canary``."""
-        def change(ep: Endpoint | None) -> Endpoint:
-            raw = read_json(self.canary_dir() / "pending.json")
-            if not raw or int(raw["pid"]) != int(switch.detail["pid"]):
-                raise DeployError(f"{self.name}: no pending canary for {switch.policy_version} to commit")
-            if ep is None:
-                raise DeployError("a canary needs a live deployment beside it (no endpoint file)")
-            write_json(self.canary_dir() / "current.json", raw)
-            (self.canary_dir() / "pending.json").unlink(missing_ok=True)
-            ep.canary = {"fraction": float(fraction), "policy_version": switch.policy_version,
-                         "export_dir": switch.export_dir,
-                         "replicas": [{"url": switch.endpoint, "served_model_name": switch.policy_version,
-                                       "policy_version": switch.policy_version}]}
-            return ep
-
-        endpoint_file(self.home).update(change)
-
-    def stop_canary(self) -> str:
-        """No more traffic to the canary (endpoint file first, and its records taken, under the file's
-        lock), then its server drains and stops."""
-        routed, records = [], []
-
-        def change(ep: Endpoint | None) -> Endpoint | None:
-            for name in ("pending.json", "current.json"):
-                raw = read_json(self.canary_dir() / name)
-                if raw:
-                    records.append(raw)
-                (self.canary_dir() / name).unlink(missing_ok=True)
-            if ep is None or not ep.canary:
-                return None
-            routed.append(ep.canary)
-            ep.canary = None
-            return ep
-
-        endpoint_file(self.home).update(change)
-        if routed:
-            time.sleep(DRAIN_S)
-        stopped = []
-        for raw in records:
-            if record_alive(raw):
-                stop_record(raw)
-                stopped.append(raw["policy_version"])
-        paused = routed[0].get("paused") if routed and isinstance(routed[0].get("paused"), dict) else None
-        why = f"; it had been taken off traffic: {paused.get('reason', '')}" if paused else ""
-        if stopped or paused:
-            return f"stopped the canary ({', '.join(stopped) or 'no longer running'}){why}"
-        return "no canary was running"
-
     def stop(self) -> None:
         """Stop every replica's servers (current and pending) and a canary: the end of this deployment."""
+        if self.on_ray():
+            from prodrl_pipelines.deploy_targets.fleet_keeper import stop_keeper
+
+            stop_keeper(self)
         stop_recorded(self.canary_dir())
         for slot in range(max(self.replicas, 1)):
             stop_recorded(self.slot_dir(slot))

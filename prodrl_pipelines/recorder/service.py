@@ -347,8 +347,9 @@ class Recorder:
         flight among the healthy replicas of its group, the canary's or the stable one), and the body
         names the model that replica serves. A replica that refuses the connection is taken out and
         the call goes to the next one; a connection closed before any answer came back (a keep-alive
-        connection the upstream was closing, or a replica draining) is retried once, on another
-        replica when there is one. Safe for the records: nothing is recorded before an answer.
+        connection the upstream was closing, a replica draining or killed) is retried on each other
+        replica once (once in all with one replica): several replicas can die together (a node).
+        Safe for the records: nothing is recorded before an answer.
         """
         assert self.http is not None
         kw = {"timeout": timeout} if timeout is not None else {}
@@ -389,7 +390,7 @@ class Recorder:
                 self.balancer.finished(choice)
                 resets += 1
                 self.stats.inc("upstream_retries")
-                if resets > 1:
+                if resets > max(1, len(ep.replica_list()) - 1):
                     raise
                 if len(ep.replica_list()) > 1:
                     refused.add(choice.url)

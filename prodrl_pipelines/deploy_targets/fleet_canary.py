@@ -1,0 +1,111 @@
+"""The canary of a managed fleet: one more server beside the rolling slots, given a sticky fraction of
+trajectories while the candidate is judged on live traffic.
+
+It runs on the pair of ports after the fleet's and is placed like any replica (a local process, or a
+Ray actor's server with ``replica_placement: ray``); it is started, checked and stopped through its
+record, so the same code serves both placements.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import asdict
+from pathlib import Path
+
+from prodrl_pipelines.deploy_targets.base import DeployError, Endpoint, Switch, endpoint_file, read_json, write_json
+from prodrl_pipelines.deploy_targets.server_records import (
+    ServerRecord, blue_green_port, record_alive, same_server, stop_record,
+)
+
+# Requests already routed to the canary finish before it is stopped.
+CANARY_DRAIN_S = 2.0
+
+
+class FleetCanary:
+    """Mixed into ``ManagedServerTarget`` (``start``, ``_wait``, ``deploy``, ``dir``, ``home``)."""
+
+    CANARY = "canary"
+
+    def canary_dir(self) -> Path:
+        return self.dir / self.CANARY
+
+    def canary(self) -> ServerRecord | None:
+        raw = read_json(self.canary_dir() / "current.json")
+        rec = ServerRecord(**self.refreshed(raw)) if raw else None
+        return rec if rec is not None and rec.alive() else None
+
+    def switch_canary(self, export_dir: Path, policy_version: str) -> Switch:
+        """Start the candidate beside the fleet and wait until it is healthy (nothing routed to it yet)."""
+        t0 = time.monotonic()
+        port = int(self.deploy.target_port) + 2 * self.replicas
+        old = read_json(self.canary_dir() / "current.json")
+        if old and record_alive(old):
+            stop_record(old)
+        busy = bool(old) and blue_green_port(old) == port
+        rec = self.start(Path(export_dir), policy_version, port + (1 if busy else 0), slot=self.CANARY)
+        write_json(self.canary_dir() / "pending.json", asdict(rec))
+        try:
+            self._wait([rec], policy_version)
+        except BaseException:
+            stop_record(asdict(rec))
+            (self.canary_dir() / "pending.json").unlink(missing_ok=True)
+            raise
+        return Switch(self.name, policy_version, str(export_dir), rec.url, policy_version,
+                      seconds=time.monotonic() - t0,
+                      detail={"pid": rec.pid, "port": rec.port, "log": rec.log, "actor": rec.actor,
+                              "role": "canary", "slots": []})
+
+    def commit_canary(self, switch: Switch, fraction: float) -> None:
+        """Route ``fraction`` of trajectories (sticky per trajectory id) to the canary; one step under
+        the endpoint file's lock, so it cannot interleave with a ``stop_canary``."""
+        def change(ep: Endpoint | None) -> Endpoint:
+            raw = read_json(self.canary_dir() / "pending.json")
+            if not raw or not same_server(raw, switch.detail):
+                raise DeployError(f"{self.name}: no pending canary for {switch.policy_version} to commit")
+            if ep is None:
+                raise DeployError("a canary needs a live deployment beside it (no endpoint file)")
+            write_json(self.canary_dir() / "current.json", raw)
+            (self.canary_dir() / "pending.json").unlink(missing_ok=True)
+            self.mark_live(raw)
+            ep.canary = {"fraction": float(fraction), "policy_version": switch.policy_version,
+                         "export_dir": switch.export_dir,
+                         "replicas": [{"url": switch.endpoint, "served_model_name": switch.policy_version,
+                                       "policy_version": switch.policy_version,
+                                       **({"actor": raw["actor"]} if raw.get("actor") else {})}]}
+            return ep
+
+        endpoint_file(self.home).update(change)
+        self.keep_addresses()
+
+    def stop_canary(self) -> str:
+        """No more traffic to the canary (endpoint file first, and its records taken, under the file's
+        lock), then its server drains and stops."""
+        routed, records = [], []
+
+        def change(ep: Endpoint | None) -> Endpoint | None:
+            for name in ("pending.json", "current.json"):
+                raw = read_json(self.canary_dir() / name)
+                if raw:
+                    records.append(raw)
+                (self.canary_dir() / name).unlink(missing_ok=True)
+            if ep is None or not ep.canary:
+                return None
+            routed.append(ep.canary)
+            ep.canary = None
+            return ep
+
+        endpoint_file(self.home).update(change)
+        if routed:
+            time.sleep(CANARY_DRAIN_S)
+        stopped = []
+        for raw in records:
+            alive = record_alive(raw)
+            if alive:
+                stopped.append(raw["policy_version"])
+            if alive or raw.get("actor"):  # an actor whose server died goes too, with its group
+                stop_record(raw)
+        paused = routed[0].get("paused") if routed and isinstance(routed[0].get("paused"), dict) else None
+        why = f"; it had been taken off traffic: {paused.get('reason', '')}" if paused else ""
+        if stopped or paused:
+            return f"stopped the canary ({', '.join(stopped) or 'no longer running'}){why}"
+        return "no canary was running"
