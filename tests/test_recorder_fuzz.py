@@ -62,8 +62,11 @@ FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=80,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
                                        HealthCheck.large_base_example, HealthCheck.filter_too_much])
 
-ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"), ("GET", "/v1/models"),
-          ("POST", "/v1/feedback"), ("GET", "/stats"), ("GET", "/metrics"), ("GET", "/health")]
+API_ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"),
+              ("GET", "/v1/models"), ("POST", "/v1/feedback")]
+SESSION = "fuzz-session"  # every OpenAI route again under a session-scoped base URL: /s/<session>/v1/...
+ROUTES = [*API_ROUTES, *((m, f"/s/{SESSION}{p}") for m, p in API_ROUTES),
+          ("GET", "/stats"), ("GET", "/metrics"), ("GET", "/health")]
 COMPLETION = {"prompt": [5, 6, 7], "max_tokens": 3}
 CHAT = {"messages": [{"role": "user", "content": "4+4="}], "max_tokens": 3}
 RESPONSES = {"input": "4+4=", "max_output_tokens": 3}
@@ -319,7 +322,7 @@ def _send(f: Fuzzed, method: str, path: str, headers: dict | None, content: byte
     if s == 200 and resp.headers.get("content-type", "").startswith("text/event-stream"):
         lines = resp.text.split("\n")
         data = [ln[5:].strip() for ln in lines if ln.startswith("data:")]
-        if path.startswith("/v1/responses"):  # a Responses stream has no [DONE]: it ends with its final event
+        if _api(path).startswith("/v1/responses"):  # a Responses stream has no [DONE]: it ends with its final event
             try:
                 last = json.loads(data[-1]).get("type") if data else None
             except ValueError:
@@ -448,9 +451,11 @@ HEADER_VALUES = st.one_of(
 # error and h11's plain 400, so larger values made this test flaky under load). The recorder's own
 # limits (256, 200, 1024 characters) are far inside it.
 LONG_HEADER_VALUES = st.integers(1, 12_000).map(lambda n: "v" * n)
-X_HEADERS = st.one_of(st.just({}), st.sampled_from([{"X-Trajectory-Id": "t-1"}, {"X-Trajectory-Id": KNOWN_TID}]),
+X_HEADERS = st.one_of(st.just({}), st.sampled_from([{"X-Trajectory-Id": "t-1"}, {"X-Trajectory-Id": KNOWN_TID},
+                                                    {"X-Session-Id": "s-1"}]),
                       st.fixed_dictionaries({}, optional={
     "X-Trajectory-Id": st.one_of(st.sampled_from(["t-1", "t-2", KNOWN_TID]), HEADER_VALUES),
+    "X-Session-Id": st.one_of(st.sampled_from(["s-1", "t-1", KNOWN_TID]), HEADER_VALUES),
     "X-Policy-Version": HEADER_VALUES, "X-Task-Id": HEADER_VALUES,
     "Idempotency-Key": st.one_of(st.sampled_from(["k1", "k2"]), HEADER_VALUES),
     "x-stainless-retry-count": st.one_of(st.sampled_from(["0", "1", "2"]), HEADER_VALUES)}))
@@ -562,7 +567,13 @@ def test_deeply_nested_json_is_a_400_not_a_500(rec, route, depth, kind, where):
     send(rec, "POST", route, JSON_CT, body.encode())
 
 
+def _api(path: str) -> str:
+    """The plain route of a session-scoped path (``/s/<session>/v1/x`` -> ``/v1/x``)."""
+    return re.sub(r"^/s/[^/]*(?=/v1/)", "", path)
+
+
 def _plain_body(route: str) -> dict:
+    route = _api(route)
     return dict({"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT, "/v1/responses": RESPONSES}.get(
         route, {"trajectory_id": KNOWN_TID, "reward": 1.0}))
 
@@ -622,9 +633,35 @@ def test_a_reward_whose_source_is_a_lone_surrogate_is_refused_not_half_recorded(
         assert not problems, "\n".join(problems)
 
 
+SESSION_SEGMENTS = st.one_of(st.sampled_from(["s-1", "t-1", KNOWN_TID, "", ".", "..", "a b", "a;b", "\u00e9", "s" * 256,
+                                              "s" * 257, "%2F", "a%2Fb", "%00", "run-42:1@x+y=z"]),
+                             st.text(max_size=12), HEADER_TEXT)
+
+
+@settings(FUZZ, max_examples=120)
+@given(route=st.sampled_from([p for _, p in API_ROUTES]), session=SESSION_SEGMENTS, headers=X_HEADERS,
+       stream=st.booleans(), quoted=st.booleans())
+def test_session_urls_survive_any_session(rec, route, session, headers, stream, quoted):
+    """Any session in a ``/s/<session>/v1/...`` base URL, with any of the id headers: the usual
+    properties, and a call answered 200 without an id header lands in the URL's session."""
+    from urllib.parse import quote
+
+    body = _plain_body(route)
+    if stream and route not in ("/v1/feedback", "/v1/models"):
+        body["stream"] = True
+    segment = quote(session, safe="") if quoted else quote(session, safe="/%;:@+=")
+    method = "GET" if route == "/v1/models" else "POST"
+    resp = send(rec, method, f"/s/{segment}{route}", {**JSON_CT, **headers},
+                None if method == "GET" else json.dumps(body).encode())
+    sent_to_session = resp.request.url.raw_path.startswith(b"/s/")  # the client drops `..` segments
+    if (resp.status_code == 200 and "x-call-index" in resp.headers and sent_to_session and not
+            {"x-trajectory-id", "x-session-id"} & {h.lower() for h in headers}):
+        assert resp.headers["x-trajectory-id"] == session
+
+
 @settings(FUZZ, max_examples=60)
 @given(route=st.sampled_from(POSTED),
-       name=st.sampled_from(["X-Trajectory-Id", "X-Policy-Version", "X-Task-Id", "Idempotency-Key",
+       name=st.sampled_from(["X-Trajectory-Id", "X-Session-Id", "X-Policy-Version", "X-Task-Id", "Idempotency-Key",
                              "x-stainless-retry-count"]), value=LONG_HEADER_VALUES,
        stream=st.booleans())
 def test_long_header_values_are_json_errors_or_answers(rec, route, name, value, stream):
@@ -682,7 +719,8 @@ def test_any_method_on_any_path(rec, method, path, auth, body):
 
 def test_every_route_answers_its_own_method(rec):
     """The fuzzed routes are the app's routes (and they all answer)."""
-    assert {(m, r.path) for r in rec.srv.config.app.routes for m in r.methods if m != "HEAD"} == set(ROUTES)
+    assert {(m, re.sub(r"\{session(:\w+)?\}", SESSION, r.path)) for r in rec.srv.config.app.routes
+            for m in r.methods if m != "HEAD"} == set(ROUTES)
     for method, path in ROUTES:
         body = json.dumps(_plain_body(path)).encode() if method == "POST" else None
         assert send(rec, method, path, JSON_CT, body).status_code == 200, (method, path)
@@ -785,3 +823,6 @@ def test_zz_the_store_is_whole_and_readable_after_the_fuzzing(rec):
     counters = rec.http.get("/stats").json()["counters"]
     assert counters.get("flush_errors", 0) == 0 and counters.get("wal_errors", 0) == 0, counters
     assert counters.get("rejected_rows", 0) == 0, counters
+    # the fuzzing reached every session source (calls.SESSION_SOURCES) and the generated ids
+    assert all(counters.get(f"session_source_{s}", 0) > 0 for s in
+               ("trajectory_header", "session_header", "session_url", "none")), counters

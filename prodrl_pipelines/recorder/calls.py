@@ -1,5 +1,5 @@
-"""Reading one client call: its JSON body (bounded), trajectory id, retry identity and tenant; the
-JSON error answers; what an upstream answer must look like before it is read."""
+"""Reading one client call: its JSON body (bounded), trajectory id (``SESSION_SOURCES``), retry identity
+and tenant; the JSON error answers; what an upstream answer must look like before it is read."""
 
 from __future__ import annotations
 
@@ -142,13 +142,47 @@ async def read_call_body(request: Request) -> tuple[dict, bytes]:
     return body, raw
 
 
+# Where a call's trajectory id comes from, highest priority first: the client's own trajectory header,
+# a session header, the session of a session-scoped base URL (``OpenAI(base_url=".../s/run-42/v1")``),
+# so that one agent run is one trajectory without patching its SDK. The first source present decides;
+# every source present must be a valid id (else a 400 naming it: a misconfigured base URL fails on its
+# first call, whatever headers come with it); with none, the call starts a trajectory of its own under
+# a generated id. ``/stats`` counts ``session_source_<name>`` (``none``: generated).
+SESSION_SOURCES = {
+    "trajectory_header": "X-Trajectory-Id",
+    "session_header": "X-Session-Id",
+    "session_url": "the session of the URL /s/<session>/v1/...",
+}
+SESSION_PARAM = "session"  # the path parameter of the session-scoped routes
+_ID_RULE = "1-256 characters of [A-Za-z0-9._:@/+=-]"
+
+
+def _checked(source: str, value: str | None) -> str | None:
+    if value is not None and not _TRAJECTORY_ID.match(value):
+        rule = _ID_RULE.replace("/", "") + " (no '/' in a URL)" if source == "session_url" else _ID_RULE
+        raise ProtocolError(f"{SESSION_SOURCES[source]} must be {rule}, got {clip(value)}")
+    return value
+
+
+def url_session(request: Request) -> str | None:
+    """The session of a ``/s/<session>/v1/...`` route (None on the plain routes), checked."""
+    return _checked("session_url", request.path_params.get(SESSION_PARAM))
+
+
+def session_of(request: Request) -> tuple[str, str]:
+    """(trajectory id, source): the first of ``SESSION_SOURCES`` the call carries, else a generated id
+    (source ``none``); a ``ProtocolError`` (400) naming the source of a value that is not a valid id."""
+    values = {"trajectory_header": _checked("trajectory_header", request.headers.get("x-trajectory-id")),
+              "session_header": _checked("session_header", request.headers.get("x-session-id")),
+              "session_url": url_session(request)}
+    for source, value in values.items():
+        if value is not None:
+            return value, source
+    return uuid.uuid4().hex, "none"
+
+
 def trajectory_id_of(request: Request) -> str:
-    tid = request.headers.get("x-trajectory-id")
-    if tid is None:
-        return uuid.uuid4().hex
-    if not _TRAJECTORY_ID.match(tid):
-        raise ProtocolError("X-Trajectory-Id must be 1-256 characters of [A-Za-z0-9._:@/+=-]")
-    return tid
+    return session_of(request)[0]
 
 
 def attempt_of(request: Request, raw: bytes) -> Attempt | None:

@@ -11,6 +11,7 @@ from contextlib import asynccontextmanager
 
 import aiohttp
 from starlette.applications import Starlette
+from starlette.convertors import Convertor, register_url_convertor
 from starlette.requests import Request
 from starlette.responses import JSONResponse, Response
 from starlette.routing import Route
@@ -19,6 +20,7 @@ from prodrl_pipelines.engines.openai_protocol import ProtocolError, error_body
 from prodrl_pipelines.config.preflight import redact
 from prodrl_pipelines.recorder.answers import Rewriter
 from prodrl_pipelines.recorder.calls import (
+    SESSION_PARAM,
     UPSTREAM_SHAPE_ERRORS,
     Caller,
     attempt_of,
@@ -28,10 +30,11 @@ from prodrl_pipelines.recorder.calls import (
     err,
     n_up,
     read_call_body,
+    session_of,
     tenant_of,
-    trajectory_id_of,
     upstream_error,
     upstream_unavailable,
+    url_session,
 )
 from prodrl_pipelines.recorder.indexer import IndexerUnavailable
 from prodrl_pipelines.recorder.ingest import Stats
@@ -52,7 +55,8 @@ async def _proxy(request: Request, kind: str) -> Response:
     t0 = time.perf_counter()
     try:
         body, raw = await read_call_body(request)
-        client_tid = trajectory_id_of(request)
+        client_tid, source = session_of(request)
+        stats.count(f"session_source_{source}", tenant=tenant.name)
         caller = Caller(tenant, client_tid, tenant.stored_id(client_tid), attempt_of(request, raw))
         shape = None
         if kind == "responses":
@@ -145,6 +149,10 @@ async def models(request: Request) -> Response:
     rec: Recorder = request.app.state.recorder
     assert rec.http is not None
     try:
+        url_session(request)
+    except ProtocolError as exc:
+        return err(str(exc), exc.status, rec.stats, "bad_requests")
+    try:
         async with rec.http.get(rec.upstream_url("v1/models")) as resp:
             return Response(await resp.read(), status_code=resp.status, media_type=resp.headers.get("content-type"))
     except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
@@ -156,10 +164,12 @@ async def feedback(request: Request) -> Response:
     stats = rec.stats
     tenant = tenant_of(request)
     try:
+        session = url_session(request)
         body, _ = await read_call_body(request)
     except ProtocolError as exc:
         return err(str(exc), exc.status, stats, "feedback_bad_requests")
-    tid, reward, source = body.get("trajectory_id"), body.get("reward"), body.get("source", "feedback")
+    tid = body.get("trajectory_id", session)  # under a session-scoped URL the trajectory defaults to the session
+    reward, source = body.get("reward"), body.get("source", "feedback")
     if not isinstance(tid, str) or not tid:
         return err("`trajectory_id` (a non-empty string) is required", 422, stats, "feedback_invalid")
     if not is_json_number(reward) or not math.isfinite(float(reward)):
@@ -260,6 +270,22 @@ class _BearerAuth:
         await self.app(scope, receive, send)
 
 
+class _SessionConvertor(Convertor):
+    """A path segment, empty included, so that ``/s//v1/...`` is a 400 naming the session (not a 404)."""
+
+    regex = "[^/]*"
+
+    def convert(self, value: str) -> str:
+        return value
+
+    def to_string(self, value: str) -> str:
+        return value
+
+
+register_url_convertor("prodrl_session", _SessionConvertor())
+SESSION_PREFIX = f"/s/{{{SESSION_PARAM}:prodrl_session}}"
+
+
 def build_recorder_app(config: RecorderConfig) -> Starlette:
     rec = Recorder(config)
 
@@ -271,12 +297,11 @@ def build_recorder_app(config: RecorderConfig) -> Starlette:
         finally:
             await rec.stop()
 
-    routes = [
-        Route("/v1/completions", completions, methods=["POST"]),
-        Route("/v1/chat/completions", chat_completions, methods=["POST"]),
-        Route("/v1/responses", responses, methods=["POST"]),
-        Route("/v1/models", models, methods=["GET"]),
-        Route("/v1/feedback", feedback, methods=["POST"]),
+    api = [("/v1/completions", completions, "POST"), ("/v1/chat/completions", chat_completions, "POST"),
+           ("/v1/responses", responses, "POST"), ("/v1/models", models, "GET"), ("/v1/feedback", feedback, "POST")]
+    # each OpenAI route also under a session-scoped base URL: /s/<session>/v1/... (calls.SESSION_SOURCES)
+    routes = [Route(prefix + path, fn, methods=[method]) for prefix in ("", SESSION_PREFIX) for path, fn, method in api]
+    routes += [
         Route("/stats", stats_route, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/health", health, methods=["GET"]),

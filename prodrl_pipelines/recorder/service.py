@@ -41,9 +41,12 @@ An upstream without the extension (vLLM) ignores the field: the call is still re
 request's stream, so a seeded request samples other tokens with the flag than without it.
 
 Trajectories: calls carrying the same ``X-Trajectory-Id`` header form one trajectory, indexed 0, 1,
-... in the order they complete; a call without the header starts a new one with a generated id. The
-answer carries ``X-Trajectory-Id`` and (when not streaming) ``X-Call-Index`` and
-``X-Prodrl-Recorded``. Optional ``X-Task-Id`` is stored as ``task_id``.
+... in the order they complete. Without it, a session key groups them: an ``X-Session-Id`` header,
+else the session of a session-scoped base URL (every OpenAI route is also served under
+``/s/<session>/v1/...``, so ``OpenAI(base_url=".../s/run-42/v1")`` records one agent run as one
+trajectory without patching its SDK; ``calls.SESSION_SOURCES``). A call with none of them starts a
+new trajectory with a generated id. The answer carries ``X-Trajectory-Id`` and (when not streaming)
+``X-Call-Index`` and ``X-Prodrl-Recorded``. Optional ``X-Task-Id`` is stored as ``task_id``.
 
 Rewards: ``POST /v1/feedback {"trajectory_id", "reward", "source"?}`` -> 200 once durable;
 unknown trajectory 404; reward missing, not a number or not finite 422; malformed JSON 400.
