@@ -99,7 +99,9 @@ class FleetKeeper:
 
 
 def keeper_name(target) -> str:
-    return f"{target.ray_placement().prefix}-keeper"
+    from prodrl_pipelines.deploy_targets.ray_placement import prefix_of
+
+    return f"{prefix_of(target)}-keeper"
 
 
 def ensure_keeper(target):
@@ -140,11 +142,19 @@ def keeper_stats(target) -> dict:
 
 
 def stop_keeper(target) -> None:
+    """Stop the deployment's keeper, found through the cluster its servers' records name (whoever
+    stops a fleet, a stack shutting down included, may hold no cluster settings); none recorded: none runs."""
     import ray
 
-    from prodrl_pipelines.deploy_targets.ray_placement import NAMESPACE
+    from prodrl_pipelines.deploy_targets.base import read_json
+    from prodrl_pipelines.deploy_targets.ray_placement import NAMESPACE, connect
 
-    target.ray_placement().connect()
+    dirs = [target.slot_dir(i) for i in range(max(target.replicas, 1))] + [target.canary_dir()]
+    address = next((raw["ray_address"] for d in dirs for name in ("current.json", "pending.json")
+                    if (raw := read_json(d / name)) and raw.get("ray_address")), None)
+    if address is None:
+        return
+    connect(address)
     try:
         ray.kill(ray.get_actor(keeper_name(target), namespace=NAMESPACE), no_restart=True)
     except ValueError:  # none running

@@ -225,11 +225,16 @@ def info(name: str, address: str) -> dict:
         return {}
 
 
+def prefix_of(target) -> str:
+    """What this deployment's actors are named after: the target and a digest of its state directory."""
+    import hashlib
+
+    return f"{target.name}-{hashlib.sha1(str(target.dir.resolve()).encode()).hexdigest()[:10]}"
+
+
 def placement_for(target) -> RayPlacement:
     """The placement of a managed target's replicas: the cluster of ``target.cluster`` (else of the
     environment's settings, ``PRODRL_SETTINGS_JSON``), actors named after the target's state directory."""
-    import hashlib
-
     cluster = target.cluster
     if cluster is None:
         from prodrl_pipelines.cluster.config import cluster_settings
@@ -239,9 +244,8 @@ def placement_for(target) -> RayPlacement:
     if not cluster.on_ray:
         raise DeployError(f"{target.name}: replica_placement 'ray' needs cluster 'ray' and cluster_address "
                           "(the Ray dashboard URL)")
-    digest = hashlib.sha1(str(target.dir.resolve()).encode()).hexdigest()[:10]
     d = target.deploy
-    return RayPlacement(cluster.cluster_address, f"{target.name}-{digest}", d.replica_cpus, d.replica_gpus,
+    return RayPlacement(cluster.cluster_address, prefix_of(target), d.replica_cpus, d.replica_gpus,
                         ready_timeout_s=min(float(d.health_timeout_s), 300.0), runtime_env=cluster.runtime_env())
 
 
