@@ -9,7 +9,7 @@ import pytest
 from prodrl_pipelines.engines.openai_protocol import ProtocolError
 from prodrl_pipelines.engines.types import SamplingParams
 from prodrl_pipelines.lab.episodes import render_prompt
-from prodrl_pipelines.recorder.responses import LOGPROBS_INCLUDE, ResponsesShape
+from prodrl_pipelines.recorder.responses import INCLUDABLE, LOGPROBS_INCLUDE, ResponsesShape
 from tests.test_recorder import EOS, TOKEN, direct, start_recorder, upstream  # noqa: F401 - fixtures
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -85,7 +85,9 @@ def test_what_cannot_be_translated_is_a_400_naming_the_field(upstream, start_rec
         (dict(input=[{"role": "user", "content": [{"type": "input_image", "image_url": "http://x"}]}]),
          "`input[0].content[0]` is a 'input_image' part"),
         (dict(input="x", tools=[{"type": "web_search"}]), "`tools[0]` is a 'web_search' tool"),
-        (dict(input="x", include=["reasoning.encrypted_content"]), "`include` may only hold"),
+        (dict(input="x", include=["message.output_text.bogus"]), "`include` holds 'message.output_text.bogus', "
+         "not a value of the Responses API"),
+        (dict(input="x", tools=[], tool_choice="required"), "`tool_choice` 'required' forces a tool call"),
         (dict(input=[]), "`input` must be a string or a non-empty list"),
     ]
     for kw, fragment in cases:
@@ -134,3 +136,77 @@ def test_tool_calls_and_their_results_become_chat_messages():
                                  "arguments": "{}", "status": "completed"}]
     with pytest.raises(ProtocolError, match="`input\\[0\\].role` must be user"):
         ResponsesShape({"input": [{"role": "tool", "content": "x"}]}).chat_request()
+
+
+# ----------------------------------------------------------------------------- what agent SDKs send
+
+
+def test_what_openai_agents_sends_by_default_is_answered_and_recorded(upstream, start_recorder, direct):
+    """openai-agents' default Responses request: ``tools: []`` (which ``prodrl serve``, like vLLM 0.32,
+    refuses in a chat request), ``include: []``, ``parallel_tool_calls: false``, ``store: false``,
+    ``metadata``; and an ``include`` of values that select no translated output."""
+    refused = direct.post("/v1/chat/completions", json={"model": "v0", "messages": [{"role": "user", "content": "x"}],
+                                                         "tools": [], "max_tokens": 2})
+    assert refused.status_code == 400 and "must not be an empty array" in refused.text
+    r = start_recorder(upstream.url)
+    client = _client(r, "agents-1")
+    kinds = []
+    for extra in (dict(include=[], tools=[], parallel_tool_calls=False, store=False, metadata={"run": "1"}),
+                  dict(include=["reasoning.encrypted_content", LOGPROBS_INCLUDE], tools=[], tool_choice="auto",
+                       store=False, top_logprobs=1),
+                  dict(tools=[], tool_choice="none", stream=True, store=True)):
+        out = client.responses.create(model=client.model, input="3+4=", max_output_tokens=4, **extra)
+        if extra.get("stream"):
+            out = [e for e in out][-1].response
+        assert out.object == "response" and out.output_text and out.store is False, out
+        kinds.append(out.parallel_tool_calls)
+    assert kinds == [False, True, True]
+    rows = sorted(r.store().read_calls().to_pylist(), key=lambda x: x["call_index"])
+    assert [x["call_index"] for x in rows] == [0, 1, 2] and {x["trajectory_id"] for x in rows} == {"agents-1"}
+    assert r.stats().get("bad_requests", 0) == 0
+    client.close()
+
+
+def test_tools_keep_their_strict_flag_and_parallel_tool_calls_is_forwarded():
+    tools = [{"type": "function", "name": "add", "description": "a+b", "strict": True,
+              "parameters": {"type": "object", "properties": {"a": {"type": "integer"}}, "required": ["a"],
+                             "additionalProperties": False}},
+             {"type": "function", "name": "loose", "strict": False, "parameters": None},
+             {"type": "function", "name": "plain"}]
+    for parallel in (False, True):
+        chat = ResponsesShape({"input": "x", "tools": tools, "parallel_tool_calls": parallel}).chat_request()
+        assert chat["parallel_tool_calls"] is parallel
+        assert chat["tools"] == [
+            {"type": "function", "function": {"name": "add", "parameters": tools[0]["parameters"], "description": "a+b",
+                                              "strict": True}},
+            {"type": "function", "function": {"name": "loose", "parameters": {"type": "object", "properties": {}},
+                                              "strict": False}},
+            {"type": "function", "function": {"name": "plain", "parameters": {"type": "object", "properties": {}}}}]
+    assert "parallel_tool_calls" not in ResponsesShape({"input": "x", "tools": tools}).chat_request()
+    assert ResponsesShape({"input": "x", "tools": tools, "tool_choice": "required"}).chat_request()["tool_choice"] == "required"
+
+
+@pytest.mark.parametrize("tool_choice", [None, "auto", "none"])
+def test_an_empty_tools_list_is_left_out_with_the_choices_that_mean_no_call(tool_choice):
+    body = {"input": "x", "tools": [], "store": False, "include": [], "metadata": {"k": "v"}, "parallel_tool_calls": False}
+    if tool_choice is not None:
+        body["tool_choice"] = tool_choice
+    chat = ResponsesShape(body).chat_request()
+    assert chat == {"messages": [{"role": "user", "content": "x"}], "parallel_tool_calls": False}
+    assert ResponsesShape({"input": "x", "tool_choice": "auto"}).chat_request() == {
+        "messages": [{"role": "user", "content": "x"}]}
+    with pytest.raises(ProtocolError, match="forces a tool call, but `tools` holds no function tool"):
+        ResponsesShape({"input": "x", "tools": [], "tool_choice": {"type": "function", "name": "f"}}).chat_request()
+
+
+def test_every_include_value_of_the_api_is_accepted_and_previous_response_id_is_refused():
+    shape = ResponsesShape({"input": "x", "include": sorted(INCLUDABLE), "store": False})
+    assert shape.logprobs and shape.chat_request()["logprobs"] is True
+    assert not ResponsesShape({"input": "x", "include": ["reasoning.encrypted_content"]}).logprobs
+    for bad, why in ((["x"], "not a value of the Responses API"), ("reasoning.encrypted_content", "must be a list"),
+                     ([1], "must be a list of strings")):
+        with pytest.raises(ProtocolError, match=why):
+            ResponsesShape({"input": "x", "include": bad})
+    with pytest.raises(ProtocolError, match="`previous_response_id` needs server-side state, which the recorder keeps "
+                       "none of: send the whole conversation as `input`"):
+        ResponsesShape({"input": "x", "previous_response_id": "resp_1", "store": False})

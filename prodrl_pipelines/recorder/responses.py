@@ -8,11 +8,18 @@ has the same fields as a chat call's.
 
 Translated: ``input`` (a string, or message items with text content parts, ``function_call`` and
 ``function_call_output`` items), ``instructions``, ``max_output_tokens``, ``temperature``, ``top_p``,
-function ``tools`` and ``tool_choice``, ``text.format`` (text or JSON schema), ``top_logprobs`` with
-``include: ["message.output_text.logprobs"]``, ``stream``; other fields (``seed``, vLLM's ``top_k``,
-...) go to the chat request as they are, so the usual unrecordable rules apply. Refused with a 400
-naming the field: server-side state (``previous_response_id``, ``conversation``, ``background``),
-built-in tools, non-text input parts, ``reasoning``, other ``include`` values.
+function ``tools`` (each with its ``strict`` flag) and ``tool_choice``, ``parallel_tool_calls``
+(``false`` included), ``text.format`` (text or JSON schema), ``top_logprobs`` with ``include:
+["message.output_text.logprobs"]``, ``stream``; other fields (``seed``, vLLM's ``top_k``, ...) go to
+the chat request as they are, so the usual unrecordable rules apply. What agent SDKs send by default
+works: ``tools: []`` (openai-agents always sends it; vLLM refuses an empty array) is left out, with a
+``tool_choice`` of ``auto`` or ``none`` (the same thing without tools); ``store`` (nothing is kept
+either way: the Response says ``store: false``) and ``metadata`` are accepted and not sent on; any
+``include`` value of the API is accepted: the others select output the translation never produces
+(reasoning items, built-in tool results, input images). Refused with a 400 naming the field:
+server-side state (``previous_response_id``, ``conversation``, ``background``, ``prompt``: the recorder
+keeps no Response, so the client must send the whole conversation as ``input``), built-in tools,
+non-text input parts, ``reasoning``, a forced ``tool_choice`` without tools, unknown ``include`` values.
 """
 
 from __future__ import annotations
@@ -24,9 +31,14 @@ from typing import Any, Iterator
 
 from prodrl_pipelines.engines.openai_protocol import ProtocolError
 
-__all__ = ["ResponsesShape", "LOGPROBS_INCLUDE"]
+__all__ = ["ResponsesShape", "LOGPROBS_INCLUDE", "INCLUDABLE"]
 
 LOGPROBS_INCLUDE = "message.output_text.logprobs"
+# The Responses API's ``include`` values (openai ``ResponseIncludable``); only LOGPROBS_INCLUDE changes
+# the answer, the others select items a translated chat answer never has.
+INCLUDABLE = frozenset({LOGPROBS_INCLUDE, "reasoning.encrypted_content", "file_search_call.results",
+                        "web_search_call.results", "web_search_call.action.sources", "message.input_image.image_url",
+                        "computer_call_output.output.image_url", "code_interpreter_call.outputs"})
 _STATEFUL = ("previous_response_id", "conversation", "background", "prompt")
 _PASSED_BY_US = {"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "top_logprobs", "include",
                  "stream", "store", "metadata", "user", "parallel_tool_calls", "truncation", "service_tier",
@@ -97,28 +109,35 @@ def _messages(body: dict) -> list[dict]:
 
 
 def _tools(body: dict) -> list[dict] | None:
+    """The function tools as chat tools; None for none (``tools: []`` too: vLLM refuses an empty array)."""
     tools = body.get("tools")
     if tools is None:
         return None
     if not isinstance(tools, list):
         raise _bad("tools", "must be a list")
+    if not tools:
+        return None
     out = []
     for i, t in enumerate(tools):
         if not isinstance(t, dict) or t.get("type") != "function" or not isinstance(t.get("name"), str):
             kind = t.get("type") if isinstance(t, dict) else type(t).__name__
             raise _bad(f"tools[{i}]", f"is a {kind!r} tool: the recorder takes function tools only")
         fn = {"name": t["name"], "parameters": t.get("parameters") or {"type": "object", "properties": {}}}
-        if t.get("description") is not None:
-            fn["description"] = t["description"]
+        for name in ("description", "strict"):
+            if t.get(name) is not None:
+                fn[name] = t[name]
         out.append({"type": "function", "function": fn})
     return out
 
 
-def _tool_choice(tc: Any) -> Any:
-    if tc is None or tc in ("auto", "none", "required"):
-        return tc
-    if isinstance(tc, dict) and tc.get("type") == "function" and isinstance(tc.get("name"), str):
-        return {"type": "function", "function": {"name": tc["name"]}}
+def _tool_choice(tc: Any, has_tools: bool) -> Any:
+    if tc is None or tc in ("auto", "none"):
+        # without tools both mean no call, and a chat server refuses a tool_choice without tools
+        return tc if has_tools else None
+    if tc == "required" or (isinstance(tc, dict) and tc.get("type") == "function" and isinstance(tc.get("name"), str)):
+        if not has_tools:
+            raise _bad("tool_choice", f"{tc!r} forces a tool call, but `tools` holds no function tool")
+        return tc if tc == "required" else {"type": "function", "function": {"name": tc["name"]}}
     raise _bad("tool_choice", f"must be auto, none, required or a function, got {tc!r}")
 
 
@@ -146,8 +165,12 @@ class ResponsesShape:
         if body.get("reasoning") is not None:
             raise _bad("reasoning", "is not supported by the recorder")
         include = body.get("include") or []
-        if not isinstance(include, list) or any(x != LOGPROBS_INCLUDE for x in include):
-            raise _bad("include", f"may only hold {LOGPROBS_INCLUDE!r}")
+        if not isinstance(include, list) or any(not isinstance(x, str) for x in include):
+            raise _bad("include", "must be a list of strings")
+        unknown = sorted(set(include) - INCLUDABLE)
+        if unknown:
+            raise _bad("include", f"holds {unknown[0][:80]!r}, not a value of the Responses API "
+                       f"({', '.join(sorted(INCLUDABLE))})")
         self.body = body
         self.logprobs = LOGPROBS_INCLUDE in include or body.get("top_logprobs") is not None
         self.id = "resp_" + uuid.uuid4().hex
@@ -165,7 +188,9 @@ class ResponsesShape:
         chat["messages"] = _messages(body)
         if body.get("max_output_tokens") is not None:
             chat["max_tokens"] = body["max_output_tokens"]
-        for name, value in (("tools", _tools(body)), ("tool_choice", _tool_choice(body.get("tool_choice"))),
+        tools = _tools(body)
+        for name, value in (("tools", tools), ("tool_choice", _tool_choice(body.get("tool_choice"), tools is not None)),
+                            ("parallel_tool_calls", body.get("parallel_tool_calls")),
                             ("response_format", _response_format(body.get("text")))):
             if value is not None:
                 chat[name] = value
