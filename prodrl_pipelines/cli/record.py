@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import argparse
+import signal
 import sys
 
 from prodrl_pipelines.engines.server import KEEP_ALIVE_S
@@ -89,6 +90,41 @@ def cmd_record(args) -> int:
     except ValueError as e:
         print(f"prodrl record: {e}", file=sys.stderr)
         return 2
-    uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_graceful_shutdown=10, timeout_keep_alive=args.timeout_keep_alive)
+    server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
+                                           access_log=False, timeout_graceful_shutdown=10,
+                                           timeout_keep_alive=args.timeout_keep_alive))
+    stopped_by = serve_until_signal(server)
+    if not server.started:
+        return 3  # uvicorn's startup failure (it logged why)
+    left = app.state.recorder.unflushed_segments
+    if left != 0:  # nothing acknowledged is lost: the write-ahead log is replayed at the next start
+        why = "its shutdown failed (see above)" if left is None else f"{left} write-ahead log segment(s) not flushed"
+        print(f"prodrl record: stopped ({', '.join(signal.Signals(s).name for s in stopped_by) or 'no signal'}) "
+              f"before everything recorded reached the store: {why}; they are replayed at the next start with the "
+              "same write-ahead log directory", file=sys.stderr)
+        return 1
     return 0
+
+
+def serve_until_signal(server) -> list[int]:
+    """Run a ``uvicorn.Server`` until SIGTERM or SIGINT and its graceful shutdown (the app's lifespan
+    ends: the recorder flushes); the signals that stopped it.
+
+    uvicorn re-raises a signal it stopped on once it is done, with the handlers it found installed,
+    so that under the default handlers the process dies by SIGTERM (exit status -15, 143 in a shell)
+    after a clean shutdown. The handlers installed here note the signal instead (and stop a server
+    that is still starting), so a clean shutdown is a normal return and its exit status says whether
+    everything was flushed."""
+    got: list[int] = []
+
+    def note(sig, frame) -> None:
+        got.append(sig)
+        server.should_exit = True
+
+    previous = {sig: signal.signal(sig, note) for sig in (signal.SIGTERM, signal.SIGINT)}
+    try:
+        server.run()
+    finally:
+        for sig, handler in previous.items():
+            signal.signal(sig, handler)
+    return got

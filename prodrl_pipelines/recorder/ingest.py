@@ -298,10 +298,12 @@ class Ingestor:
         self._writer.start()
         self._flusher.start()
 
-    def stop(self, timeout: float = 60.0) -> None:
-        """Flush everything committed so far to Parquet, then stop the threads."""
+    def stop(self, timeout: float = 60.0) -> int:
+        """Flush everything committed so far to Parquet, then stop the threads. Returns how many
+        write-ahead log segments still hold entries: 0 when everything is in the store (else the flush
+        did not finish within ``timeout``; they are replayed at the next start)."""
         if self._writer is None:
-            return
+            return 0
         with self._cond:
             self._stopping = True
             self._cond.notify_all()
@@ -310,10 +312,14 @@ class Ingestor:
         assert self._flusher is not None
         self._flusher.join(timeout)
         self.wal.close()
-        for path in self.wal.segments():  # the last, empty segment
+        left = 0
+        for path in self.wal.segments():  # the last, empty segment; and any the flush did not finish
             if not self.wal.read_segment(path).entries:
                 self.wal.delete(path)
+            else:
+                left += 1
         self._writer = self._flusher = None
+        return left
 
     def flush(self, timeout: float = 60.0) -> bool:
         """Seal the current segment and wait until everything committed before is in Parquet."""

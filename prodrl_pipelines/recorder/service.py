@@ -287,6 +287,7 @@ class Recorder:
         # the balancer pauses a canary that keeps refusing connections in the followed endpoint file
         self.balancer = Balancer(endpoints=self.deployment.file if self.deployment is not None else None)
         self._health: asyncio.Task | None = None
+        self.unflushed_segments: int | None = None  # set by stop(): WAL segments not yet in the store
 
     async def start(self) -> None:
         sweep = getattr(self.store.blobs, "sweep_temporaries", None)  # local stores: a killed writer's leftovers
@@ -464,7 +465,7 @@ class Recorder:
             self._health.cancel()
         if self.http is not None:
             await self.http.close()
-        await asyncio.get_running_loop().run_in_executor(None, self.ingestor.stop)
+        self.unflushed_segments = await asyncio.get_running_loop().run_in_executor(None, self.ingestor.stop)
 
     # ------------------------------------------------------------------ helpers
 
