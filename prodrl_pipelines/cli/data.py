@@ -2,6 +2,9 @@
 
     prodrl data stats   --settings FILE            per policy version: calls, trajectories, rewarded,
                                                    eligible, used, quarantined, files, bytes
+    prodrl data merges  --settings FILE [--policy-version V ...]   per policy version: multi-call
+                                                   trajectories, how many train as one sequence, the
+                                                   sequences they give, the splits by reason
     prodrl data compact --settings FILE            compact small files, checkpoint the logs
     prodrl data vacuum  --settings FILE [--retention-hours H] [--dry-run]
     prodrl data query   --settings FILE "SQL"      DuckDB over calls, rewards, retractions, quarantine, ledger
@@ -44,6 +47,10 @@ def cmd_data(args) -> int:
         if legacy:
             print(f"prodrl: {legacy} parts of the earlier layout are not in the tables: run `prodrl data migrate`",
                   file=sys.stderr)
+    elif args.verb == "merges":
+        from prodrl_pipelines.rl.merge_report import merge_rows
+
+        _print_rows(merge_rows(store, args.policy_version), args.json)
     elif args.verb == "compact":
         print(json.dumps(maintenance.compact(store), indent=1))
     elif args.verb == "vacuum":
@@ -68,12 +75,14 @@ def cmd_data(args) -> int:
 
 
 def add_data_parser(sub) -> None:
-    d = sub.add_parser("data", help="the trajectory store: stats, compact, vacuum, query (DuckDB SQL), migrate")
-    d.add_argument("verb", choices=["stats", "compact", "vacuum", "query", "migrate"])
+    d = sub.add_parser("data", help="the trajectory store: stats, merges, compact, vacuum, query (DuckDB SQL), migrate")
+    d.add_argument("verb", choices=["stats", "merges", "compact", "vacuum", "query", "migrate"])
     d.add_argument("sql", nargs="?", default=None, help="for `query`: the SQL (tables calls, rewards, retractions, "
                    "quarantine, ledger)")
     d.add_argument("--settings", required=True, help="JSON or YAML file of ProdRLSettings fields")
     d.add_argument("--json", action="store_true", help="print rows as JSON")
+    d.add_argument("--policy-version", action="append", default=None,
+                   help="merges: this policy version only (repeat for several; default every version)")
     d.add_argument("--retention-hours", type=float, default=168.0,
                    help="vacuum: keep files unreferenced for less than this (default 168 = 7 days)")
     d.add_argument("--dry-run", action="store_true", help="vacuum: list, delete nothing")
