@@ -19,6 +19,7 @@ from starlette.routing import Route
 from prodrl_pipelines.engines.openai_protocol import ProtocolError, error_body
 from prodrl_pipelines.config.preflight import redact
 from prodrl_pipelines.recorder.answers import Rewriter
+from prodrl_pipelines.recorder.chat_extend import extender_of, serve_extended
 from prodrl_pipelines.recorder.calls import (
     SESSION_PARAM,
     UPSTREAM_SHAPE_ERRORS,
@@ -77,6 +78,15 @@ async def _proxy(request: Request, kind: str) -> Response:
     if served is not None:  # the client's model name is not the deployment's: ask for what is served now
         body["model"] = served
     ask = client_ask(body, kind)
+    if kind == "chat" and rec.cfg.chat_history == "extend" and shape is None and source != "none":
+        ext = extender_of(rec)
+        why = "no_tokenizer" if ext is None else "n" if (body.get("n") or 1) != 1 else None
+        if why is None:
+            try:
+                return await serve_extended(rec, ext, body, caller, pv, task_id, ask)
+            except ProtocolError as exc:
+                return err(str(exc), exc.status, stats, "bad_requests")
+        stats.inc(f"extend_skipped.{why}")
     reason = unrecordable_reason(body, kind)
     up = body if reason else rec.force(body, kind, ask)
     path = "/v1/completions" if kind == "completion" else "/v1/chat/completions"

@@ -158,8 +158,18 @@ class RecorderConfig:
     tokens_file: str | None = None  # bearer tokens -> tenants (``tenants``), re-read when it changes
     # PostgreSQL shared by a fleet's recorders: call indices and attempts (recorder.indexer); empty: in memory
     coordination_url: str = ""
+    # "extend": a session's chat calls are rendered here and sent as extensions of the previous call's
+    # tokens (recorder.chat_extend); reply_parser: how those replies are read (the deployment's)
+    chat_history: str = "rerender"
+    reply_parser: str = "none"
 
     def __post_init__(self) -> None:
+        from prodrl_pipelines.engines.reply_parsers import TOOL_FORMATS
+
+        if self.chat_history not in ("rerender", "extend"):
+            raise ValueError(f"chat_history must be 'rerender' or 'extend', got {self.chat_history!r}")
+        if self.reply_parser != "none" and self.reply_parser not in TOOL_FORMATS:
+            raise ValueError(f"reply_parser must be 'none' or one of {sorted(TOOL_FORMATS)}, got {self.reply_parser!r}")
         if bool(self.upstream) == bool(self.follow):
             raise ValueError("the recorder needs exactly one upstream: a URL (--upstream) or the deployment's "
                              "endpoint file to follow (--follow)")
