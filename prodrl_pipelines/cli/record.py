@@ -60,6 +60,13 @@ def add_record_parser(sub) -> argparse.ArgumentParser:
                             "vLLM's --generation-config auto, so such a client samples as it would directly)")
     r.add_argument("--tokens-file", default=None, help="bearer tokens of tenants (JSON, re-read when it changes; "
                    "see prodrl_pipelines/recorder/tenants.py) instead of one $" + RECORDER_TOKEN)
+    r.add_argument("--chat-history", choices=("rerender", "extend"), default="rerender",
+                   help="extend: a session's chat calls are rendered here (the model's chat template, --tokenizer "
+                        "or the upstream's) and sent as extensions of the previous call's tokens, so an episode "
+                        "trains as one sequence where the template would re-render history (docs/agents.md)")
+    r.add_argument("--reply-parser", default="none",
+                   help="with --chat-history extend: how replies are parsed into reasoning and tool calls "
+                        "(the deployment's --reply-parser: none or qwen3)")
     r.add_argument("--log-level", default="warning")
     r.set_defaults(fn=cmd_record)
     return r
@@ -85,6 +92,7 @@ def cmd_record(args) -> int:
             upstream_keepalive_s=args.upstream_keepalive, follow=args.follow, tokens_file=args.tokens_file,
             default_temperature=args.default_temperature, default_top_p=args.default_top_p,
             default_top_k=args.default_top_k, coordination_url=args.coordination_url,
+            chat_history=args.chat_history, reply_parser=args.reply_parser,
         )
         app = build_recorder_app(cfg)  # a bad tokens file fails here, before the server starts
     except ValueError as e:
