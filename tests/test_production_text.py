@@ -8,7 +8,10 @@ import json
 
 import pytest
 
-from prodrl_pipelines.lab.production_text import SPECIAL_TOKENS, build_byte_bpe_tokenizer, non_canonical_split
+from prodrl_pipelines.lab.production_text import (
+    QWEN3_STYLE_TEMPLATE, QWEN3_STYLE_TOOLS_TEMPLATE, SPECIAL_TOKENS, build_byte_bpe_tokenizer, markup_as_text,
+    non_canonical_split,
+)
 
 
 @pytest.fixture(scope="module")
@@ -94,3 +97,39 @@ def test_merges_are_real_and_a_non_canonical_segmentation_does_not_round_trip(to
 def test_the_tokenizer_is_deterministic():
     a, b = build_byte_bpe_tokenizer(), build_byte_bpe_tokenizer()
     assert a.get_vocab() == b.get_vocab()
+
+
+ADD = {"type": "function", "function": {"name": "add", "description": "Add two integers: a long description "
+                                                                      "the compact rendering leaves out.",
+                                        "parameters": {"type": "object", "properties": {"a": {"type": "integer"},
+                                                                                        "b": {"type": "integer"}}}}}
+NOW = {"type": "function", "function": {"name": "now", "parameters": None}}
+
+
+def test_the_tools_template_renders_one_compact_line_per_tool_in_the_system_turn(tok):
+    tools_tok = markup_as_text(tok)
+    tools_tok.chat_template = QWEN3_STYLE_TOOLS_TEMPLATE
+    text = tools_tok.apply_chat_template(CONVERSATION, tools=[ADD, NOW], tokenize=False)
+    # the system message opens the tools turn (as Qwen3's template does), then the rest as without tools
+    head = "<|im_start|>system\nYou add numbers.\n\n<tools>\nadd(a, b)\nnow()\n</tools><|im_end|>\n"
+    assert text == head + tok.apply_chat_template(CONVERSATION[1:], tokenize=False)
+    no_system = tools_tok.apply_chat_template(CONVERSATION[1:2], tools=[ADD], tokenize=False, add_generation_prompt=True)
+    assert no_system == "<|im_start|>system\n<tools>\nadd(a, b)\n</tools><|im_end|>\n<|im_start|>user\n12+30?<|im_end|>\n" \
+                        "<|im_start|>assistant\n"
+    # a fraction of what Qwen3's template writes for the same tool (its JSON schema), in 256 positions
+    assert 4 * len(tools_tok.encode("add(a, b)\n")) < len(tools_tok.encode(json.dumps(ADD)))
+    for conv in (CONVERSATION, CONVERSATION[1:]):  # without tools: the template the task always had
+        assert tools_tok.apply_chat_template(conv, tokenize=False) == tok.apply_chat_template(conv, tokenize=False)
+    assert QWEN3_STYLE_TEMPLATE == tok.chat_template
+
+
+def test_markup_as_text_keeps_the_ids_and_survives_skip_special_tokens(tok):
+    text = '<|im_start|>assistant\n<think>\nx\n</think>\n\n<tool_call>\n{"name": "f", "arguments": {}}\n</tool_call><|im_end|>'
+    ids = tok.encode(text, add_special_tokens=False)
+    as_text = markup_as_text(tok)
+    assert as_text.encode(text, add_special_tokens=False) == ids and len(as_text) == len(tok)
+    assert as_text.chat_template == tok.chat_template
+    # an OpenAI server decodes with skip_special_tokens: the markup stays for its reply parser (Qwen3's
+    # tokenizer has these as non-special added tokens); the byte BPE's own marks them special
+    assert as_text.decode(ids, skip_special_tokens=True) == text.removeprefix("<|im_start|>").removesuffix("<|im_end|>")
+    assert "<tool_call>" not in tok.decode(ids, skip_special_tokens=True)

@@ -12,28 +12,50 @@ differ from recorded ones (DESIGN.md s.9); the lab task ``arithmetic_tools`` spe
   are rendered from structured ``tool_calls`` as ``<tool_call>{json}</tool_call>`` with the
   template's own JSON formatting (``tojson``: ``", "`` and ``": "`` separators), so a call the model
   wrote compactly is re-serialised differently next turn; tool results are wrapped in
-  ``<tool_response>`` inside a user turn, consecutive results in one turn.
+  ``<tool_response>`` inside a user turn, consecutive results in one turn. It ignores ``tools``.
+* ``QWEN3_STYLE_TOOLS_TEMPLATE``: the same, and it renders the tool definitions as Qwen3 does, in
+  the system turn (after the system message, if any), but compactly, one ``name(param, ...)`` line
+  each (``add(a, b)``): the lab model has 256 positions, and the JSON schema Qwen3 writes of one such
+  tool takes 150-220 tokens of the ``arithmetic_tools`` tokenizer (the line: 17 with its ``<tools>``
+  block, measured). Descriptions and types are left out.
 """
 
 from __future__ import annotations
 
+import json
 import random
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-__all__ = ["QWEN3_STYLE_TEMPLATE", "SPECIAL_TOKENS", "build_byte_bpe_tokenizer", "production_corpus",
-           "non_canonical_split"]
+__all__ = ["QWEN3_STYLE_TEMPLATE", "QWEN3_STYLE_TOOLS_TEMPLATE", "SPECIAL_TOKENS", "build_byte_bpe_tokenizer",
+           "markup_as_text", "non_canonical_split", "production_corpus"]
 
 PAD_TOKEN, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
 # Qwen3 has these as single added tokens, so the template's markup never splits.
 SPECIAL_TOKENS = [PAD_TOKEN, IM_START, IM_END, "<think>", "</think>", "<tool_call>", "</tool_call>",
                   "<tool_response>", "</tool_response>"]
 
-QWEN3_STYLE_TEMPLATE = (
+_QWEN3_STYLE_HEAD = (
     "{%- set ns = namespace(last_query=-1) -%}"
     "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}"
     "{%- endfor -%}"
+)
+# the tool definitions in the system turn, one compact line each: add(a, b)
+_TOOLS_TURN = (
+    "{%- if tools -%}"
+    "{{- '<|im_start|>system\\n' -}}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}{{- messages[0]['content'] + '\\n\\n' -}}{%- endif -%}"
+    "{{- '<tools>\\n' -}}"
+    "{%- for t in tools -%}"
+    "{%- set fn = t['function'] if 'function' in t else t -%}"
+    "{%- set props = (fn.get('parameters') or {}).get('properties') or {} -%}"
+    "{{- fn['name'] + '(' + props.keys() | join(', ') + ')\\n' -}}"
+    "{%- endfor -%}"
+    "{{- '</tools><|im_end|>\\n' -}}"
+    "{%- endif -%}"
+)
+_QWEN3_STYLE_BODY = (
     "{%- for m in messages -%}"
     "{%- if m['role'] in ('system', 'user') -%}"
     "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}"
@@ -65,6 +87,12 @@ QWEN3_STYLE_TEMPLATE = (
     "{%- endfor -%}"
     "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
 )
+QWEN3_STYLE_TEMPLATE = _QWEN3_STYLE_HEAD + _QWEN3_STYLE_BODY
+# the system message, when tools are given, is rendered in the tools turn (skipped in the loop)
+QWEN3_STYLE_TOOLS_TEMPLATE = _QWEN3_STYLE_HEAD + _TOOLS_TURN + _QWEN3_STYLE_BODY.replace(
+    "{%- if m['role'] in ('system', 'user') -%}",
+    "{%- if tools and loop.first and m['role'] == 'system' -%}"
+    "{%- elif m['role'] in ('system', 'user') -%}", 1)
 
 
 def production_corpus(n: int = 4000, seed: int = 0) -> list[str]:
@@ -100,6 +128,23 @@ def build_byte_bpe_tokenizer(vocab_size: int = 1024, corpus: list[str] | None = 
                                  additional_special_tokens=SPECIAL_TOKENS[1:], clean_up_tokenization_spaces=False,
                                  model_max_length=4096)
     hf.chat_template = QWEN3_STYLE_TEMPLATE
+    return hf
+
+
+def markup_as_text(tokenizer) -> PreTrainedTokenizerFast:
+    """The same tokenizer (same ids) with the markup tokens (``<think>``, ``<tool_call>``, ...) as
+    added tokens that are not special, as in Qwen3's tokenizer: decoding with
+    ``skip_special_tokens`` (an OpenAI server's default) keeps them, so the server's reply parser
+    sees the reasoning and the calls. ``build_byte_bpe_tokenizer`` marks them special (decoding with
+    ``skip_special_tokens`` drops them), which the lab's engine-side decoding never asks for."""
+    spec = json.loads(tokenizer.backend_tokenizer.to_str())
+    for t in spec["added_tokens"]:
+        if t["content"] in SPECIAL_TOKENS[3:]:
+            t["special"] = False
+    hf = PreTrainedTokenizerFast(tokenizer_object=Tokenizer.from_str(json.dumps(spec)), pad_token=PAD_TOKEN,
+                                 eos_token=IM_END, additional_special_tokens=[IM_START],
+                                 clean_up_tokenization_spaces=False, model_max_length=tokenizer.model_max_length)
+    hf.chat_template = tokenizer.chat_template
     return hf
 
 
