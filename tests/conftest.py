@@ -89,6 +89,23 @@ def tiny_policy_dir(tmp_path_factory):
     return build_base_policy(tmp_path_factory.mktemp("tiny") / "base", size="tiny", sft_steps=5, progress=False)
 
 
+# the agent-loop warm start of tools_policy_dir: a demo-size model, few steps, every demonstrated turn a
+# call (spaced, as the template writes it) then a text answer; ~15 s on one core
+TOOLS_POLICY_SFT = dict(agent_loop=True, steps=150, batch_size=16, n_tasks=2000, format_noise=0.0, compact_noise=0.0)
+
+
+@pytest.fixture(scope="session")
+def tools_policy_dir(tmp_path_factory):
+    """A lab policy that calls tools: ``arithmetic_tools`` warm-started on the agent loop (an ``add(a,
+    b)`` call on each user turn, a text answer after the tool's result; lab.arithmetic_tools), its
+    template rendering the tool definitions. Serve it with ``--reply-parser qwen3``. Built once per
+    session (seeded: the same weights every build); read-only."""
+    from prodrl_pipelines.lab.warmstart import build_base_policy
+
+    return build_base_policy(tmp_path_factory.mktemp("tools_policy") / "base", size="demo", seed=0, progress=False,
+                             task="arithmetic_tools", sft=TOOLS_POLICY_SFT)
+
+
 @pytest.fixture(scope="session")
 def tiny_exports(tiny_policy_dir, tmp_path_factory):
     """The tiny policy exported as bf16 and as NVFP4 W4A4 (what managed servers serve in tests)."""

@@ -184,3 +184,72 @@ def test_the_task_is_registered_with_its_parser_tokenizer_and_tool():
     assert len(tok.encode(SPACED, add_special_tokens=False)) + 1 <= ENV.min_max_tokens
     assert json.loads(SPACED.split("\n")[5])["arguments"] == {"value": 19}
     assert np.isclose(at.reward(TASK, [SPACED, COMPACT]), 1.0)
+
+
+# ----------------------------------------------------------------------------- the agent loop
+
+
+def _client_of(msgs: list[dict]) -> str:
+    return "extend" if msgs[1].get("extends") else "no_echo" if msgs[1].get("echo_reasoning") is False else "echo"
+
+
+def test_agent_loop_demonstrations_follow_an_sdk_loop_under_three_client_histories():
+    env = ENV.with_demo_options(agent_loop=True)
+    assert env.tools == (at.ADD_TOOL,) and env.name == ENV.name and ENV.with_demo_options() is ENV
+    tok = env.build_tokenizer()
+    seen: dict[str, list[dict]] = {}
+    for seed in range(40):
+        msgs = env.noisy_messages(TASK, random.Random(seed))
+        seen.setdefault(_client_of(msgs), msgs)
+    assert set(seen) == set(at.CLIENT_HISTORIES)
+    msgs = seen["echo"]
+    # per question: the call, the tool's result, the answer in text
+    assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "assistant"] * 2
+    assert msgs[1]["content"] == ('<think>\n12+7\n</think>\n\n<tool_call>\n{"name": "add", "arguments": '
+                                  '{"a": 12, "b": 7}}\n</tool_call>')
+    assert parse_qwen3(msgs[1]["content"])["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 12, "b": 7}'}
+    assert (msgs[2]["content"], msgs[3]["content"], msgs[4]["content"]) == ("19", "19", "then -3")
+    assert '{"a": 19, "b": -3}' in msgs[5]["content"] and msgs[6]["content"] == msgs[7]["content"] == "16"
+
+    enc = _CallEncoder(tok, env)
+
+    def prompts(client: str) -> list[str]:
+        out = []
+        for ids, labels in enc.encode_calls(seen[client]):
+            start = next(i for i, x in enumerate(labels) if x != -100)
+            assert tok.decode(ids[start:]) in {m["content"] + "<|im_end|>" for m in seen[client]}
+            out.append(tok.decode(ids[:start]))
+        return out
+
+    reasoning = "<think>\n12+7\n</think>"
+    echo, no_echo, extend = prompts("echo"), prompts("no_echo"), prompts("extend")
+    for p in echo + no_echo + extend:  # the template renders the tool, compactly
+        assert p.startswith("<|im_start|>system\n<tools>\nadd(a, b)\n</tools><|im_end|>\n<|im_start|>user\n12+7")
+    assert reasoning in echo[1] and reasoning not in echo[2]  # echoed; dropped by the next question
+    assert reasoning not in no_echo[1]
+    # extend: each prompt is the previous call's prompt and reply, then the messages since
+    calls = enc.encode_calls(seen["extend"])
+    assert all(b[0][: len(a[0])] == a[0] for a, b in zip(calls, calls[1:])) and reasoning in extend[2]
+    assert extend[1] == extend[0] + seen["extend"][1]["content"] + \
+        "<|im_end|>\n<|im_start|>user\n<tool_response>\n19\n</tool_response><|im_end|>\n<|im_start|>assistant\n"
+
+
+def test_sft_overrides_and_the_agent_loop_option(tmp_path):
+    from transformers import AutoTokenizer
+
+    with pytest.raises(ValueError, match="unknown sft override.*nonesuch"):
+        build_base_policy(tmp_path / "a", size="tiny", task="arithmetic_tools", sft={"nonesuch": 1})
+    with pytest.raises(ValueError, match="unknown sft override.*agent_loop"):
+        build_base_policy(tmp_path / "b", size="tiny", task="arithmetic", sft={"agent_loop": True})
+    with pytest.raises(ValueError, match="no demonstration option agent_loop"):
+        get_task("arithmetic").with_demo_options(agent_loop=True)
+    out = build_base_policy(tmp_path / "c", size="tiny", task="arithmetic_tools", progress=False,
+                            sft={"agent_loop": True, "steps": 3, "batch_size": 4, "n_tasks": 8})
+    meta = json.loads((out / "warm_start.json").read_text())
+    assert (meta["steps"], meta["batch_size"], meta["sft_overrides"]["agent_loop"]) == (3, 4, True)
+    tok = AutoTokenizer.from_pretrained(out)  # what `prodrl serve` loads: the tools template, markup as text
+    text = tok.apply_chat_template([{"role": "user", "content": "1+2"}], tools=[at.ADD_TOOL], tokenize=False,
+                                   add_generation_prompt=True)
+    assert text.startswith("<|im_start|>system\n<tools>\nadd(a, b)\n</tools><|im_end|>\n")
+    call = at.agent_call_text(1, "+", 2)
+    assert tok.decode(tok.encode(call, add_special_tokens=False), skip_special_tokens=True) == call

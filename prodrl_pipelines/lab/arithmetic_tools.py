@@ -20,12 +20,35 @@ The verifier takes the value of an ``answer`` call (compact or spaced JSON alike
 as plain text is wrong for that turn. The sloppy demonstrator of the warm start does that with
 probability ``format_noise`` (the habit RL removes, as ``=12`` in the plain task) and writes the
 call compactly with probability ``compact_noise`` (harmless to the reward, not to a retokenizer).
+
+**Agent loop** (the demonstration option ``agent_loop``: ``build_base_policy(..., task="arithmetic_tools",
+sft={"agent_loop": True})``, ``with_demo_options``): demonstrations of the loop an agent SDK runs with
+one function tool ``add(a, b)``; each user turn is a call, the tool's result and a text answer::
+
+    system:    <tools>\nadd(a, b)\n</tools>              (the template renders the tools compactly)
+    user:      12+7
+    assistant: <think>\n12+7\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 7}}\n</tool_call>
+    tool:      19
+    assistant: 19
+    user:      then -3
+    assistant: <think>\n19-3\n</think>\n\n<tool_call>\n...{"a": 19, "b": -3}}\n</tool_call>
+    ...
+
+rendered through ``production_text.QWEN3_STYLE_TOOLS_TEMPLATE`` (the policy's own template, what
+``prodrl serve`` renders), each call trained on the history a client keeps: a third of the
+demonstrations echo the call's reasoning back (pydantic-ai does), a third do not (langchain), a third
+see their earlier calls as sampled, reasoning included (a recorder in ``chat_history: extend`` mode;
+without these, the policy answered the second question in text, never calling the tool, once it saw
+its own earlier reasoning). A policy built so is one to serve agents against (tests/conftest.py's
+``tools_policy_dir``, tests/test_agent_sdks.py); the lab's episodes and verifier of this task stay
+the ``answer`` tool's (``env_reply``, ``reward``), which such a policy does not play.
 """
 
 from __future__ import annotations
 
 import json
 import random
+from dataclasses import replace
 
 from prodrl_pipelines.engines.reply_parsers import parse_qwen3
 from prodrl_pipelines.lab import arithmetic
@@ -38,6 +61,16 @@ ANSWER_TOOL = {"type": "function", "function": {
 TOOL_RESULT = "ok"
 COMPACT_NOISE = 0.3  # the demo demonstrator's share of compactly written calls
 MIN_MAX_TOKENS = 40  # the longest reference reply is ~26 tokens with <|im_end|> (measured); margin for split numbers
+# the agent loop's tool (the demonstrations' definition; an SDK's own ``add(a, b)`` renders the same line)
+ADD_NAME = "add"
+ADD_TOOL = {"type": "function", "function": {
+    "name": ADD_NAME, "description": "Add two integers.",
+    "parameters": {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}},
+                   "required": ["a", "b"]}}}
+# how the client of an agent-loop demonstration keeps its history (one drawn per demonstration): the
+# call's reasoning echoed back (pydantic-ai), not echoed (langchain), or the recorder extending the
+# previous call's tokens (chat_history: extend; earlier reasoning stays in view)
+CLIENT_HISTORIES = ("echo", "no_echo", "extend")
 
 
 def env_reply(task: ArithmeticTask, turn: int, assistant_text: str) -> list[dict] | None:
@@ -115,3 +148,62 @@ def build_tokenizer():
 
     markup = ["user\n", "assistant\n", "\n\n", "tool"] * 500  # the template's role headers merge too
     return build_byte_bpe_tokenizer(vocab_size=512, corpus=markup + corpus_text() + production_corpus(n=500))
+
+
+# ----------------------------------------------------------------------------- the agent loop
+
+
+def agent_call_text(prev: int, op: str, x: int, *, compact: bool = False) -> str:
+    """The demonstrated first reply of a turn: the reasoning, then ``add(prev, +-x)``."""
+    sep = (",", ":") if compact else (", ", ": ")
+    call = json.dumps({"name": ADD_NAME, "arguments": {"a": prev, "b": x if op == "+" else -x}}, separators=sep)
+    return f"<think>\n{prev}{op}{x}\n</think>\n\n<tool_call>\n{call}\n</tool_call>"
+
+
+def agent_loop_messages(task: ArithmeticTask, rng: random.Random, answer_noise: float = 0.0,
+                        format_noise: float = 0.0, compact_noise: float = 0.0) -> list[dict]:
+    """A transcript of the agent loop (module docstring): per turn the user's operation, the ``add``
+    call, the tool's result and the answer as text. ``format_noise``: the share of turns answered
+    without the tool; ``answer_noise``: of text answers off by 1-2 from the tool's result;
+    ``compact_noise``: of calls written compactly. The client's history (``CLIENT_HISTORIES``) is
+    drawn per transcript and marked on its assistant messages for ``warmstart._CallEncoder``."""
+    msgs: list[dict] = []
+    prev = task.numbers[0]
+    client = rng.choice(CLIENT_HISTORIES)
+    mark = {"echo": {}, "no_echo": {"echo_reasoning": False}, "extend": {"extends": True}}[client]
+    for turn in range(task.n_turns):
+        op, x = task.ops[turn], task.numbers[turn + 1]
+        result = apply_op(prev, op, x)
+        value = result
+        if answer_noise > 0 and rng.random() < answer_noise:
+            value += rng.choice((-2, -1, 1, 2))
+        msgs.append({"role": "user", "content": task.prompt(turn)})
+        if format_noise > 0 and rng.random() < format_noise:
+            msgs.append({"role": "assistant", "content": reply_text(prev, op, x, value, plain=True), **mark})
+        else:
+            compact = compact_noise > 0 and rng.random() < compact_noise
+            msgs.append({"role": "assistant", "content": agent_call_text(prev, op, x, compact=compact), **mark})
+            msgs.append({"role": "tool", "content": str(result)})
+            msgs.append({"role": "assistant", "content": str(value), **mark})
+        prev = value
+    return msgs
+
+
+def build_agent_tokenizer():
+    """The task's tokenizer (same ids) as a served agent policy needs it: the template renders the
+    tool definitions, and the markup tokens are not special, so ``prodrl serve``'s reply parser sees
+    ``<think>`` and ``<tool_call>`` in the reply (``production_text.markup_as_text``)."""
+    from prodrl_pipelines.lab.production_text import QWEN3_STYLE_TOOLS_TEMPLATE, markup_as_text
+
+    tok = markup_as_text(build_tokenizer())
+    tok.chat_template = QWEN3_STYLE_TOOLS_TEMPLATE
+    return tok
+
+
+def with_demo_options(env, agent_loop: bool = False):
+    """The task as its demonstration options show it (``tasks.TaskEnv.with_demo_options``)."""
+    if not agent_loop:
+        return env
+    return replace(env, noisy_messages=agent_loop_messages,
+                   reference_messages=lambda task: agent_loop_messages(task, random.Random(0)),
+                   tools=(ADD_TOOL,), build_tokenizer=build_agent_tokenizer)

@@ -22,10 +22,14 @@ class TaskEnv:
     ``tokenizer_vocab_size``: the BPE vocabulary of the task's lab tokenizer.
     ``sft``: per lab size, overrides of ``warmstart.SFT_DEFAULTS`` for this task.
     ``tools``: tool schemas handed to the chat template (a real model's template renders them; the
-    lab template ignores them, so they cost the lab model no context).
+    lab templates ignore them, so they cost the lab model no context, except the agent-loop one of
+    ``arithmetic_tools``, which renders one compact line per tool).
     ``reply_parser``: what the chat server makes of a reply (``engines.reply_parsers``).
     ``build_tokenizer``: the task's own tokenizer and template (None: ``tokenizer.build_tokenizer``'s
     plain BPE and ChatML template).
+    ``demo_options``: the names of the task's opt-in demonstration options (``build_base_policy(...,
+    sft={name: value})``); ``apply_demo_options(env, **options)`` returns the task as they show it
+    (its demonstrations, tools, tokenizer and template; ``with_demo_options``).
     """
 
     name: str
@@ -48,6 +52,18 @@ class TaskEnv:
     # and a task's held-out slices
     format_error: Callable[[object, str], str | None] | None = None
     task_tags: Callable[[object], tuple[str, ...]] | None = None
+    demo_options: tuple[str, ...] = ()
+    apply_demo_options: Callable[..., "TaskEnv"] | None = None
+
+    def with_demo_options(self, **options) -> "TaskEnv":
+        """The task as the demonstration ``options`` show it (none given: the task itself)."""
+        unknown = sorted(set(options) - set(self.demo_options))
+        if unknown:
+            valid = ", ".join(self.demo_options) or "none"
+            raise ValueError(f"lab task {self.name!r} has no demonstration option {', '.join(unknown)} (valid: {valid})")
+        if not options or self.apply_demo_options is None:
+            return self
+        return self.apply_demo_options(self, **options)
 
     def calibration_messages(self, n: int, seed: int) -> list[list[dict]]:
         """W4A4 calibration prompts: training tasks, not held-out ones (``evaluation.suite``)."""
@@ -112,6 +128,8 @@ def _arithmetic_tools() -> TaskEnv:
         tools=(at.ANSWER_TOOL,),
         reply_parser="qwen3",
         build_tokenizer=at.build_tokenizer,
+        demo_options=("agent_loop",),  # an agent SDK's loop with an add tool (arithmetic_tools docstring)
+        apply_demo_options=at.with_demo_options,
     )
 
 

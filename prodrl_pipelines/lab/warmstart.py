@@ -78,7 +78,12 @@ class _Encoder:
 class _CallEncoder:
     """One example per model call, rendered as the server renders it: the chat template applied to
     the history the harness keeps (earlier replies as the server parsed them), then the reply's own
-    text and ``<|im_end|>`` as the labels. For templates that rewrite history (production text)."""
+    text and ``<|im_end|>`` as the labels. For templates that rewrite history (production text).
+    A demonstrated reply with ``echo_reasoning: False`` stays in the history without its reasoning
+    (a client that does not send it back); one with ``extends: True`` is prompted as a recorder in
+    ``chat_history: extend`` mode serves it: the previous example's ids, then the messages since
+    rendered alone (the bridge; right for templates that render each message from its neighbours
+    among them, as the lab's do)."""
 
     def __init__(self, tokenizer, env: TaskEnv) -> None:
         from prodrl_pipelines.engines.reply_parsers import get_reply_parser
@@ -87,15 +92,24 @@ class _CallEncoder:
         self.im_end = int(tokenizer.convert_tokens_to_ids(IM_END))
 
     def encode_calls(self, messages: list[dict]) -> list[tuple[list[int], list[int]]]:
-        out, history = [], []
+        out, history, since = [], [], []
         for m in messages:
             if m["role"] == "assistant":
-                _, prompt = render_prompt(self.tok, history, self.env.tools)
+                if m.get("extends") and out:
+                    bridge, _ = render_prompt(self.tok, since)
+                    prompt = out[-1][0] + list(self.tok.encode("\n" + bridge, add_special_tokens=False))
+                else:
+                    _, prompt = render_prompt(self.tok, history, self.env.tools)
+                since = []
                 body = list(self.tok.encode(m["content"], add_special_tokens=False)) + [self.im_end]
                 out.append((prompt + body, [IGNORE_INDEX] * len(prompt) + body))
-                history.append(self.parse(m["content"]))
+                msg = self.parse(m["content"])
+                if m.get("echo_reasoning") is False:
+                    msg.pop("reasoning_content", None)
+                history.append(msg)
             else:
                 history.append(m)
+                since.append(m)
         return out
 
 
@@ -206,11 +220,16 @@ def build_base_policy(
     num_threads: int | None = 1,
     task: str | TaskEnv = "arithmetic",
     hedge_noise: float = 0.0,
+    sft: dict | None = None,
 ) -> Path:
     """Build the lab tokenizer and model of ``task``, warm-start it, save an HF checkpoint directory.
 
     The task (``tasks.get_task``) supplies the tokenizer corpus, the demonstrations and its own
     overrides of ``SFT_DEFAULTS``; "arithmetic" builds exactly the policy the lab always built.
+    ``sft`` overrides the warm start last: any ``SFT_DEFAULTS`` key (``steps``, ``batch_size``, ``lr``,
+    ``n_tasks``), the demonstrator's ``*_noise`` rates, and the task's demonstration options
+    (``TaskEnv.demo_options``, e.g. ``{"agent_loop": True}`` for ``arithmetic_tools``); ``sft_steps``,
+    when given, wins over ``sft["steps"]``.
 
     The directory holds ``config.json``, ``model.safetensors``, ``generation_config.json``, the
     tokenizer files (with the chat template) and ``warm_start.json`` (the SFT metrics). Deterministic
@@ -225,7 +244,14 @@ def build_base_policy(
     env = get_task(task)
     if size not in SFT_DEFAULTS:
         raise ValueError(f"unknown lab size {size!r}; choose one of {sorted(SFT_DEFAULTS)}")
-    cfg = {**SFT_DEFAULTS[size], **env.sft.get(size, {})}
+    cfg = {**SFT_DEFAULTS[size], **env.sft.get(size, {}), **(sft or {})}
+    unknown = sorted(k for k in (sft or {}) if k not in SFT_DEFAULTS[size] and not k.endswith("_noise")
+                     and k not in env.demo_options)
+    if unknown:
+        raise ValueError(f"unknown sft override(s) {', '.join(unknown)}: valid are {', '.join(SFT_DEFAULTS[size])}, "
+                         f"*_noise rates and the task's demonstration options ({', '.join(env.demo_options) or 'none'})")
+    options = {k: cfg.pop(k) for k in env.demo_options if k in cfg}
+    env = env.with_demo_options(**options)
     if hedge_noise:  # the demonstrator's hedging rate (arithmetic; the reward-hacking walkthrough)
         cfg["hedge_noise"] = float(hedge_noise)
     steps = cfg["steps"] if sft_steps is None else int(sft_steps)
@@ -233,13 +259,13 @@ def build_base_policy(
     if num_threads is not None:
         torch.set_num_threads(int(num_threads))
     try:
-        return _build(out, size, seed, steps, cfg, progress, env)
+        return _build(out, size, seed, steps, cfg, progress, env, {"sft_overrides": dict(sft)} if sft else {})
     finally:
         torch.set_num_threads(prev_threads)
 
 
 def _build(out: Path, size: str, seed: int, steps: int, cfg: dict, progress: bool,
-           env: TaskEnv = ARITHMETIC) -> Path:
+           env: TaskEnv = ARITHMETIC, extra_meta: dict | None = None) -> Path:
     t0 = time.perf_counter()
     torch_threads = torch.get_num_threads()
     tok = build_tokenizer(task=env)
@@ -265,6 +291,7 @@ def _build(out: Path, size: str, seed: int, steps: int, cfg: dict, progress: boo
         "seed": seed,
         "torch_threads": torch_threads,
         "build_seconds": time.perf_counter() - t0,
+        **(extra_meta or {}),
         **metrics,
     }
     (out / "warm_start.json").write_text(json.dumps(meta, indent=2) + "\n")
