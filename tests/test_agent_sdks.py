@@ -1,0 +1,259 @@
+"""Real agent SDKs, unpatched, through the recorder: openai-agents (chat completions, and its default
+Responses mode streamed), pydantic-ai and a LangGraph ReAct agent over langchain-openai each run a
+two-question episode with one Python ``add`` tool against the lab's tool-calling policy
+(``tools_policy_dir``) served by ``prodrl serve --reply-parser qwen3``'s app, the episode grouped by
+a constant ``X-Trajectory-Id`` in the SDK client's default headers. One server and two recorders in
+front of it (``chat_history`` rerender, the default, and extend) serve the whole module.
+
+For each SDK: the episode is one trajectory holding every model call in order; the tool calls parsed
+from the recorded ``output_text`` are the calls the SDK executed; every later prompt holds one tool
+result per earlier call; no call was skipped as unrecordable. How consecutive calls join into
+training sequences (``rl.sequences.split_reason``) is checked against the table of docs/agents.md
+(``JOINS``): that table is what these episodes measured.
+
+What each SDK sends is seen through an httpx event hook on its client (ordinary client
+configuration: nothing in the SDK is patched).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+from types import SimpleNamespace
+
+import httpx
+import openai
+import pytest
+
+from prodrl_pipelines.engines.local import LocalEngine
+from prodrl_pipelines.engines.reply_parsers import parse_qwen3
+from prodrl_pipelines.engines.server import BackgroundServer, build_app
+from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
+from prodrl_pipelines.rl.sequences import split_reason
+
+TOKEN = "agents-token"
+MODEL = "tools-policy"
+QUESTIONS = ("5+3", "then -2")  # two user turns: each an add call, its result, a text answer
+# what every SDK sets: recordable sampling (not greedy), seeded, so each episode is the same run to run
+TEMPERATURE, SEED = 0.5, 7
+M, OR, HE = "merged", "output_rewritten", "history_edited"
+# how call k+1 joins call k in each SDK's episode (call 0: the first add call; 1: the answer after its
+# result; 2: the second question's call; 3: its answer), with the recorder re-rendering (the default)
+# or extending; docs/agents.md explains each split
+JOINS = {
+    ("openai-agents-chat", "rerender"): [OR, M, OR],  # reasoning not echoed: the call is re-rendered without it
+    ("openai-agents-chat-replay", "rerender"): [M, HE, M],  # echoed; the next question drops it (the template)
+    ("openai-agents-responses", "rerender"): [OR, M, OR],  # no reasoning item comes back to echo
+    ("pydantic-ai", "rerender"): [M, HE, M],
+    ("langgraph", "rerender"): [OR, M, OR],
+    ("openai-agents-chat", "extend"): [M, M, M],
+    ("openai-agents-chat-replay", "extend"): [M, M, M],
+    ("openai-agents-responses", "extend"): [OR, M, OR],  # Responses calls take the re-rendering path
+    ("pydantic-ai", "extend"): [M, M, M],
+    ("langgraph", "extend"): [M, M, M],
+}
+
+os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")  # no trace export to api.openai.com
+os.environ["LANGSMITH_TRACING"] = "false"
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+@pytest.fixture(scope="module")
+def recorders(tools_policy_dir, tmp_path_factory):
+    """``chat_history`` -> a recorder (its URL and service) in front of one server on the tools policy."""
+    engine = LocalEngine.from_pretrained(tools_policy_dir)
+    served = build_app(engine, model_dir=tools_policy_dir, served_model_name=MODEL, batch_wait_ms=1,
+                       reply_parser="qwen3")
+    root = tmp_path_factory.mktemp("agents")
+    with BackgroundServer(served) as upstream:
+        out, servers = {}, []
+        try:
+            for history in ("rerender", "extend"):
+                cfg = RecorderConfig(upstream=upstream.url, store_dir=str(root / history), token=TOKEN,
+                                     tokenizer_dir=str(tools_policy_dir), chat_history=history, reply_parser="qwen3")
+                app = build_recorder_app(cfg)
+                servers.append(BackgroundServer(app).start())
+                out[history] = SimpleNamespace(url=servers[-1].url, base_url=servers[-1].url + "/v1",
+                                               rec=app.state.recorder)
+            yield out
+        finally:
+            for srv in servers:
+                srv.stop()
+
+
+class Episode:
+    """One SDK run: the Python behind its ``add`` tool (what the SDK executed), the bodies its client
+    sent, how many model calls it made and its text answers."""
+
+    def __init__(self, tid: str) -> None:
+        self.tid, self.executed, self.sent, self.n_calls, self.answers = tid, [], [], 0, []
+        self.headers = {"X-Trajectory-Id": tid}
+
+    def add(self, a: int, b: int) -> int:
+        self.executed.append({"a": a, "b": b})
+        return a + b
+
+    def _seen(self, request) -> None:
+        if request.method == "POST":
+            self.sent.append((request.url.path.rsplit("/v1", 1)[-1], json.loads(request.content)))
+
+    async def _aseen(self, request) -> None:
+        self._seen(request)
+
+    def async_http(self):
+        return openai.DefaultAsyncHttpxClient(event_hooks={"request": [self._aseen]})
+
+    def sync_http(self):
+        return openai.DefaultHttpxClient(event_hooks={"request": [self._seen]})
+
+
+def _rows(recorder, tid: str) -> list[dict]:
+    assert recorder.rec.ingestor.flush(30)
+    rows = [r for r in recorder.rec.store.read_calls().to_pylist() if r["trajectory_id"] == tid]
+    return sorted(rows, key=lambda r: r["call_index"])
+
+
+def _joins(rows: list[dict]) -> list[str]:
+    """How each call after the first joins the one before: ``merged`` or the split reason."""
+    calls = [SimpleNamespace(prompt_ids=r["prompt_token_ids"], output_ids=r["output_token_ids"]) for r in rows]
+    return [split_reason(a, b) or M for a, b in zip(calls, calls[1:])]
+
+
+def check_episode(recorder, ep: Episode) -> list[str]:
+    """The checks every SDK's episode must pass; returns how its calls join (``_joins``)."""
+    rows = _rows(recorder, ep.tid)
+    assert ep.n_calls == len(ep.sent) and [r["call_index"] for r in rows] == list(range(ep.n_calls)), \
+        "one trajectory, every call, in order"
+    parsed = [[{"name": c["function"]["name"], **json.loads(c["function"]["arguments"])}
+               for c in parse_qwen3(r["output_text"]).get("tool_calls") or []] for r in rows]
+    # the recorded replies hold exactly the calls the SDK executed
+    assert [c for calls in parsed for c in calls] == [{"name": "add", **c} for c in ep.executed]
+    # the policy calls the tool first on each question, then answers in text after the result
+    assert [len(p) for p in parsed] == [1, 0] * len(QUESTIONS), [r["output_text"] for r in rows]
+    assert len(ep.answers) == len(QUESTIONS) and all(a and "<tool_call>" not in a for a in ep.answers), ep.answers
+    results = [str(c["a"] + c["b"]) for c in ep.executed]
+    for k, r in enumerate(rows):  # every later prompt holds one tool result per earlier call
+        earlier = sum(len(p) for p in parsed[:k])
+        assert r["prompt_text"].count("<tool_response>") == earlier, (k, r["prompt_text"])
+        assert all(f"<tool_response>\n{res}\n</tool_response>" in r["prompt_text"] for res in results[:earlier])
+    stats = httpx.get(recorder.url + "/stats", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30).json()
+    assert stats["counters"].get("unrecordable_calls", 0) == 0, stats["counters"]
+    return _joins(rows)
+
+
+# ----------------------------------------------------------------------------- the SDKs
+
+
+def openai_agents(recorder, ep: Episode, responses: bool = False, replay_reasoning: bool = False) -> None:
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool
+
+    @function_tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return ep.add(a, b)
+
+    async def run() -> None:
+        client = openai.AsyncOpenAI(base_url=recorder.base_url, api_key=TOKEN, default_headers=ep.headers,
+                                    http_client=ep.async_http())
+        if responses:
+            model = OpenAIResponsesModel(MODEL, openai_client=client)
+        else:  # the SDK echoes reasoning only to DeepSeek models unless told to
+            model = OpenAIChatCompletionsModel(MODEL, openai_client=client, should_replay_reasoning_content=(
+                (lambda ctx: True) if replay_reasoning else None))
+        agent = Agent(name="calc", model=model, tools=[add],
+                      model_settings=ModelSettings(temperature=TEMPERATURE, extra_body={"seed": SEED}))
+        items: list = []
+        for q in QUESTIONS:
+            items = items + [{"role": "user", "content": q}]
+            if responses:  # streamed
+                result = Runner.run_streamed(agent, items)
+                async for _ in result.stream_events():
+                    pass
+            else:
+                result = await Runner.run(agent, items)
+            ep.n_calls += len(result.raw_responses)
+            ep.answers.append(str(result.final_output).strip())
+            items = result.to_input_list()
+        await client.close()
+
+    asyncio.run(run())
+
+
+def pydantic_ai(recorder, ep: Episode) -> None:
+    from pydantic_ai import Agent
+    from pydantic_ai.messages import ModelResponse
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    async def run() -> None:
+        client = openai.AsyncOpenAI(base_url=recorder.base_url, api_key=TOKEN, default_headers=ep.headers,
+                                    http_client=ep.async_http())
+        agent = Agent(OpenAIChatModel(MODEL, provider=OpenAIProvider(openai_client=client)),
+                      model_settings={"temperature": TEMPERATURE, "seed": SEED})
+
+        @agent.tool_plain
+        def add(a: int, b: int) -> int:
+            """Add two integers."""
+            return ep.add(a, b)
+
+        history = None
+        for q in QUESTIONS:
+            result = await agent.run(q, message_history=history)
+            ep.answers.append(str(result.output).strip())
+            history = result.all_messages()
+        ep.n_calls = sum(isinstance(m, ModelResponse) for m in history)
+        await client.close()
+
+    asyncio.run(run())
+
+
+def langgraph(recorder, ep: Episode) -> None:
+    from langchain_core.messages import AIMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from langgraph.prebuilt import create_react_agent
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return ep.add(a, b)
+
+    llm = ChatOpenAI(model=MODEL, base_url=recorder.base_url, api_key=TOKEN, default_headers=ep.headers,
+                     temperature=TEMPERATURE, seed=SEED, http_client=ep.sync_http())
+    agent = create_react_agent(llm, [add])
+    messages: list = []
+    for q in QUESTIONS:  # streamed token by token, as a LangGraph app shows its agent's progress
+        for mode, chunk in agent.stream({"messages": messages + [("user", q)]}, stream_mode=["messages", "values"]):
+            if mode == "values":
+                messages = chunk["messages"]
+        ep.answers.append(str(messages[-1].content).strip())
+    ep.n_calls = sum(isinstance(m, AIMessage) for m in messages)
+
+
+SDKS = {
+    "openai-agents-chat": openai_agents,
+    "openai-agents-chat-replay": lambda rec, ep: openai_agents(rec, ep, replay_reasoning=True),
+    "openai-agents-responses": lambda rec, ep: openai_agents(rec, ep, responses=True),
+    "pydantic-ai": pydantic_ai,
+    "langgraph": langgraph,
+}
+
+
+@pytest.mark.parametrize("history", ["rerender", "extend"])
+@pytest.mark.parametrize("sdk", list(SDKS))
+def test_an_sdk_episode_is_one_recorded_trajectory(recorders, sdk, history):
+    recorder = recorders[history]
+    ep = Episode(f"{sdk}-{history}")
+    SDKS[sdk](recorder, ep)
+    joins = check_episode(recorder, ep)
+    print(f"\n{sdk} {history}: {ep.n_calls} calls, joins {joins}; sent "
+          f"{[(path, body.get('stream', False)) for path, body in ep.sent]}")
+    assert joins == JOINS[(sdk, history)]
+    paths = {path for path, _ in ep.sent}
+    streamed = {body.get("stream", False) for _, body in ep.sent}
+    if sdk == "openai-agents-responses":  # the SDK's default mode, streamed
+        assert paths == {"/responses"} and streamed == {True}
+    else:
+        assert paths == {"/chat/completions"} and streamed == {sdk == "langgraph"}
