@@ -138,6 +138,22 @@ def test_tool_calls_and_their_results_become_chat_messages():
         ResponsesShape({"input": [{"role": "tool", "content": "x"}]}).chat_request()
 
 
+def test_the_message_item_before_its_calls_is_one_assistant_turn_with_them():
+    """A streamed Response opens a message item before its function calls (empty when the answer is
+    calls only); clients send both back: one assistant turn, as the model produced it, not an empty
+    turn the model never wrote followed by the calls."""
+    call = {"type": "function_call", "call_id": "c1", "name": "add", "arguments": "{}"}
+    for said, content in (("", None), ("let me add", "let me add")):
+        msgs = ResponsesShape({"model": "m", "input": [
+            {"role": "user", "content": "1+1?"},
+            {"type": "message", "role": "assistant", "content": [{"type": "output_text", "text": said}]},
+            call, {"type": "function_call_output", "call_id": "c1", "output": "2"}]}).chat_request()["messages"]
+        assert msgs == [{"role": "user", "content": "1+1?"},
+                        {"role": "assistant", "content": content, "tool_calls": [
+                            {"id": "c1", "type": "function", "function": {"name": "add", "arguments": "{}"}}]},
+                        {"role": "tool", "tool_call_id": "c1", "content": "2"}]
+
+
 # ----------------------------------------------------------------------------- what agent SDKs send
 
 

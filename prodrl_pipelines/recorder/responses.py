@@ -93,8 +93,12 @@ def _messages(body: dict) -> list[dict]:
                     raise _bad(f"{where}.{f}", "must be a string")
             call = {"id": item["call_id"], "type": "function",
                     "function": {"name": item["name"], "arguments": item["arguments"]}}
-            if msgs and msgs[-1]["role"] == "assistant" and "tool_calls" in msgs[-1]:
-                msgs[-1]["tool_calls"].append(call)  # parallel calls: one assistant turn
+            if msgs and msgs[-1]["role"] == "assistant":
+                # one assistant turn: parallel calls, and the message item a streamed answer opens before
+                # its calls (empty when the answer is calls only; clients send it back)
+                msgs[-1].setdefault("tool_calls", []).append(call)
+                if not msgs[-1]["content"]:
+                    msgs[-1]["content"] = None
             else:
                 msgs.append({"role": "assistant", "content": None, "tool_calls": [call]})
         elif kind == "function_call_output":
