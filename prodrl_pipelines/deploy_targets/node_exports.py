@@ -90,11 +90,11 @@ def locate(export_dir: str, source: dict | None, cache_root: str | None = None) 
     match the manifest raises ``DeployError`` naming the file and leaves nothing behind.
     """
     path = Path(export_dir)
+    if (path / "config.json").is_file():  # the deploying disk, shared (a mount, the local cluster): used as is,
+        own = path / MANIFEST_NAME  # whether or not the store has it yet (a bootstrap deploys before publishing)
+        if not own.is_file() or _holds(path, json.loads(own.read_text())):
+            return export_dir
     if source is None:
-        if (path / "config.json").is_file():
-            own = path / MANIFEST_NAME  # written when it was fetched or published locally: check against it
-            if not own.is_file() or _holds(path, json.loads(own.read_text())):
-                return export_dir
         raise DeployError(
             f"export {export_dir} is missing or incomplete on node {socket.gethostname()} and no store source "
             "was given: "
@@ -107,8 +107,6 @@ def locate(export_dir: str, source: dict | None, cache_root: str | None = None) 
     except (CheckpointNotFoundError, S3BlobStoreError) as e:
         raise DeployError(f"export {export_dir} is not on node {socket.gethostname()} and its manifest at {uri} "
                           f"cannot be read: {e}") from None
-    if path.is_dir() and _holds(path, manifest):
-        return export_dir
     cache = cache_dir(source, cache_root)
     final = cache / name
     with _locked(cache / f".{name}.lock"):
