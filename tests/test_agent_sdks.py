@@ -11,32 +11,28 @@ result per earlier call; no call was skipped as unrecordable. How consecutive ca
 training sequences (``rl.sequences.split_reason``) is checked against the table of docs/agents.md
 (``JOINS``): that table is what these episodes measured.
 
-What each SDK sends is seen through an httpx event hook on its client (ordinary client
+The episodes are ``lab.sdk_agents``' (one function per SDK, also driven by bench/agent_traffic.py);
+what each SDK sends is seen through an httpx event hook on its client (ordinary client
 configuration: nothing in the SDK is patched).
 """
 
 from __future__ import annotations
 
-import asyncio
 import json
-import os
 from types import SimpleNamespace
 
 import httpx
-import openai
 import pytest
 
 from prodrl_pipelines.engines.local import LocalEngine
 from prodrl_pipelines.engines.reply_parsers import parse_qwen3
 from prodrl_pipelines.engines.server import BackgroundServer, build_app
+from prodrl_pipelines.lab.sdk_agents import QUESTIONS, SDKS, Episode
 from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
 from prodrl_pipelines.rl.sequences import split_reason
 
 TOKEN = "agents-token"
 MODEL = "tools-policy"
-QUESTIONS = ("5+3", "then -2")  # two user turns: each an add call, its result, a text answer
-# what every SDK sets: recordable sampling (not greedy), seeded, so each episode is the same run to run
-TEMPERATURE, SEED = 0.5, 7
 M, OR, HE = "merged", "output_rewritten", "history_edited"
 # how call k+1 joins call k in each SDK's episode (call 0: the first add call; 1: the answer after its
 # result; 2: the second question's call; 3: its answer), with the recorder re-rendering (the default)
@@ -53,9 +49,6 @@ JOINS = {
     ("pydantic-ai", "extend"): [M, M, M],
     ("langgraph", "extend"): [M, M, M],
 }
-
-os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")  # no trace export to api.openai.com
-os.environ["LANGSMITH_TRACING"] = "false"
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 
@@ -81,32 +74,6 @@ def recorders(tools_policy_dir, tmp_path_factory):
         finally:
             for srv in servers:
                 srv.stop()
-
-
-class Episode:
-    """One SDK run: the Python behind its ``add`` tool (what the SDK executed), the bodies its client
-    sent, how many model calls it made and its text answers."""
-
-    def __init__(self, tid: str) -> None:
-        self.tid, self.executed, self.sent, self.n_calls, self.answers = tid, [], [], 0, []
-        self.headers = {"X-Trajectory-Id": tid}
-
-    def add(self, a: int, b: int) -> int:
-        self.executed.append({"a": a, "b": b})
-        return a + b
-
-    def _seen(self, request) -> None:
-        if request.method == "POST":
-            self.sent.append((request.url.path.rsplit("/v1", 1)[-1], json.loads(request.content)))
-
-    async def _aseen(self, request) -> None:
-        self._seen(request)
-
-    def async_http(self):
-        return openai.DefaultAsyncHttpxClient(event_hooks={"request": [self._aseen]})
-
-    def sync_http(self):
-        return openai.DefaultHttpxClient(event_hooks={"request": [self._seen]})
 
 
 def _rows(recorder, tid: str) -> list[dict]:
@@ -143,110 +110,11 @@ def check_episode(recorder, ep: Episode) -> list[str]:
     return _joins(rows)
 
 
-# ----------------------------------------------------------------------------- the SDKs
-
-
-def openai_agents(recorder, ep: Episode, responses: bool = False, replay_reasoning: bool = False) -> None:
-    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool
-
-    @function_tool
-    def add(a: int, b: int) -> int:
-        """Add two integers."""
-        return ep.add(a, b)
-
-    async def run() -> None:
-        client = openai.AsyncOpenAI(base_url=recorder.base_url, api_key=TOKEN, default_headers=ep.headers,
-                                    http_client=ep.async_http())
-        if responses:
-            model = OpenAIResponsesModel(MODEL, openai_client=client)
-        else:  # the SDK echoes reasoning only to DeepSeek models unless told to
-            model = OpenAIChatCompletionsModel(MODEL, openai_client=client, should_replay_reasoning_content=(
-                (lambda ctx: True) if replay_reasoning else None))
-        agent = Agent(name="calc", model=model, tools=[add],
-                      model_settings=ModelSettings(temperature=TEMPERATURE, extra_body={"seed": SEED}))
-        items: list = []
-        for q in QUESTIONS:
-            items = items + [{"role": "user", "content": q}]
-            if responses:  # streamed
-                result = Runner.run_streamed(agent, items)
-                async for _ in result.stream_events():
-                    pass
-            else:
-                result = await Runner.run(agent, items)
-            ep.n_calls += len(result.raw_responses)
-            ep.answers.append(str(result.final_output).strip())
-            items = result.to_input_list()
-        await client.close()
-
-    asyncio.run(run())
-
-
-def pydantic_ai(recorder, ep: Episode) -> None:
-    from pydantic_ai import Agent
-    from pydantic_ai.messages import ModelResponse
-    from pydantic_ai.models.openai import OpenAIChatModel
-    from pydantic_ai.providers.openai import OpenAIProvider
-
-    async def run() -> None:
-        client = openai.AsyncOpenAI(base_url=recorder.base_url, api_key=TOKEN, default_headers=ep.headers,
-                                    http_client=ep.async_http())
-        agent = Agent(OpenAIChatModel(MODEL, provider=OpenAIProvider(openai_client=client)),
-                      model_settings={"temperature": TEMPERATURE, "seed": SEED})
-
-        @agent.tool_plain
-        def add(a: int, b: int) -> int:
-            """Add two integers."""
-            return ep.add(a, b)
-
-        history = None
-        for q in QUESTIONS:
-            result = await agent.run(q, message_history=history)
-            ep.answers.append(str(result.output).strip())
-            history = result.all_messages()
-        ep.n_calls = sum(isinstance(m, ModelResponse) for m in history)
-        await client.close()
-
-    asyncio.run(run())
-
-
-def langgraph(recorder, ep: Episode) -> None:
-    from langchain_core.messages import AIMessage
-    from langchain_core.tools import tool
-    from langchain_openai import ChatOpenAI
-    from langgraph.prebuilt import create_react_agent
-
-    @tool
-    def add(a: int, b: int) -> int:
-        """Add two integers."""
-        return ep.add(a, b)
-
-    llm = ChatOpenAI(model=MODEL, base_url=recorder.base_url, api_key=TOKEN, default_headers=ep.headers,
-                     temperature=TEMPERATURE, seed=SEED, http_client=ep.sync_http())
-    agent = create_react_agent(llm, [add])
-    messages: list = []
-    for q in QUESTIONS:  # streamed token by token, as a LangGraph app shows its agent's progress
-        for mode, chunk in agent.stream({"messages": messages + [("user", q)]}, stream_mode=["messages", "values"]):
-            if mode == "values":
-                messages = chunk["messages"]
-        ep.answers.append(str(messages[-1].content).strip())
-    ep.n_calls = sum(isinstance(m, AIMessage) for m in messages)
-
-
-SDKS = {
-    "openai-agents-chat": openai_agents,
-    "openai-agents-chat-replay": lambda rec, ep: openai_agents(rec, ep, replay_reasoning=True),
-    "openai-agents-responses": lambda rec, ep: openai_agents(rec, ep, responses=True),
-    "pydantic-ai": pydantic_ai,
-    "langgraph": langgraph,
-}
-
-
 @pytest.mark.parametrize("history", ["rerender", "extend"])
 @pytest.mark.parametrize("sdk", list(SDKS))
 def test_an_sdk_episode_is_one_recorded_trajectory(recorders, sdk, history):
     recorder = recorders[history]
-    ep = Episode(f"{sdk}-{history}")
-    SDKS[sdk](recorder, ep)
+    ep = SDKS[sdk](recorder.base_url, f"{sdk}-{history}", api_key=TOKEN, model=MODEL)
     joins = check_episode(recorder, ep)
     print(f"\n{sdk} {history}: {ep.n_calls} calls, joins {joins}; sent "
           f"{[(path, body.get('stream', False)) for path, body in ep.sent]}")

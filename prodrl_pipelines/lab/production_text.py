@@ -18,6 +18,14 @@ differ from recorded ones (DESIGN.md s.9); the lab task ``arithmetic_tools`` spe
   each (``add(a, b)``): the lab model has 256 positions, and the JSON schema Qwen3 writes of one such
   tool takes 150-220 tokens of the ``arithmetic_tools`` tokenizer (the line: 17 with its ``<tools>``
   block, measured). Descriptions and types are left out.
+* ``LLAMA32_STYLE_TOOLS_TEMPLATE``: the lab's markup (the same special tokens, so the same policy can
+  be served with it) under Llama 3.2's rules for history: a system header dated at render time
+  (``Today Date: {{ strftime_now("%d %b %Y") }}``, then the tools, then the system message; Llama's
+  ``Cutting Knowledge Date`` line is left out: 30 of the lab model's 256 positions), assistant tool
+  calls re-serialised from the parsed call as
+  Llama's JSON ``{"name": ..., "parameters": ...}`` (no ``<tool_call>`` markup: not the model's own
+  text) and reasoning dropped from every assistant turn. Tool results stay the lab's
+  ``<tool_response>`` in a user turn (Llama's ``ipython`` turn would be a role the policy never saw).
 """
 
 from __future__ import annotations
@@ -28,7 +36,7 @@ import random
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-__all__ = ["QWEN3_STYLE_TEMPLATE", "QWEN3_STYLE_TOOLS_TEMPLATE", "SPECIAL_TOKENS", "build_byte_bpe_tokenizer",
+__all__ = ["LLAMA32_STYLE_TOOLS_TEMPLATE", "QWEN3_STYLE_TEMPLATE", "QWEN3_STYLE_TOOLS_TEMPLATE", "SPECIAL_TOKENS", "build_byte_bpe_tokenizer",
            "markup_as_text", "non_canonical_split", "production_corpus"]
 
 PAD_TOKEN, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -93,6 +101,43 @@ QWEN3_STYLE_TOOLS_TEMPLATE = _QWEN3_STYLE_HEAD + _TOOLS_TURN + _QWEN3_STYLE_BODY
     "{%- if m['role'] in ('system', 'user') -%}",
     "{%- if tools and loop.first and m['role'] == 'system' -%}"
     "{%- elif m['role'] in ('system', 'user') -%}", 1)
+# Llama 3.2's rules in the lab's markup: a dated system header, calls re-serialised, reasoning dropped
+LLAMA32_STYLE_TOOLS_TEMPLATE = (
+    "{%- set date_string = strftime_now('%d %b %Y') -%}"
+    "{{- '<|im_start|>system\\nToday Date: ' + date_string + '\\n\\n' -}}"
+    "{%- if tools -%}"
+    "{{- '<tools>\\n' -}}"
+    "{%- for t in tools -%}"
+    "{%- set fn = t['function'] if 'function' in t else t -%}"
+    "{%- set props = (fn.get('parameters') or {}).get('properties') or {} -%}"
+    "{{- fn['name'] + '(' + props.keys() | join(', ') + ')\\n' -}}"
+    "{%- endfor -%}"
+    "{{- '</tools>' -}}"
+    "{%- endif -%}"
+    "{%- if messages and messages[0]['role'] == 'system' -%}{{- '\\n\\n' + messages[0]['content'] -}}{%- endif -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- for m in messages -%}"
+    "{%- if loop.first and m['role'] == 'system' -%}"
+    "{%- elif m['role'] in ('system', 'user') -%}"
+    "{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' -}}"
+    "{%- elif m['role'] == 'assistant' -%}"
+    "{%- set content = m['content'] or '' -%}"
+    "{%- if '</think>' in content -%}{%- set content = content.split('</think>')[-1].lstrip('\\n') -%}{%- endif -%}"
+    "{{- '<|im_start|>assistant\\n' + content -}}"
+    "{%- for tc in m.get('tool_calls') or [] -%}"
+    "{%- set fn = tc['function'] if 'function' in tc else tc -%}"
+    "{%- if content or not loop.first -%}{{- '\\n' -}}{%- endif -%}"
+    "{{- '{\"name\": \"' + fn['name'] + '\", \"parameters\": ' + fn['arguments'] | tojson + '}' -}}"
+    "{%- endfor -%}"
+    "{{- '<|im_end|>\\n' -}}"
+    "{%- elif m['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
 
 
 def production_corpus(n: int = 4000, seed: int = 0) -> list[str]:

@@ -1,0 +1,191 @@
+"""Agent SDK episodes, unpatched, against an OpenAI-compatible base URL (a recorder's or a server's).
+
+One function per SDK runs one multi-turn tool episode with a single Python ``add(a, b)`` tool: each
+question of ``questions`` is a user turn the SDK answers through its own loop (model call, tool,
+model call, ...), the history carried over from one question to the next as the SDK keeps it. The
+episode is grouped by a constant ``X-Trajectory-Id`` in the SDK client's default headers (the
+recorder's trajectory key; no SDK is patched). Each returns the ``Episode``: the arguments the SDK
+executed the tool with, the bodies its HTTP client sent (seen through an httpx event hook, ordinary
+client configuration), how many model calls it made and its text answers.
+
+* ``openai_agents``: openai-agents in its chat-completions mode (reasoning not echoed back unless
+  ``replay_reasoning``), or its default Responses mode (``responses=True``, streamed with
+  ``Runner.run_streamed``);
+* ``pydantic_ai``: pydantic-ai's ``OpenAIChatModel`` (echoes the call's reasoning as ``reasoning``);
+* ``langgraph``: a LangGraph ReAct agent over langchain-openai's ``ChatOpenAI``, streamed.
+
+The SDKs (and ``openai``) are the ``test`` extra's: imported inside the functions only. What
+tests/test_agent_sdks.py checks on these episodes, and bench/agent_traffic.py measures.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import os
+
+__all__ = ["QUESTIONS", "SDKS", "SEED", "TEMPERATURE", "Episode", "langgraph", "openai_agents", "pydantic_ai"]
+
+QUESTIONS = ("5+3", "then -2")  # two user turns: each an add call, its result, a text answer
+# recordable sampling (not greedy: temperature 0 is not recorded), seeded, so an episode is the same run to run
+TEMPERATURE, SEED = 0.5, 7
+
+
+def _quiet_sdks() -> None:
+    os.environ.setdefault("OPENAI_AGENTS_DISABLE_TRACING", "1")  # no trace export to api.openai.com
+    os.environ["LANGSMITH_TRACING"] = "false"
+
+
+class Episode:
+    """One SDK run: the Python behind its ``add`` tool (what the SDK executed), the bodies its client
+    sent (``(path after /v1, body)``), how many model calls it made and its text answers."""
+
+    def __init__(self, tid: str) -> None:
+        self.tid = tid
+        self.executed: list[dict] = []
+        self.sent: list[tuple[str, dict]] = []
+        self.n_calls = 0
+        self.answers: list[str] = []
+        self.headers = {"X-Trajectory-Id": tid}
+
+    def add(self, a: int, b: int) -> int:
+        self.executed.append({"a": a, "b": b})
+        return a + b
+
+    def _seen(self, request) -> None:
+        if request.method == "POST":
+            self.sent.append((request.url.path.rsplit("/v1", 1)[-1], json.loads(request.content)))
+
+    async def _aseen(self, request) -> None:
+        self._seen(request)
+
+    def async_http(self):
+        import openai
+
+        return openai.DefaultAsyncHttpxClient(event_hooks={"request": [self._aseen]})
+
+    def sync_http(self):
+        import openai
+
+        return openai.DefaultHttpxClient(event_hooks={"request": [self._seen]})
+
+
+def openai_agents(base_url: str, tid: str, *, api_key: str, model: str, responses: bool = False,
+                  replay_reasoning: bool = False, questions=QUESTIONS, temperature: float = TEMPERATURE,
+                  seed: int = SEED, max_turns: int = 10) -> Episode:
+    """openai-agents: chat completions (``Runner.run``), or its default Responses API streamed."""
+    _quiet_sdks()
+    import openai
+    from agents import Agent, ModelSettings, OpenAIChatCompletionsModel, OpenAIResponsesModel, Runner, function_tool
+
+    ep = Episode(tid)
+
+    @function_tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return ep.add(a, b)
+
+    async def run() -> None:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, default_headers=ep.headers,
+                                    http_client=ep.async_http())
+        try:
+            if responses:
+                llm = OpenAIResponsesModel(model, openai_client=client)
+            else:  # the SDK echoes reasoning only to DeepSeek models unless told to
+                llm = OpenAIChatCompletionsModel(model, openai_client=client, should_replay_reasoning_content=(
+                    (lambda ctx: True) if replay_reasoning else None))
+            agent = Agent(name="calc", model=llm, tools=[add],
+                          model_settings=ModelSettings(temperature=temperature, extra_body={"seed": seed}))
+            items: list = []
+            for q in questions:
+                items = items + [{"role": "user", "content": q}]
+                if responses:  # streamed
+                    result = Runner.run_streamed(agent, items, max_turns=max_turns)
+                    async for _ in result.stream_events():
+                        pass
+                else:
+                    result = await Runner.run(agent, items, max_turns=max_turns)
+                ep.n_calls += len(result.raw_responses)
+                ep.answers.append(str(result.final_output).strip())
+                items = result.to_input_list()
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+    return ep
+
+
+def pydantic_ai(base_url: str, tid: str, *, api_key: str, model: str, questions=QUESTIONS,
+                temperature: float = TEMPERATURE, seed: int = SEED) -> Episode:
+    """pydantic-ai's ``OpenAIChatModel`` (``agent.run``, not streamed), the history carried as ``all_messages``."""
+    _quiet_sdks()
+    import openai
+    from pydantic_ai import Agent
+    from pydantic_ai.messages import ModelResponse
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    ep = Episode(tid)
+
+    async def run() -> None:
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, default_headers=ep.headers,
+                                    http_client=ep.async_http())
+        try:
+            agent = Agent(OpenAIChatModel(model, provider=OpenAIProvider(openai_client=client)),
+                          model_settings={"temperature": temperature, "seed": seed})
+
+            @agent.tool_plain
+            def add(a: int, b: int) -> int:
+                """Add two integers."""
+                return ep.add(a, b)
+
+            history = None
+            for q in questions:
+                result = await agent.run(q, message_history=history)
+                ep.answers.append(str(result.output).strip())
+                history = result.all_messages()
+                ep.n_calls = sum(isinstance(m, ModelResponse) for m in history)
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+    return ep
+
+
+def langgraph(base_url: str, tid: str, *, api_key: str, model: str, questions=QUESTIONS,
+              temperature: float = TEMPERATURE, seed: int = SEED) -> Episode:
+    """A LangGraph ReAct agent over langchain-openai, streamed token by token (``stream_mode`` messages)."""
+    _quiet_sdks()
+    from langchain_core.messages import AIMessage
+    from langchain_core.tools import tool
+    from langchain_openai import ChatOpenAI
+    from langgraph.prebuilt import create_react_agent
+
+    ep = Episode(tid)
+
+    @tool
+    def add(a: int, b: int) -> int:
+        """Add two integers."""
+        return ep.add(a, b)
+
+    llm = ChatOpenAI(model=model, base_url=base_url, api_key=api_key, default_headers=ep.headers,
+                     temperature=temperature, seed=seed, http_client=ep.sync_http())
+    agent = create_react_agent(llm, [add])
+    messages: list = []
+    for q in questions:  # streamed, as a LangGraph app shows its agent's progress
+        for mode, chunk in agent.stream({"messages": messages + [("user", q)]}, stream_mode=["messages", "values"]):
+            if mode == "values":
+                messages = chunk["messages"]
+                ep.n_calls = sum(isinstance(m, AIMessage) for m in messages)
+        ep.answers.append(str(messages[-1].content).strip())
+    return ep
+
+
+# name -> episode function (base_url, tid, *, api_key, model, ...) -> Episode
+SDKS = {
+    "openai-agents-chat": openai_agents,
+    "openai-agents-chat-replay": lambda url, tid, **kw: openai_agents(url, tid, replay_reasoning=True, **kw),
+    "openai-agents-responses": lambda url, tid, **kw: openai_agents(url, tid, responses=True, **kw),
+    "pydantic-ai": pydantic_ai,
+    "langgraph": langgraph,
+}
