@@ -13,7 +13,7 @@ from prodrl_pipelines.engines.openai_protocol import (
 )
 from prodrl_pipelines.recorder.ingest import Stats
 from prodrl_pipelines.recorder.requests import Ask
-from prodrl_pipelines.recorder.service import TokenStrings
+from prodrl_pipelines.recorder.upstream_view import TokenStrings
 
 
 # ----------------------------------------------------------------------------- answer rewriting
