@@ -63,6 +63,16 @@ _TOOLS_TURN = (
     "{{- '</tools><|im_end|>\\n' -}}"
     "{%- endif -%}"
 )
+# shared by the templates: consecutive tool results in one user turn, then the generation prompt
+_TOOL_RESULTS_AND_PROMPT = (
+    "{%- elif m['role'] == 'tool' -%}"
+    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
+    "{{- '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' -}}"
+    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
+    "{%- endif -%}"
+    "{%- endfor -%}"
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+)
 _QWEN3_STYLE_BODY = (
     "{%- for m in messages -%}"
     "{%- if m['role'] in ('system', 'user') -%}"
@@ -87,13 +97,7 @@ _QWEN3_STYLE_BODY = (
     "{{- '}\\n</tool_call>' -}}"
     "{%- endfor -%}"
     "{{- '<|im_end|>\\n' -}}"
-    "{%- elif m['role'] == 'tool' -%}"
-    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
-    "{{- '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' -}}"
-    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    + _TOOL_RESULTS_AND_PROMPT
 )
 QWEN3_STYLE_TEMPLATE = _QWEN3_STYLE_HEAD + _QWEN3_STYLE_BODY
 # the system message, when tools are given, is rendered in the tools turn (skipped in the loop)
@@ -130,13 +134,7 @@ LLAMA32_STYLE_TOOLS_TEMPLATE = (
     "{{- '{\"name\": \"' + fn['name'] + '\", \"parameters\": ' + fn['arguments'] | tojson + '}' -}}"
     "{%- endfor -%}"
     "{{- '<|im_end|>\\n' -}}"
-    "{%- elif m['role'] == 'tool' -%}"
-    "{%- if loop.first or messages[loop.index0 - 1]['role'] != 'tool' -%}{{- '<|im_start|>user' -}}{%- endif -%}"
-    "{{- '\\n<tool_response>\\n' + m['content'] + '\\n</tool_response>' -}}"
-    "{%- if loop.last or messages[loop.index0 + 1]['role'] != 'tool' -%}{{- '<|im_end|>\\n' -}}{%- endif -%}"
-    "{%- endif -%}"
-    "{%- endfor -%}"
-    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}"
+    + _TOOL_RESULTS_AND_PROMPT
 )
 
 
