@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: setup vllm demo test bench up clean
+.PHONY: setup vllm verifiers demo test bench up clean
 
 # vLLM (CPU build) in its own venv, cached outside the clone and keyed by version (DESIGN.md s.10)
 VLLM_VERSION := 0.32.0
@@ -27,6 +27,13 @@ vllm:
 	@if [ "$${PRODRL_SKIP_VLLM:-}" = 1 ]; then echo "PRODRL_SKIP_VLLM=1: not building vLLM"; \
 	else bash scripts/build_vllm_venv.sh $(VLLM_VENV) $(VLLM_VERSION) support/vllm_cpu_nvfp4; fi
 
+# verifiers (it pins openai<3) in its own venv, cached like vLLM's: the `verifiers:` suite and reward source
+VERIFIERS_VERSION := 0.4.0
+VERIFIERS_VENV ?= $(HOME)/.cache/prodrl/verifiers-$(VERIFIERS_VERSION)
+export PRODRL_VERIFIERS_PYTHON ?= $(VERIFIERS_VENV)/bin/python
+verifiers:
+	bash scripts/build_verifiers_venv.sh $(VERIFIERS_VENV) $(VERIFIERS_VERSION)
+
 demo: $(STAMP)
 	rm -rf runs/demo
 	# every lab call carries its own seed: the printed table is the same run to run (docs/setup.md)
@@ -39,7 +46,7 @@ demo: $(STAMP)
 # OpenMP threads wait passively: spinning ones starve the other workers on two cores);
 # per-file times: add --durations=0 or --junitxml=FILE.
 TEST_WORKERS ?= 3
-test: $(STAMP) vllm
+test: $(STAMP) vllm verifiers
 	bash scripts/ensure_postgres.sh
 	$(BIN)/ruff check .
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder

@@ -55,6 +55,10 @@ def cmd_check_settings(args) -> int:
 
 
 def suite_size(suite, settings) -> int:
+    """Held-out tasks the suite shows up front; a served suite's harness picks its own: taken as
+    ``heldout_size`` (the evaluation reports how many it played)."""
+    if not callable(getattr(suite, "heldout_tasks", None)):
+        return settings.eval.heldout_size
     return len(suite.heldout_tasks(settings.eval.heldout_size))
 
 

@@ -120,6 +120,15 @@ def vllm_python(environ: Mapping = os.environ) -> str | None:
     return environ.get("PRODRL_VLLM_PYTHON") or (str(default) if default.exists() else None)
 
 
+# where `make verifiers` builds verifiers' own environment (it pins openai<3; keyed by version)
+DEFAULT_VERIFIERS_VENV = Path.home() / ".cache" / "prodrl" / "verifiers-0.4.0"
+
+
+def verifiers_python(environ: Mapping = os.environ) -> str:
+    """``$PRODRL_VERIFIERS_PYTHON``, else the interpreter of the venv ``make verifiers`` builds."""
+    return environ.get("PRODRL_VERIFIERS_PYTHON") or str(DEFAULT_VERIFIERS_VENV / "bin" / "python")
+
+
 def node_cache(environ: Mapping = os.environ) -> str:
     return environ.get("PRODRL_NODE_CACHE") or str(Path.home() / ".cache" / "prodrl" / "node-exports")
 

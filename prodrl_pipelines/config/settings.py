@@ -278,9 +278,13 @@ def load_settings_file(path: str | Path) -> dict:
         data["home"] = str((here / home).resolve())
     elif home is None:
         data["home"] = environment.default_home()
+    from prodrl_pipelines.evaluation.loading import registered_sources
+
+    sources = registered_sources()
     for key in ("base_model", "eval_suite"):  # local paths (not s3://, not a source name) are relative to the file
         v = data.get(key)
         if (isinstance(v, str) and "://" not in v and not Path(v).expanduser().is_absolute()
+                and (key != "eval_suite" or v.partition(":")[0] not in sources)
                 and ("/" in v or v.endswith(".jsonl"))):
             data[key] = str((here / v).resolve())
     return data

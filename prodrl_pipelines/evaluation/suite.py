@@ -46,8 +46,10 @@ REQUIRED = ("heldout_tasks", "initial_messages", "env_reply", "reward")
 
 
 def missing_members(obj) -> list[str]:
-    """The protocol members ``obj`` lacks (callables and attributes)."""
-    out = [m for m in REQUIRED if not callable(getattr(obj, m, None))]
+    """The protocol members ``obj`` lacks (callables and attributes); a suite with ``play_served``
+    plays its own episodes over HTTP (``served.ServedSuite``) and needs no episode hooks."""
+    served = callable(getattr(obj, "play_served", None))
+    out = [] if served else [m for m in REQUIRED if not callable(getattr(obj, m, None))]
     out += [a for a in ("name",) if not hasattr(obj, a)]
     return out
 
@@ -58,8 +60,8 @@ def reply_parser(suite) -> str:
 
 
 def calibration_messages(suite, n: int, seed: int) -> list[list[dict]]:
-    """Prompts for activation calibration: the suite's own, else its held-out first messages."""
-    own = getattr(suite, "calibration_messages", None)
-    if callable(own):
-        return list(own(n, seed))
-    return [suite.initial_messages(t) for t in suite.heldout_tasks(n)]
+    """Prompts for activation calibration: the suite's own, else its held-out first messages, else
+    (a suite whose harness shows no prompts) a few generic ones."""
+    from prodrl_pipelines.evaluation.served import first_messages
+
+    return first_messages(suite, n, seed)

@@ -40,12 +40,13 @@ def export_smoke(settings: Settings, export_dir: Path, suite) -> dict:
     from transformers import AutoTokenizer
 
     from prodrl_pipelines.evaluation.episodes import render_prompt, stop_token_ids
+    from prodrl_pipelines.evaluation.served import first_messages
     from prodrl_pipelines.evaluation.smoke import smoke_generate
 
     try:
         tok = AutoTokenizer.from_pretrained(export_dir)
         tools = getattr(suite, "tools", None)
-        prompts = [render_prompt(tok, suite.initial_messages(t), tools)[1] for t in suite.heldout_tasks(SMOKE_PROMPTS)]
+        prompts = [render_prompt(tok, m, tools)[1] for m in first_messages(suite, SMOKE_PROMPTS, settings.recipe.seed)]
         params = settings.deploy.sampling(stop_token_ids=stop_token_ids(tok, export_dir))
         return {"samples": smoke_generate(export_dir, prompts, params, seed=settings.eval.eval_seed), "error": ""}
     except Exception as e:  # noqa: BLE001 - reported; heldout_eval and the gate judge it

@@ -38,6 +38,12 @@ class RewardSettings(BaseModel):
     judge_concurrency: int = Field(8, ge=1)
     judge_timeout_s: float = Field(60.0, gt=0)
     judge_retries: int = Field(3, ge=0)
+    # command: a command line given trajectories as JSON lines on stdin, printing rewards (``command_source``)
+    command: str = ""
+    # inspect: an inspect-ai task ``package.module:task``; a trajectory's task_id names its sample
+    inspect_task: str = ""
+    # verifiers: a verifiers taskset id, scored in the verifiers environment (``verifiers_suite``)
+    verifiers_taskset: str = ""
     # an episode is complete, and only then scored, once its client posted feedback (any reward row
     # without a scorer version: the end-of-episode signal) or no call came for this many seconds;
     # a scorer's grade older than the episode's last call is stale and scored again (``rewards.completion``)
@@ -66,6 +72,13 @@ class RewardSettings(BaseModel):
                 raise ValueError(f"rewards_weights / rewards_versions: {name!r} is not one of the sources {list(self.sources)}")
         if "grader" in self.sources and ":" not in self.grader:
             raise ValueError(f"rewards_grader: source 'grader' needs grader = 'package.module:function', got {self.grader!r}")
+        for src, field, what in (("command", "command", "the command line to run"),
+                                 ("inspect", "inspect_task", "the task as 'package.module:task'"),
+                                 ("verifiers", "verifiers_taskset", "the taskset id")):
+            if src in self.sources and not getattr(self, field).strip():
+                raise ValueError(f"rewards_{field}: source {src!r} needs {what}")
+        if "inspect" in self.sources and ":" not in self.inspect_task:
+            raise ValueError(f"rewards_inspect_task: expected 'package.module:task', got {self.inspect_task!r}")
         if "judge" in self.sources:
             if not self.judge_endpoint.startswith(("http://", "https://")):
                 raise ValueError(f"rewards_judge_endpoint: source 'judge' needs an http(s) URL, got {self.judge_endpoint!r}")

@@ -7,6 +7,9 @@
   of its module's source as loaded, so editing the grader makes a new version once a process imports
   the edit (a long-lived process keeps running, and naming, the code it imported: ``loaded_code_hash``).
 - ``judge``: an LLM behind an OpenAI-compatible endpoint with a rubric (``judge.JudgeSource``).
+- ``command``: any scorer as a command, trajectories in and rewards out as JSON lines
+  (``command_source``); ``verifiers``: a verifiers taskset's rubric through it (``verifiers_suite``).
+- ``inspect``: an inspect-ai task's scorers on each trajectory's sample (``inspect_suite``).
 
 A source that fails on a trajectory (the grader raises, the judge times out or answers without a
 score) leaves it unscored and reports the error; it never stands in a 0.
@@ -18,6 +21,7 @@ import inspect
 import weakref
 from typing import Callable, Sequence
 
+from prodrl_pipelines.rewards.command_source import CommandSource
 from prodrl_pipelines.rewards.judge import JudgeSource
 from prodrl_pipelines.rewards.outcome import Outcome, checked, short_hash
 from prodrl_pipelines.rewards.view import TrajectoryView
@@ -87,7 +91,23 @@ class GraderSource:
         return out
 
 
-REWARD_SOURCES: dict[str, type] = {"feedback": FeedbackSource, "grader": GraderSource, "judge": JudgeSource}
+def _inspect_source(settings):
+    from prodrl_pipelines.evaluation.inspect_suite import InspectRewardSource
+
+    return InspectRewardSource(settings)
+
+
+def _verifiers_source(settings):
+    from prodrl_pipelines.evaluation.verifiers_suite import verifiers_reward_source
+
+    return verifiers_reward_source(settings)
+
+
+_inspect_source.scores = _verifiers_source.scores = True
+
+# name -> factory(settings); ``scores``: the source scores stored traffic itself
+REWARD_SOURCES: dict = {"feedback": FeedbackSource, "grader": GraderSource, "judge": JudgeSource,
+                        "command": CommandSource, "inspect": _inspect_source, "verifiers": _verifiers_source}
 
 
 def make_source(name: str, settings):

@@ -1,0 +1,60 @@
+"""verifiers tasksets as a held-out suite (``eval_suite: "verifiers:<taskset>"``) and as a reward
+source (``rewards_sources: [verifiers]`` with ``rewards_verifiers_taskset``).
+
+verifiers pins ``openai<3``, so it runs in its own environment (``make verifiers`` builds it, cached
+outside the clone like vLLM's; ``PRODRL_VERIFIERS_PYTHON`` names its Python). Both are the generic
+command suite and command reward source with ``verifiers_bridge`` as the command: the taskset is
+loaded by id in that environment and every task is scored by its own ``Task.score`` on a
+``vf.Trace`` (the bridge's doc says how the trace is built). The taskset's module must be importable
+there (installed into that environment, or on ``PYTHONPATH``).
+"""
+
+from __future__ import annotations
+
+import functools
+import subprocess
+from pathlib import Path
+
+from prodrl_pipelines.config import environment
+from prodrl_pipelines.evaluation.command_suite import CommandSuite
+from prodrl_pipelines.evaluation.suite import SuiteError
+
+BRIDGE = Path(__file__).with_name("verifiers_bridge.py")
+
+
+def verifiers_python() -> str:
+    py = environment.verifiers_python()
+    if not Path(py).is_file():
+        raise SuiteError(f"no verifiers environment at {py}: run `make verifiers` (or set PRODRL_VERIFIERS_PYTHON "
+                         "to a Python with verifiers 0.4 installed)")
+    return py
+
+
+@functools.lru_cache(maxsize=4)
+def verifiers_version(py: str) -> str:
+    out = subprocess.run([py, str(BRIDGE), "version"], capture_output=True, text=True, timeout=120)
+    if out.returncode != 0:
+        raise SuiteError(f"{py}: verifiers does not import: {out.stderr.strip().splitlines()[-1:]}")
+    return out.stdout.strip()
+
+
+def bridge_argv(mode: str, taskset: str) -> list[str]:
+    return [verifiers_python(), str(BRIDGE), mode, taskset]
+
+
+def verifiers_suite(arg: str, settings=None) -> CommandSuite:
+    """The ``verifiers`` suite source: ``verifiers:<taskset id>``."""
+    if not arg.strip():
+        raise SuiteError("eval_suite='verifiers:': name the taskset id after 'verifiers:'")
+    return CommandSuite(bridge_argv("suite", arg.strip()), f"verifiers:{arg.strip()}")
+
+
+def verifiers_reward_source(settings):
+    """The ``verifiers`` reward source: the taskset's rubric on each recorded trajectory."""
+    from prodrl_pipelines.rewards.command_source import CommandSource
+
+    taskset = settings.verifiers_taskset.strip()
+    argv = bridge_argv("score", taskset)
+    src = CommandSource(settings, argv=argv, version=f"verifiers:{taskset}@{verifiers_version(argv[0])}")
+    src.name = "verifiers"
+    return src

@@ -1,0 +1,207 @@
+"""Suites and reward sources from the ecosystem: an external command, verifiers (its own
+environment), inspect-ai. Each suite plays the tiny lab policy served by ``prodrl serve``'s app on a
+loopback port and each reward source scores stored trajectories; the rewards are checked by hand
+against the outputs they saw."""
+
+from __future__ import annotations
+
+import json
+import os
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from helpers import make_trajectory
+from prodrl_pipelines.config.settings import Settings
+from prodrl_pipelines.evaluation import evaluate_policy, load_suite
+from prodrl_pipelines.evaluation.suite import SuiteError
+from prodrl_pipelines.rewards.config import RewardSettings
+from prodrl_pipelines.rewards.scoring import RewardPlan, score_missing
+from prodrl_pipelines.storage.blobstore import LocalBlobStore
+from prodrl_pipelines.trajectories.store import TrajectoryStore
+
+
+def eval_settings(n: int = 3, **eval_kw) -> Settings:
+    return Settings(eval={"heldout_size": n, "eval_seed": 11, **eval_kw}, deploy={"max_tokens": 6})
+
+
+def stored(tmp_path, trajectories: dict[str, tuple[str, list[str]]]):
+    """Trajectories stored as recorded: id -> (task_id, one output per call)."""
+    store = TrajectoryStore(LocalBlobStore(tmp_path / "store"))
+    rows = []
+    for i, (tid, (task, outs)) in enumerate(trajectories.items()):
+        calls = make_trajectory(tid, len(outs), minutes=i, task_id=task)
+        for c, o in zip(calls, outs):
+            c["output_text"] = o
+        rows += calls
+    store.write_calls(rows)
+    return store, store.read_calls()
+
+
+def decoded_outputs(policy_dir, calls) -> list[str]:
+    """What the served calls sampled, as text (stop token dropped): the harness must report these."""
+    from transformers import AutoTokenizer
+
+    from prodrl_pipelines.evaluation.episodes import assistant_content, stop_token_ids
+
+    tok = AutoTokenizer.from_pretrained(policy_dir)
+    stops = stop_token_ids(tok, policy_dir)
+    return [assistant_content(tok, out, stops) for _, out, _ in calls]
+
+
+# ---------------------------------------------------------------------------------- external command
+
+HARNESS = textwrap.dedent('''
+    import json, os, sys
+    from openai import OpenAI
+
+    env = os.environ
+    client = OpenAI(base_url=env["PRODRL_BASE_URL"], api_key=env["PRODRL_API_KEY"])
+    print("harness starting", file=sys.stderr)
+    for i in range(int(env["PRODRL_NUM_TASKS"])):
+        r = client.chat.completions.create(
+            model=env["PRODRL_MODEL"], messages=[{"role": "user", "content": f"{i} + {i} ="}],
+            max_tokens=int(env["PRODRL_MAX_TOKENS"]), temperature=float(env["PRODRL_TEMPERATURE"]),
+            top_p=float(env["PRODRL_TOP_P"]), seed=int(env["PRODRL_SEED"]) + i)
+        text = r.choices[0].message.content
+        print(json.dumps({"task_id": f"t{i}", "reward": float(len(text) % 2), "outputs": [text],
+                          "tags": [f"parity:{i % 2}"], "gen_tokens": r.usage.completion_tokens}))
+''')
+
+
+@pytest.fixture
+def harness(tmp_path) -> str:
+    p = tmp_path / "harness.py"
+    p.write_text(HARNESS)
+    return f"command:{sys.executable} {p}"
+
+
+def test_a_command_suite_plays_the_served_policy_and_feeds_the_gate_and_monitors(tiny_policy_dir, harness):
+    settings = eval_settings(3, suite=harness)
+    suite = load_suite(harness, "", settings)
+    ev = evaluate_policy(settings, suite, tiny_policy_dir, "round-0007", keep_calls=True)
+    assert ev["task_ids"] == ["t0", "t1", "t2"] and ev["num_tasks"] == 3 and ev["reward_errors"] == 0
+    outs = [f["outputs"][0] for f in ev["facts"]]
+    assert ev["rewards"] == [float(len(o) % 2) for o in outs]  # the harness's rule, by hand
+    assert [f["tags"] for f in ev["facts"]] == [["parity:0"], ["parity:1"], ["parity:0"]]
+    # the calls the loopback server answered are the episodes the harness reported, token for token
+    assert len(ev["calls"]) == 3 and decoded_outputs(tiny_policy_dir, ev["calls"]) == outs
+    assert [f["gen_tokens"] for f in ev["facts"]] == [len(c[1]) for c in ev["calls"]]
+    again = evaluate_policy(settings, suite, tiny_policy_dir, "round-0007")  # seeded: the same episodes
+    assert again["rewards"] == ev["rewards"] and [f["outputs"] for f in again["facts"]] == [[o] for o in outs]
+
+
+@pytest.mark.parametrize("body, match", [
+    ("import sys; print('boom', file=sys.stderr); sys.exit(3)", r"exited 3:\nboom"),
+    ("print('progress 10%')", r"stdout line 1 is not JSON: 'progress 10%'"),
+    ("print('{\"task_id\": \"a\"}')", r"line 1: 'reward' must be a number, got None"),
+    ("print('{\"task_id\": \"a\", \"reward\": 1}'); print('{\"task_id\": \"a\", \"reward\": 0}')", "reported task 'a' twice"),
+    ("print('{\"task_id\": \"a\", \"reward\": NaN}')", "task 'a': reward nan is not finite"),
+])
+def test_a_failing_command_fails_the_evaluation_naming_command_and_line(tmp_path, body, match):
+    p = tmp_path / "bad.py"
+    p.write_text(body)
+    spec = f"command:{sys.executable} {p}"
+    suite = load_suite(spec, "", eval_settings(2, suite=spec))
+    ep = type("Endpoint", (), {"base_url": "http://127.0.0.1:9/v1", "model": "m", "api_key": "k"})()
+    from prodrl_pipelines.engines.types import SamplingParams
+    from prodrl_pipelines.evaluation.served import _play
+
+    with pytest.raises(SuiteError, match=match):
+        _play(suite, ep, 2, SamplingParams(), 0)
+
+
+def test_command_and_source_settings_fail_at_load():
+    with pytest.raises(SuiteError, match="name the command"):
+        load_suite("command:", "", Settings())
+    with pytest.raises(ValueError, match="rewards_command: source 'command' needs the command line"):
+        RewardSettings(sources=("command",))
+    with pytest.raises(ValueError, match="rewards_inspect_task: expected 'package.module:task'"):
+        RewardSettings(sources=("inspect",), inspect_task="just_a_module")
+
+
+SCORER = textwrap.dedent('''
+    import json, sys
+    for line in sys.stdin:
+        t = json.loads(line)
+        if t["task_id"] == "task-hard":
+            print(json.dumps({"trajectory_id": t["trajectory_id"], "error": "cannot grade " + t["task_id"]}))
+        elif t["task_id"] != "task-skip":
+            print(json.dumps({"trajectory_id": t["trajectory_id"], "reward": float(t["outputs"][-1] == "4")}))
+''')
+
+
+def test_a_command_reward_source_scores_stored_trajectories(tmp_path):
+    (tmp_path / "scorer.py").write_text(SCORER)
+    store, calls = stored(tmp_path, {"a": ("task-x", ["1", "4"]), "b": ("task-x", ["5"]),
+                                     "c": ("task-hard", ["4"]), "d": ("task-skip", ["4"])})
+    plan = RewardPlan(RewardSettings(sources=("command",), command=f"{sys.executable} {tmp_path / 'scorer.py'}"))
+    rep = score_missing(store, plan, calls)["command"]
+    assert (rep.scored, rep.failed, rep.pending) == (2, 1, 1) and "cannot grade task-hard" in rep.first_error
+    rows = store.read_rewards(latest=False).to_pylist()
+    assert {r["trajectory_id"]: r["reward"] for r in rows} == {"a": 1.0, "b": 0.0}  # never a silent 0
+    assert {r["version"] for r in rows} == {plan.current_version("command")}
+
+
+# ------------------------------------------------------------------------------------------- verifiers
+
+TINY_TASKSET = textwrap.dedent('''
+    import verifiers.v1 as vf
+
+    class QAData(vf.TaskData):
+        answer: str
+
+    class QATask(vf.Task[QAData]):
+        @vf.reward(weight=1.0)
+        async def exact(self, trace: vf.Trace) -> float:
+            return 1.0 if trace.last_reply == self.data.answer else 0.0
+
+    class QAConfig(vf.TasksetConfig):
+        pass
+
+    class TinyQA(vf.Taskset[QATask, QAConfig]):
+        def load(self):
+            for i, (q, a) in enumerate([("What is 2+2?", "4"), ("What is 3+4?", "7")]):
+                yield QATask(QAData(id=f"q{i}", prompt=[vf.UserMessage(content=q)], answer=a), self.config.task)
+
+    __all__ = ["TinyQA"]
+''')
+
+
+@pytest.fixture
+def tiny_taskset(tmp_path, monkeypatch):
+    """A two-task verifiers taskset ``tiny-qa`` in a temporary package on the bridge's PYTHONPATH."""
+    from prodrl_pipelines.config import environment
+
+    if not Path(environment.verifiers_python()).exists():
+        msg = f"no verifiers environment at {environment.verifiers_python()}: `make verifiers` builds it"
+        if os.environ.get("CI") == "true":
+            pytest.fail(msg)
+        pytest.skip(msg)
+    (tmp_path / "vfpkg" / "tiny_qa").mkdir(parents=True)
+    (tmp_path / "vfpkg" / "tiny_qa" / "__init__.py").write_text(TINY_TASKSET)
+    monkeypatch.setenv("PYTHONPATH", str(tmp_path / "vfpkg"))
+    return "tiny-qa"
+
+
+def test_a_verifiers_taskset_is_a_suite_scored_by_its_own_task(tiny_policy_dir, tiny_taskset):
+    spec = f"verifiers:{tiny_taskset}"
+    settings = eval_settings(5, suite=spec)
+    ev = evaluate_policy(settings, load_suite(spec, "", settings), tiny_policy_dir, "round-0003", keep_calls=True)
+    assert ev["task_ids"] == ["q0", "q1"] and ev["reward_errors"] == 0  # the taskset holds two
+    outs = [f["outputs"][0] for f in ev["facts"]]
+    assert ev["rewards"] == [float(outs[0].strip() == "4"), float(outs[1].strip() == "7")]
+    assert decoded_outputs(tiny_policy_dir, ev["calls"]) == outs
+
+
+def test_the_verifiers_reward_source_scores_recorded_trajectories_by_task(tmp_path, tiny_taskset):
+    store, calls = stored(tmp_path, {"a": ("q0", ["4"]), "b": ("q1", ["8"]), "c": ("q1", [" 7 "]),
+                                     "d": ("nope", ["4"])})
+    plan = RewardPlan(RewardSettings(sources=("verifiers",), verifiers_taskset=tiny_taskset))
+    assert plan.current_version("verifiers") == "verifiers:tiny-qa@0.4.0"
+    rep = score_missing(store, plan, calls)["verifiers"]
+    assert (rep.scored, rep.failed) == (3, 1) and "'nope' is not a task of taskset 'tiny-qa'" in rep.first_error
+    got = {r["trajectory_id"]: r["reward"] for r in store.read_rewards(latest=False).to_pylist()}
+    assert got == {"a": 1.0, "b": 0.0, "c": 1.0}  # the taskset's rule: the stripped reply equals the answer
