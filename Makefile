@@ -17,7 +17,7 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install -q --upgrade pip
 	# torch first, pinned: here it is the CPU wheel on local disk; a bare `torch` would pull CUDA.
 	$(BIN)/pip install -q torch==2.13.0
-	$(BIN)/pip install -q -e '.[test,lab,ray]'
+	$(BIN)/pip install -q -e '.[test,lab,ray,evals]'
 	rm -f $(VENV)/.installed-*; touch $@
 
 setup: $(STAMP)

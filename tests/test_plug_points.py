@@ -74,7 +74,7 @@ def test_bad_suite_names_fail_naming_the_setting(tmp_path, user_pkg):
         load_suite("mygrader:Task", "")
     with pytest.raises(SuiteError, match=r"lacks heldout_tasks, initial_messages, env_reply, reward, name"):
         load_suite("mygrader:reward", "")  # a function, not a suite
-    with pytest.raises(SuiteError, match=r"not a registered suite source \(lab\)"):
+    with pytest.raises(SuiteError, match=r"not a registered suite source \(command, inspect, lab, verifiers\)"):
         load_suite("nothing-like-a-suite", "")
 
 

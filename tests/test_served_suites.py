@@ -5,7 +5,6 @@ against the outputs they saw."""
 
 from __future__ import annotations
 
-import json
 import os
 import sys
 import textwrap
@@ -193,7 +192,7 @@ def test_a_verifiers_taskset_is_a_suite_scored_by_its_own_task(tiny_policy_dir, 
     assert ev["task_ids"] == ["q0", "q1"] and ev["reward_errors"] == 0  # the taskset holds two
     outs = [f["outputs"][0] for f in ev["facts"]]
     assert ev["rewards"] == [float(outs[0].strip() == "4"), float(outs[1].strip() == "7")]
-    assert decoded_outputs(tiny_policy_dir, ev["calls"]) == outs
+    assert sorted(decoded_outputs(tiny_policy_dir, ev["calls"])) == sorted(outs)  # played concurrently
 
 
 def test_the_verifiers_reward_source_scores_recorded_trajectories_by_task(tmp_path, tiny_taskset):
@@ -205,3 +204,70 @@ def test_the_verifiers_reward_source_scores_recorded_trajectories_by_task(tmp_pa
     assert (rep.scored, rep.failed) == (3, 1) and "'nope' is not a task of taskset 'tiny-qa'" in rep.first_error
     got = {r["trajectory_id"]: r["reward"] for r in store.read_rewards(latest=False).to_pylist()}
     assert got == {"a": 1.0, "b": 0.0, "c": 1.0}  # the taskset's rule: the stripped reply equals the answer
+
+
+# ------------------------------------------------------------------------------------------- inspect-ai
+
+TINY_TASK = textwrap.dedent('''
+    from inspect_ai import Task, task
+    from inspect_ai.dataset import Sample
+    from inspect_ai.scorer import match
+    from inspect_ai.solver import generate
+
+    @task
+    def tiny_arith():
+        return Task(dataset=[Sample(input="What is 2+2?", target="4", id="q0", metadata={"kind": "add"}),
+                             Sample(input="What is 3+4?", target="7", id="q1", metadata={"kind": "add", "tags": ["hard"]})],
+                    solver=generate(), scorer=match())
+''')
+
+
+@pytest.fixture
+def inspect_task(tmp_path, monkeypatch) -> str:
+    (tmp_path / "ipkg").mkdir()
+    (tmp_path / "ipkg" / "tiny_inspect_task.py").write_text(TINY_TASK)
+    monkeypatch.syspath_prepend(str(tmp_path / "ipkg"))
+    return "tiny_inspect_task:tiny_arith"
+
+
+def test_an_inspect_task_is_a_suite_and_its_scorer_a_reward_source_that_agrees(tiny_policy_dir, inspect_task, tmp_path):
+    spec = f"inspect:{inspect_task}"
+    settings = eval_settings(5, suite=spec)
+    suite = load_suite(spec, "", settings)
+    assert suite.calibration_messages(4, 0) == [[{"role": "user", "content": "What is 2+2?"}],
+                                                [{"role": "user", "content": "What is 3+4?"}]]
+    ev = evaluate_policy(settings, suite, tiny_policy_dir, "round-0005", keep_calls=True)
+    assert ev["task_ids"] == ["q0", "q1"] and ev["reward_errors"] == 0
+    assert [f["tags"] for f in ev["facts"]] == [["kind=add"], ["hard", "kind=add"]]
+    outs = [f["outputs"][0] for f in ev["facts"]]
+    # inspect saw what the policy sampled (its samples run concurrently: the calls in any order)
+    assert sorted(decoded_outputs(tiny_policy_dir, ev["calls"])) == sorted(outs)
+    assert sorted(f["gen_tokens"] for f in ev["facts"]) == sorted(len(c[1]) for c in ev["calls"])
+    # the same outputs, recorded and scored by the reward source: the same rewards as inspect's own run
+    store, calls = stored(tmp_path, {"e0": ("q0", [outs[0]]), "e1": ("q1", [outs[1]])})
+    plan = RewardPlan(RewardSettings(sources=("inspect",), inspect_task=inspect_task))
+    score_missing(store, plan, calls)
+    got = {r["trajectory_id"]: r["reward"] for r in store.read_rewards(latest=False).to_pylist()}
+    assert [got["e0"], got["e1"]] == ev["rewards"]
+
+
+def test_the_inspect_reward_source_scores_recorded_outputs_by_hand(tmp_path, inspect_task):
+    store, calls = stored(tmp_path, {
+        "a": ("q0", ["4"]), "b": ("q0", ["8"]), "c": ("q1", ["let me add", "The answer is 7"]),
+        "d": ("q1", ["<think>3 and 4</think>7"]), "e": ("q9", ["4"])})
+    plan = RewardPlan(RewardSettings(sources=("inspect",), inspect_task=inspect_task))
+    assert plan.current_version("inspect").startswith(f"inspect:{inspect_task}@")
+    rep = score_missing(store, plan, calls)["inspect"]
+    assert (rep.scored, rep.failed) == (4, 1) and "'q9' is not a sample of inspect task" in rep.first_error
+    got = {r["trajectory_id"]: r["reward"] for r in store.read_rewards(latest=False).to_pylist()}
+    # match(): the last output ends with the target; the reasoning block is the chat server's to strip
+    assert got == {"a": 1.0, "b": 0.0, "c": 1.0, "d": 1.0}
+
+
+def test_bad_inspect_specs_fail_at_load(inspect_task):
+    with pytest.raises(SuiteError, match="expected 'inspect:package.module:task'"):
+        load_suite("inspect:tiny_inspect_task", "", Settings())
+    with pytest.raises(SuiteError, match="has no attribute 'nope'"):
+        load_suite("inspect:tiny_inspect_task:nope", "", Settings())
+    with pytest.raises(SuiteError, match="expected an inspect Task or @task function, got str"):
+        load_suite("inspect:textwrap:__doc__", "", Settings())
