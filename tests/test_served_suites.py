@@ -271,3 +271,35 @@ def test_bad_inspect_specs_fail_at_load(inspect_task):
         load_suite("inspect:tiny_inspect_task:nope", "", Settings())
     with pytest.raises(SuiteError, match="expected an inspect Task or @task function, got str"):
         load_suite("inspect:textwrap:__doc__", "", Settings())
+
+
+# --------------------------------------------------------------------------- in a round: gate and monitors
+
+def test_a_served_suite_feeds_the_gate_the_monitors_and_the_slices(tiny_policy_dir, harness, tmp_path, monkeypatch):
+    """Bootstrap on a command suite, then judge a candidate with the live weights: the paired gate,
+    every monitor (the KL on the calls the loopback server answered) and the per-tag slices run on
+    what the harness reported."""
+    import shutil
+
+    from prodrl_pipelines.loop import bootstrap, evaluate, gate
+    from prodrl_pipelines.loop.services import services_from_env
+
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    svc = services_from_env({"home": str(tmp_path / "home"), "base_model": str(tiny_policy_dir), "eval_suite": harness,
+                             "heldout_size": 4, "max_tokens": 6, "export_scheme": "bf16",
+                             "monitors_slices_min_tasks": 2}, check=True)
+    boot = bootstrap.bootstrap(svc)
+    assert boot["reward_errors"] == 0
+    live = svc.ledger.eval("round-000000")
+    assert live["task_ids"] == ["t0", "t1", "t2", "t3"] and live["harness"] == harness
+    exports = svc.settings.exports_root
+    shutil.copytree(exports / "round-000000", exports / "round-000001")  # a candidate with the live weights
+    res = evaluate.evaluate(svc, "round-000001")
+    cand = res["candidate"]
+    assert res["smoke_error"] == "" and cand["rewards"] == live["rewards"]  # seeded: the same episodes
+    assert cand["kl_tokens"] == sum(f["gen_tokens"] for f in cand["facts"]) and abs(cand["kl_to_live"]) < 1e-4
+    monitors = {m["name"]: m for m in res["monitors"]}
+    assert set(monitors) == {"format_errors", "length_drift", "refusal_rate", "kl", "slices"}
+    assert all(m["passed"] for m in monitors.values()), monitors
+    assert "parity:0" in monitors["slices"]["detail"] and "parity:1" in monitors["slices"]["detail"]
+    assert gate.heldout_verdict(svc, res).passed

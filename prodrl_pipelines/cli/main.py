@@ -92,13 +92,14 @@ def cmd_eval(args) -> int:
 
     from prodrl_pipelines.cli.services import services_from_file
 
-    svc = services_from_file(args.settings)
+    svc = services_from_file(args.settings, overrides={"eval_suite": args.suite} if args.suite else None)
     shortfall = heldout_warning(svc.settings, svc.suite)
     if shortfall:
         print(f"prodrl: warning: {shortfall}", file=sys.stderr)
     ev = evaluate.evaluate_version(svc, args.policy)
-    print(json.dumps({k: ev[k] for k in ("policy_version", "mean", "ci95", "num_tasks", "heldout_size", "reward_errors",
-                                         "first_reward_error", "stored_at") if k in ev}, indent=1))
+    print(json.dumps({"suite": svc.suite.name, **{k: ev[k] for k in (
+        "policy_version", "mean", "ci95", "num_tasks", "heldout_size", "reward_errors", "first_reward_error",
+        "stored_at", "task_ids", "rewards") if k in ev}}, indent=1))
     return 0
 
 
@@ -123,6 +124,8 @@ def build_parser() -> argparse.ArgumentParser:
     e = sub.add_parser("eval", help="held-out reward of a policy version on the evaluation suite (JSON)")
     e.add_argument("--settings", required=True, help="JSON or YAML file of ProdRLSettings fields")
     e.add_argument("--policy", default=None, help="policy version (default: the live one)")
+    e.add_argument("--suite", default=None, help="evaluate on this suite instead of the settings' eval_suite "
+                   "(e.g. inspect:pkg.module:task, verifiers:<taskset>, 'command:<command line>')")
     e.set_defaults(fn=cmd_eval)
     u = sub.add_parser("up", help="start the whole loop on loopback: S3 endpoint, MLflow server, Dagster "
                        "webserver + daemon (PostgreSQL), the deployment and its recorder")

@@ -127,6 +127,7 @@ def evaluate_version(svc: Services, policy_version: str | None = None) -> dict:
 
         stamp = utc_now().replace(":", "").replace("+0000", "Z")
         key = keys.reevaluation(policy_version, stamp)
-        documents.put_json(svc.blobs, key, {**ev, "evaluated_at": stamp, "live_version": live.policy_version if live else None})
+        documents.put_json(svc.blobs, key, {**ev, "evaluated_at": stamp, "suite": svc.suite.name,
+                                          "live_version": live.policy_version if live else None})
         ev = {**ev, "stored_at": key}
     return ev
