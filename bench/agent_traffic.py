@@ -5,12 +5,15 @@ streaming costs the recorder (issue 37's benchmark), side by side in one run.
 
 The policy is the lab's tools policy (tests/conftest.py's ``tools_policy_dir``: ``arithmetic_tools``
 warm-started on the agent loop, seeded; built here in a temporary directory unless ``--policy-dir``),
-served by ``prodrl serve --reply-parser qwen3`` (its own process, one torch thread) under two chat
-templates: ``qwen3``, the policy's own (``production_text.QWEN3_STYLE_TOOLS_TEMPLATE``: earlier
-reasoning dropped, calls re-serialised by the template), and ``llama32``, a copy of the policy dir
-whose ``chat_template.jinja`` is ``production_text.LLAMA32_STYLE_TOOLS_TEMPLATE`` (Llama 3.2's
-rules in the lab's tokens: a dated system header, calls re-serialised as ``{"name", "parameters"}``
-JSON, reasoning dropped).
+served by ``prodrl serve --reply-parser qwen3`` (its own process, one torch thread) under chat
+templates that mimic production rules in the lab's tokens (``--templates``, default all):
+``qwen3``, the policy's own (``production_text.QWEN3_STYLE_TOOLS_TEMPLATE``: earlier reasoning
+dropped, calls re-serialised by the template); and copies of the policy dir whose
+``chat_template.jinja`` is ``production_text``'s ``llama32`` (Llama 3.2: a dated system header,
+calls re-serialised as ``{"name", "parameters"}`` JSON, reasoning dropped), ``glm45`` (GLM-4.5:
+calls re-serialised as ``<arg_key>``/``<arg_value>`` pairs, earlier reasoning dropped) or
+``qwen3-nothink`` (Qwen3 with ``enable_thinking=False``: an empty reasoning block in every
+generation prompt, none in history).
 
 1. **merged/multi-call**, per cell (SDK x template x ``chat_history``): ``--episodes`` two-question
    ``add``-tool episodes (``lab.sdk_agents``: openai-agents in chat mode, pydantic-ai, a streamed
@@ -36,7 +39,7 @@ Goals (issue 37): every SDK >= 0.95 merged with ``extend`` on every template; th
 worse than plain completions' (also compared with non-streamed chat's).
 
 Last line:
-``agent_traffic: merged/multi-call openai-agents=X pydantic-ai=X langgraph=X; extend/rerender qwen3=X/Y llama32=X/Y; recorder/direct streaming c=8=X``
+``agent_traffic: merged/multi-call openai-agents=X pydantic-ai=X langgraph=X; extend/rerender qwen3=X/Y llama32=X/Y [glm45=X/Y qwen3-nothink=X/Y]; recorder/direct streaming c=8=X``
 """
 
 from __future__ import annotations
@@ -100,19 +103,25 @@ def stop(proc: subprocess.Popen) -> None:
         proc.wait()
 
 
-def llama32_copy(policy: Path, out: Path) -> Path:
-    """The policy dir with the Llama-3.2-style template as its chat template."""
+# template name -> the production_text template a copy of the policy dir is served with (qwen3: its own)
+MIMICS = {"llama32": "LLAMA32_STYLE_TOOLS_TEMPLATE", "glm45": "GLM45_STYLE_TOOLS_TEMPLATE",
+          "qwen3-nothink": "QWEN3_NOTHINK_STYLE_TOOLS_TEMPLATE"}
+
+
+def template_copy(policy: Path, out: Path, name: str) -> Path:
+    """The policy dir with the ``name`` mimic (``MIMICS``) as its chat template."""
     from transformers import AutoTokenizer
 
-    from prodrl_pipelines.lab.production_text import LLAMA32_STYLE_TOOLS_TEMPLATE
+    from prodrl_pipelines.lab import production_text
 
+    template = getattr(production_text, MIMICS[name])
     shutil.copytree(policy, out)
-    (out / "chat_template.jinja").write_text(LLAMA32_STYLE_TOOLS_TEMPLATE)
+    (out / "chat_template.jinja").write_text(template)
     cfg_path = out / "tokenizer_config.json"
     cfg = json.loads(cfg_path.read_text())
     if cfg.pop("chat_template", None) is not None:
         cfg_path.write_text(json.dumps(cfg, indent=2))
-    if AutoTokenizer.from_pretrained(out).chat_template != LLAMA32_STYLE_TOOLS_TEMPLATE:
+    if AutoTokenizer.from_pretrained(out).chat_template != template:
         raise SystemExit(f"{out}: the tokenizer does not load the written chat_template.jinja")
     return out
 
@@ -282,6 +291,8 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5.0, help="seconds per throughput phase and round")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of interleaved throughput phases")
     ap.add_argument("--policy-dir", default=None, help="the tools policy (default: build it, ~20 s)")
+    ap.add_argument("--templates", nargs="+", default=["qwen3", *MIMICS], choices=["qwen3", *MIMICS],
+                    help="chat templates to serve the policy with (qwen3, its own, is always served)")
     args = ap.parse_args()
     t_start = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="agent-traffic-"))
@@ -296,7 +307,8 @@ def main() -> None:
             policy = build_base_policy(tmp / "qwen3", size="demo", seed=0, progress=False, task="arithmetic_tools",
                                        sft=TOOLS_POLICY_SFT)
             print(f"tools policy built in {time.monotonic() - t:.1f} s", flush=True)
-        dirs = {"qwen3": Path(policy), "llama32": llama32_copy(Path(policy), tmp / "llama32")}
+        dirs = {"qwen3": Path(policy), **{t: template_copy(Path(policy), tmp / t, t) for t in MIMICS
+                                          if t in args.templates}}
         env = {**os.environ, "PRODRL_RECORDER_TOKEN": TOKEN, "TOKENIZERS_PARALLELISM": "false",
                "OMP_NUM_THREADS": "1"}
         ups = {}
@@ -339,7 +351,7 @@ def main() -> None:
           f"{time.monotonic() - t_start:.0f} s in all")
     sdk_part = " ".join(f"{s}={cells[('qwen3', s, 'extend')]['frac']:.2f}" for s in SDK_NAMES)
     tpl_part = " ".join(f"{t}={cells[(t, 'openai-agents', 'extend')]['frac']:.2f}/"
-                        f"{cells[(t, 'openai-agents', 'rerender')]['frac']:.2f}" for t in ("qwen3", "llama32"))
+                        f"{cells[(t, 'openai-agents', 'rerender')]['frac']:.2f}" for t in dirs)
     print(f"agent_traffic: merged/multi-call {sdk_part}; extend/rerender {tpl_part}; "
           f"recorder/direct streaming c=8={ratios['chat streamed']:.2f}")
 

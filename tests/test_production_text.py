@@ -9,7 +9,7 @@ import json
 import pytest
 
 from prodrl_pipelines.lab.production_text import (
-    QWEN3_STYLE_TEMPLATE, QWEN3_STYLE_TOOLS_TEMPLATE, SPECIAL_TOKENS, build_byte_bpe_tokenizer, markup_as_text,
+    GLM45_STYLE_TOOLS_TEMPLATE, QWEN3_NOTHINK_STYLE_TOOLS_TEMPLATE, QWEN3_STYLE_TEMPLATE, QWEN3_STYLE_TOOLS_TEMPLATE, SPECIAL_TOKENS, build_byte_bpe_tokenizer, markup_as_text,
     non_canonical_split,
 )
 
@@ -133,3 +133,21 @@ def test_markup_as_text_keeps_the_ids_and_survives_skip_special_tokens(tok):
     # tokenizer has these as non-special added tokens); the byte BPE's own marks them special
     assert as_text.decode(ids, skip_special_tokens=True) == text.removeprefix("<|im_start|>").removesuffix("<|im_end|>")
     assert "<tool_call>" not in tok.decode(ids, skip_special_tokens=True)
+
+
+def test_the_glm_and_no_thinking_mimics_break_the_prefix_their_own_way(tok):
+    """GLM-4.5: the call re-serialised as key/value pairs (the rest as Qwen3's); Qwen3 with thinking
+    off: an empty reasoning block in every generation prompt that no rendered history keeps."""
+    tools_tok = markup_as_text(tok)
+    tools_tok.chat_template = QWEN3_STYLE_TOOLS_TEMPLATE
+    qwen3 = tools_tok.apply_chat_template(CONVERSATION, tools=[ADD], tokenize=False)
+    tools_tok.chat_template = GLM45_STYLE_TOOLS_TEMPLATE
+    glm = tools_tok.apply_chat_template(CONVERSATION, tools=[ADD], tokenize=False)
+    hermes = '<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 30}}\n</tool_call>'
+    pairs = "<tool_call>add\n<arg_key>a</arg_key>\n<arg_value>12</arg_value>\n<arg_key>b</arg_key>\n<arg_value>30</arg_value>\n</tool_call>"
+    assert hermes in qwen3 and glm == qwen3.replace(hermes, pairs)
+    tools_tok.chat_template = QWEN3_NOTHINK_STYLE_TOOLS_TEMPLATE
+    nothink = tools_tok.apply_chat_template(CONVERSATION[:2], tools=[ADD], tokenize=False, add_generation_prompt=True)
+    assert nothink.endswith("<|im_start|>assistant\n<think>\n\n</think>\n\n")
+    history = tools_tok.apply_chat_template(CONVERSATION, tools=[ADD], tokenize=False)
+    assert "<think>" not in history and history.endswith("<|im_start|>assistant\n43<|im_end|>\n")

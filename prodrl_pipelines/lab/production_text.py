@@ -36,7 +36,7 @@ import random
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 from transformers import PreTrainedTokenizerFast
 
-__all__ = ["LLAMA32_STYLE_TOOLS_TEMPLATE", "QWEN3_STYLE_TEMPLATE", "QWEN3_STYLE_TOOLS_TEMPLATE", "SPECIAL_TOKENS", "build_byte_bpe_tokenizer",
+__all__ = ["GLM45_STYLE_TOOLS_TEMPLATE", "LLAMA32_STYLE_TOOLS_TEMPLATE", "QWEN3_NOTHINK_STYLE_TOOLS_TEMPLATE", "QWEN3_STYLE_TEMPLATE", "QWEN3_STYLE_TOOLS_TEMPLATE", "SPECIAL_TOKENS", "build_byte_bpe_tokenizer",
            "markup_as_text", "non_canonical_split", "production_corpus"]
 
 PAD_TOKEN, IM_START, IM_END = "<|endoftext|>", "<|im_start|>", "<|im_end|>"
@@ -105,6 +105,31 @@ QWEN3_STYLE_TOOLS_TEMPLATE = _QWEN3_STYLE_HEAD + _TOOLS_TURN + _QWEN3_STYLE_BODY
     "{%- if m['role'] in ('system', 'user') -%}",
     "{%- if tools and loop.first and m['role'] == 'system' -%}"
     "{%- elif m['role'] in ('system', 'user') -%}", 1)
+# GLM-4.5's rules in the lab's markup: earlier reasoning dropped (as Qwen3), and every call re-serialised
+# as one <arg_key>/<arg_value> pair per argument, not the JSON object the model sampled
+_HERMES_CALL = (
+    "{{- '<tool_call>\\n{\"name\": \"' + fn['name'] + '\", \"arguments\": ' -}}"
+    "{{- fn['arguments'] if fn['arguments'] is string else fn['arguments'] | tojson -}}"
+    "{{- '}\\n</tool_call>' -}}"
+)
+_GLM_CALL = (
+    "{{- '<tool_call>' + fn['name'] + '\\n' -}}"
+    "{%- if fn['arguments'] is mapping -%}"
+    "{%- for k, v in fn['arguments'].items() -%}"
+    "{{- '<arg_key>' + k + '</arg_key>\\n<arg_value>' + (v if v is string else v | tojson) + '</arg_value>\\n' -}}"
+    "{%- endfor -%}"
+    "{%- else -%}{{- fn['arguments'] + '\\n' -}}{%- endif -%}"
+    "{{- '</tool_call>' -}}"
+)
+GLM45_STYLE_TOOLS_TEMPLATE = QWEN3_STYLE_TOOLS_TEMPLATE.replace(_HERMES_CALL, _GLM_CALL, 1)
+# Qwen3 with enable_thinking=False in the lab's markup: the generation prompt holds an empty reasoning
+# block that no rendered history keeps, and earlier reasoning is never rendered
+_EMPTY_THINK_PROMPT = "{{- '<|im_start|>assistant\\n<think>\\n\\n</think>\\n\\n' -}}"
+QWEN3_NOTHINK_STYLE_TOOLS_TEMPLATE = QWEN3_STYLE_TOOLS_TEMPLATE.replace(
+    "{%- if loop.index0 > ns.last_query and reasoning -%}", "{%- if false -%}", 1).replace(
+    "{%- if add_generation_prompt -%}{{- '<|im_start|>assistant\\n' -}}{%- endif -%}",
+    "{%- if add_generation_prompt -%}" + _EMPTY_THINK_PROMPT + "{%- endif -%}", 1)
+
 # Llama 3.2's rules in the lab's markup: a dated system header, calls re-serialised, reasoning dropped
 LLAMA32_STYLE_TOOLS_TEMPLATE = (
     "{%- set date_string = strftime_now('%d %b %Y') -%}"
