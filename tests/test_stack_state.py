@@ -87,3 +87,20 @@ def test_s3_mirror_round_trip(s3_endpoint, bucket, tmp_path):
            for o in c.list_objects_v2(Bucket=fresh)["Contents"]}
     assert got == {"a": b"changed", "a/b": b"22", "deep/x/y/z.parquet": objs["deep/x/y/z.parquet"]}
     assert s3_snapshot.restore(c, fresh, tmp_path / "no-mirror") == 0
+
+
+def test_the_stacks_recorder_renders_chat_as_the_deploy_settings_ask():
+    """``chat_history: extend`` (with the deployment's reply parser) reaches ``make up``'s recorder,
+    in a command line ``prodrl record``'s own parser accepts."""
+    import argparse
+
+    from prodrl_pipelines.cli.record import add_record_parser
+    from prodrl_pipelines.config.settings import settings_from_flat
+    from prodrl_pipelines.stack.serving import recorder_args
+
+    parser = argparse.ArgumentParser()
+    add_record_parser(parser.add_subparsers(dest="cmd"))
+    for flat, want in (({}, ("rerender", "none")), ({"chat_history": "extend", "reply_parser": "qwen3"}, ("extend", "qwen3"))):
+        deploy = settings_from_flat(flat).deploy
+        args = parser.parse_args(recorder_args(deploy, "/h/endpoint.json", ["--store", "/h/store"], 8123))
+        assert (args.chat_history, args.reply_parser, args.follow, args.port) == (*want, "/h/endpoint.json", 8123)

@@ -74,6 +74,10 @@ class DeploySettings(BaseModel):
     # managed servers parse replies into reasoning and tool_calls and serve tool_choice (prodrl serve
     # --reply-parser; vLLM --enable-auto-tool-choice --tool-call-parser --reasoning-parser); none: plain
     reply_parser: str = "none"
+    # how the recorder in front of the deployment serves chat calls (recorder.chat_extend): rerender (the
+    # client's history through the chat template) or extend (a session's calls as extensions of its
+    # previous call's tokens: an agent's episode trains as one sequence; docs/agents.md)
+    chat_history: Literal["rerender", "extend"] = "rerender"
     health_timeout_s: float = Field(300.0, gt=0)
     # the parity probe after every deploy: recorded prompts through the new deployment, the sampled
     # tokens' |log mu_new - log pi_trainer| against these bounds (probe_prompts = 0: no probe)

@@ -38,6 +38,16 @@ def recorder_store_args(svc, wal_dir: Path) -> list[str]:
     raise RuntimeError(f"`prodrl record` writes to a local or S3 trajectory store; got {blobs!r}")
 
 
+def recorder_args(deploy, endpoint_path: str, store_args: list[str], port: int) -> list[str]:
+    """``prodrl record``'s arguments in front of the deployment: it follows the endpoint file and
+    records what the deploy settings ask (top-K, the extra draw, how chat calls are rendered)."""
+    k = deploy.num_top_logprobs
+    return ["record", "--follow", endpoint_path, *store_args, "--port", str(port),
+            "--top-logprobs", str(k), "--upstream-max-logprobs", str(max(k, 20)),
+            *(["--record-extra-draw"] if deploy.record_extra_draw else []),
+            "--chat-history", deploy.chat_history, "--reply-parser", deploy.reply_parser]
+
+
 class LiveServing:
     """``services``: a callable returning the round ``Services`` (their ledger says what is live)."""
 
@@ -133,13 +143,10 @@ class LiveServing:
         from prodrl_pipelines.deploy_targets import endpoint_file
 
         svc = self._services()
-        k = svc.settings.deploy.num_top_logprobs
         exe = [sys.executable, "-m", "prodrl_pipelines.cli"]
         store = recorder_store_args(svc, self.home / "recorder_wal")
-        record = ManagedProcess("prodrl record", exe + [
-            "record", "--follow", str(endpoint_file(self.home).path), *store, "--port", str(self.record_port),
-            "--top-logprobs", str(k), "--upstream-max-logprobs", str(max(k, 20)),
-            *(["--record-extra-draw"] if svc.settings.deploy.record_extra_draw else [])],
+        record = ManagedProcess("prodrl record", exe + recorder_args(
+            svc.settings.deploy, str(endpoint_file(self.home).path), store, self.record_port),
             self.env, self.home / "logs" / "record.log")
         try:
             record.wait_http(f"{self.record_url}/health", timeout_s=120,
