@@ -45,7 +45,7 @@ JOINS = {
     ("langgraph", "rerender"): [OR, M, OR],
     ("openai-agents-chat", "extend"): [M, M, M],
     ("openai-agents-chat-replay", "extend"): [M, M, M],
-    ("openai-agents-responses", "extend"): [OR, M, OR],  # Responses calls take the re-rendering path
+    ("openai-agents-responses", "extend"): [M, M, M],
     ("pydantic-ai", "extend"): [M, M, M],
     ("langgraph", "extend"): [M, M, M],
 }

@@ -154,3 +154,28 @@ def test_settings_are_checked(tmp_path):
         RecorderConfig(upstream="http://x", store_dir=str(tmp_path), token="t", chat_history="append")
     with pytest.raises(ValueError, match="reply_parser must be 'none' or one of"):
         RecorderConfig(upstream="http://x", store_dir=str(tmp_path), token="t", reply_parser="hermes2")
+
+
+def test_a_responses_session_is_extended_too(scripted, model_dir, tmp_path):
+    """The Responses API through extend (the openai client, not streamed): translated to chat as on
+    the plain path, the call after a function call's output bridged, answered as a Response."""
+    cfg = RecorderConfig(upstream=scripted.url, store_dir=str(tmp_path / "store"), token=TOKEN,
+                         tokenizer_dir=str(model_dir), chat_history="extend", reply_parser="qwen3")
+    app = build_recorder_app(cfg)
+    tool = {"type": "function", "name": "add", "description": "", "parameters": {"type": "object"}, "strict": False}
+    with BackgroundServer(app) as srv:
+        client = openai.OpenAI(base_url=srv.url + "/v1", api_key=TOKEN, max_retries=0, timeout=60,
+                               default_headers={"X-Session-Id": "resp-1"})
+        items: list = [{"role": "user", "content": USER[0]["content"]}]
+        first = client.responses.create(model="v0", input=items, tools=[tool])
+        calls = [o for o in first.output if o.type == "function_call"]
+        assert len(calls) == 1 and calls[0].name == "add"
+        items += [o.model_dump(exclude_none=True) for o in first.output]
+        items.append({"type": "function_call_output", "call_id": calls[0].call_id, "output": "9"})
+        second = client.responses.create(model="v0", input=items, tools=[tool])
+        assert second.output_text == "16" and second.status == "completed"
+        stats = _stats(srv.url)
+        rows = _rows(app)
+    assert stats["extend_bridged"] == 1 and stats["extend_rendered.first_call"] == 1
+    assert [r["output_text"] for r in rows] == [CALL, ANSWER] and _extends(rows) == [True]
+    assert second.usage.input_tokens == len(rows[1]["prompt_token_ids"])

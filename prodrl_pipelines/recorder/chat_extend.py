@@ -15,9 +15,10 @@ recorder renders the prompt itself, from the deployment's own chat template, and
   of prime-rl's turn bridge and SkyRL's token-in/token-out).
 
 The answer is turned back into a chat answer (the reply parser splits reasoning and tool calls;
-streamed calls get the whole answer as chunks). The trade-off: the model sees its own reasoning in
-history where its template would have stripped it. Calls without a session, with ``n`` > 1, through
-the Responses API, or without a tokenizer take the plain path (``extend_fallback.<reason>`` counters).
+streamed calls get the whole answer as chunks; a Responses call, translated to chat as on the plain
+path, gets a Response or its events). The trade-off: the model sees its own reasoning in history
+where its template would have stripped it. Calls without a session, with ``n`` > 1 or without a
+tokenizer take the plain path (``extend_skipped.<reason>`` counters).
 """
 
 from __future__ import annotations
@@ -212,6 +213,20 @@ def chat_answer(data: dict, message: dict, finish: str, logprobs: dict | None, u
 
 def chat_stream(answer: dict, include_usage: bool) -> bytes:
     """A whole chat answer as the chunks of a stream (role, then the message, then the finish)."""
+    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chat_chunks(answer, include_usage)) \
+        + b"data: [DONE]\n\n"
+
+
+def responses_stream(shape, answer: dict) -> bytes:
+    """A whole chat answer as a Responses event stream (``ResponsesShape``'s events)."""
+    usage = shape.usage(None, None, answer["usage"])
+    events = [*shape.start_events()]
+    for c in chat_chunks(answer, False):
+        events += shape.chunk_events(c)
+    return b"".join(events + [*shape.end_events(answer["choices"][0]["finish_reason"], usage)])
+
+
+def chat_chunks(answer: dict, include_usage: bool) -> list[dict]:
     from prodrl_pipelines.engines.chat_tools import stream_delta
 
     base = {"id": answer["id"], "object": "chat.completion.chunk", "created": answer["created"],
@@ -225,12 +240,14 @@ def chat_stream(answer: dict, include_usage: bool) -> bytes:
                                     "finish_reason": choice["finish_reason"]}]}]
     if include_usage:
         chunks.append({**base, "choices": [], "usage": answer["usage"]})
-    return b"".join(b"data: " + json.dumps(c).encode() + b"\n\n" for c in chunks) + b"data: [DONE]\n\n"
+    return chunks
 
 
-async def serve_extended(rec, ext: ChatExtender, body: dict, caller, pv: str | None, task_id: str | None, ask):
+async def serve_extended(rec, ext: ChatExtender, body: dict, caller, pv: str | None, task_id: str | None, ask,
+                         shape=None):
     """One chat call of a session through ``ext``: rendered here, sent as a completion of token ids,
-    recorded, answered as chat (streamed as chunks when asked)."""
+    recorded, answered as chat (streamed as chunks when asked); ``shape``: a Responses call
+    (``ResponsesShape``), answered as a Response (or its events)."""
     import aiohttp
     from starlette.responses import Response
 
@@ -289,6 +306,11 @@ async def serve_extended(rec, ext: ChatExtender, body: dict, caller, pv: str | N
         return err(f"the call could not be recorded durably: {exc}", 503, stats, "commit_failures", headers)
     ext.remember(caller.tid, plan, ids, stopped, reply.message)
     headers.update({"X-Call-Index": str(index), "X-Prodrl-Recorded": "true" if row is not None else "false"})
+    if shape is not None and body.get("stream"):
+        return Response(responses_stream(shape, answer), media_type="text/event-stream", headers=headers)
+    if shape is not None:
+        return Response(dumps(shape.answer(answer, shape.usage(None, None, answer["usage"]))),
+                        media_type="application/json", headers=headers)
     if body.get("stream"):
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return Response(chat_stream(answer, usage), media_type="text/event-stream", headers=headers)

@@ -78,12 +78,12 @@ async def _proxy(request: Request, kind: str) -> Response:
     if served is not None:  # the client's model name is not the deployment's: ask for what is served now
         body["model"] = served
     ask = client_ask(body, kind)
-    if kind == "chat" and rec.cfg.chat_history == "extend" and shape is None and source != "none":
+    if kind == "chat" and rec.cfg.chat_history == "extend" and source != "none":
         ext = extender_of(rec)
         why = "no_tokenizer" if ext is None else "n" if (body.get("n") or 1) != 1 else None
         if why is None:
             try:
-                return await serve_extended(rec, ext, body, caller, pv, task_id, ask)
+                return await serve_extended(rec, ext, body, caller, pv, task_id, ask, shape)
             except ProtocolError as exc:
                 return err(str(exc), exc.status, stats, "bad_requests")
         stats.inc(f"extend_skipped.{why}")
