@@ -16,7 +16,8 @@ calls re-serialised as ``<arg_key>``/``<arg_value>`` pairs, earlier reasoning dr
 generation prompt, none in history).
 
 1. **merged/multi-call**, per cell (SDK x template x ``chat_history``): ``--episodes`` two-question
-   ``add``-tool episodes (``lab.sdk_agents``: openai-agents in chat mode, pydantic-ai, a streamed
+   ``add``-tool episodes (``lab.sdk_agents``: openai-agents in chat mode and in its default
+   Responses mode (streamed), pydantic-ai, a streamed
    LangGraph ReAct agent over langchain-openai; episode ``i`` seeded ``SEED + i``, its questions drawn
    from ``i``), each one trajectory, through a recorder of its own (``extend`` or ``rerender``) in
    front of the template's server; the fraction of multi-call trajectories that the trainer's layout
@@ -39,7 +40,7 @@ Goals (issue 37): every SDK >= 0.95 merged with ``extend`` on every template; th
 worse than plain completions' (also compared with non-streamed chat's).
 
 Last line:
-``agent_traffic: merged/multi-call openai-agents=X pydantic-ai=X langgraph=X; extend/rerender qwen3=X/Y llama32=X/Y [glm45=X/Y qwen3-nothink=X/Y]; recorder/direct streaming c=8=X``
+``agent_traffic: merged/multi-call openai-agents=X openai-agents-responses=X pydantic-ai=X langgraph=X; extend/rerender qwen3=X/Y llama32=X/Y [glm45=X/Y qwen3-nothink=X/Y]; recorder/direct streaming c=8=X``
 """
 
 from __future__ import annotations
@@ -71,7 +72,8 @@ TOKEN = "bench-token"
 MODEL = "tools-policy"
 # tests/conftest.py's TOOLS_POLICY_SFT: the tools policy of the SDK tests
 TOOLS_POLICY_SFT = dict(agent_loop=True, steps=150, batch_size=16, n_tasks=2000, format_noise=0.0, compact_noise=0.0)
-SDK_NAMES = {"openai-agents": "openai-agents-chat", "pydantic-ai": "pydantic-ai", "langgraph": "langgraph"}
+SDK_NAMES = {"openai-agents": "openai-agents-chat", "openai-agents-responses": "openai-agents-responses",
+             "pydantic-ai": "pydantic-ai", "langgraph": "langgraph"}
 MAX_TOKENS = 64
 
 
