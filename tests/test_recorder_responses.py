@@ -226,3 +226,13 @@ def test_every_include_value_of_the_api_is_accepted_and_previous_response_id_is_
     with pytest.raises(ProtocolError, match="`previous_response_id` needs server-side state, which the recorder keeps "
                        "none of: send the whole conversation as `input`"):
         ResponsesShape({"input": "x", "previous_response_id": "resp_1", "store": False})
+
+
+def test_reasoning_settings_reach_the_server_as_chat_reasoning_effort():
+    """inspect's Responses mode sends ``reasoning: {"summary": "auto"}``; an agent may send an effort."""
+    assert "reasoning_effort" not in ResponsesShape({"input": "x", "reasoning": {"summary": "auto"}}).chat_request()
+    chat = ResponsesShape({"input": "x", "reasoning": {"effort": "low", "summary": None}}).chat_request()
+    assert chat["reasoning_effort"] == "low" and "reasoning" not in chat
+    for bad in ("high", {"effort": 3}):
+        with pytest.raises(ProtocolError, match="`reasoning` must be an object with an optional string `effort`"):
+            ResponsesShape({"input": "x", "reasoning": bad})

@@ -166,8 +166,10 @@ class ResponsesShape:
             if body.get(f):
                 raise _bad(f, "needs server-side state, which the recorder keeps none of: send the whole "
                            "conversation as `input`")
-        if body.get("reasoning") is not None:
-            raise _bad("reasoning", "is not supported by the recorder")
+        reasoning = body.get("reasoning")
+        if reasoning is not None and (not isinstance(reasoning, dict)
+                                      or not isinstance(reasoning.get("effort") or "", str)):
+            raise _bad("reasoning", "must be an object with an optional string `effort` (and `summary`)")
         include = body.get("include") or []
         if not isinstance(include, list) or any(not isinstance(x, str) for x in include):
             raise _bad("include", "must be a list of strings")
@@ -203,6 +205,10 @@ class ResponsesShape:
             chat["top_logprobs"] = body.get("top_logprobs") or 0
         if body.get("stream"):
             chat["stream"] = True
+        # the effort reaches the server as chat's reasoning_effort; no reasoning summary comes back
+        effort = (body.get("reasoning") or {}).get("effort")
+        if effort:
+            chat["reasoning_effort"] = effort
         return chat
 
     # ------------------------------------------------------------------ the Response object
