@@ -10,6 +10,7 @@ import sys
 import textwrap
 from pathlib import Path
 
+import httpx
 import pytest
 
 from helpers import make_trajectory
@@ -303,3 +304,34 @@ def test_a_served_suite_feeds_the_gate_the_monitors_and_the_slices(tiny_policy_d
     assert all(m["passed"] for m in monitors.values()), monitors
     assert "parity:0" in monitors["slices"]["detail"] and "parity:1" in monitors["slices"]["detail"]
     assert gate.heldout_verdict(svc, res).passed
+
+
+def test_live_monitoring_plays_a_served_suite_against_the_deployment_itself(tiny_policy_dir, harness):
+    """Through an endpoint (``eval_live_endpoint``, the deployment's endpoint file) the harness talks
+    to the deployment: a real ``prodrl serve`` process here, serving the live version's name."""
+    import signal
+    import subprocess
+
+    from transformers import AutoTokenizer
+
+    from helpers import wait_healthy
+    from prodrl_pipelines.deploy_targets.processes import pick_port
+    from prodrl_pipelines.engines.vllm_client import VLLMClient
+
+    port = pick_port()
+    proc = subprocess.Popen([sys.executable, "-m", "prodrl_pipelines.cli", "serve", str(tiny_policy_dir), "--port",
+                             str(port), "--served-model-name", "round-0004", "--threads", "1"],
+                            stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        wait_healthy(proc, f"http://127.0.0.1:{port}/health", what="prodrl serve")
+        settings = eval_settings(2, suite=harness)
+        with VLLMClient(f"http://127.0.0.1:{port}", tokenizer=AutoTokenizer.from_pretrained(tiny_policy_dir)) as client:
+            ev = evaluate_policy(settings, load_suite(harness, "", settings), tiny_policy_dir, "round-0004",
+                                 engine=client, keep_calls=True)
+        stats = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=10).json()
+    finally:
+        proc.send_signal(signal.SIGTERM)
+        proc.wait(30)
+    assert ev["task_ids"] == ["t0", "t1"] and ev["calls"] == []  # the deployment keeps its calls to itself
+    assert ev["rewards"] == [float(len(f["outputs"][0]) % 2) for f in ev["facts"]]
+    assert stats["requests"] >= 2  # the harness's calls reached the deployment
