@@ -42,7 +42,8 @@ def evaluate_policy(settings, suite, export_dir: str | Path, policy_version: str
     The episodes are played in batches of ``eval.episode_batch`` by ``runner`` (``runners``; default:
     this process; ``engine`` given: this process on it): the same episodes wherever they run."""
     from prodrl_pipelines.evaluation.runners import EpisodeWork, InProcessRunner
-    from prodrl_pipelines.evaluation.served import evaluate_served, is_served
+    from prodrl_pipelines.evaluation.served import evaluate_served
+    from prodrl_pipelines.evaluation.suite import is_served
 
     if is_served(suite):  # its own harness plays the episodes over HTTP, in this process
         return evaluate_served(settings, suite, export_dir, policy_version, engine=engine, keep_calls=keep_calls)

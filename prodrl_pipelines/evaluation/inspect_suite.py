@@ -163,7 +163,7 @@ class InspectRewardSource:
 
     def __init__(self, settings) -> None:
         from prodrl_pipelines.evaluation.loading import import_object
-        from prodrl_pipelines.rewards.sources import loaded_code_hash
+        from prodrl_pipelines.rewards.code_version import loaded_code_hash
 
         self.spec = settings.inspect_task
         self.task = load_task(self.spec, "rewards_inspect_task")

@@ -30,11 +30,6 @@ import numpy as np
 
 from prodrl_pipelines.engines.types import SamplingParams
 
-# a few prompts for W4A4 calibration and the export smoke test of a suite that shows none
-GENERIC_PROMPTS = ("Hello! What can you do?", "What is 17 + 25?", "Name three colours.",
-                   "Write one sentence about the sea.")
-
-
 @dataclass(frozen=True)
 class ServedEndpoint:
     base_url: str  # ends in /v1
@@ -50,21 +45,6 @@ class ServedEpisode:
     tags: list[str] = field(default_factory=list)
     error: str | None = None  # the harness's own error for this task (scored 0)
     gen_tokens: int | None = None  # as the harness counted them; None: the outputs re-tokenized
-
-
-def is_served(suite) -> bool:
-    return callable(getattr(suite, "play_served", None))
-
-
-def first_messages(suite, n: int, seed: int) -> list[list[dict]]:
-    """Prompts standing for the suite's traffic: its own calibration prompts, its held-out tasks'
-    first messages, else ``GENERIC_PROMPTS``."""
-    own = getattr(suite, "calibration_messages", None)
-    if callable(own):
-        return list(own(n, seed))[:n]
-    if callable(getattr(suite, "initial_messages", None)) and callable(getattr(suite, "heldout_tasks", None)):
-        return [suite.initial_messages(t) for t in suite.heldout_tasks(n)]
-    return [[{"role": "user", "content": p}] for p in GENERIC_PROMPTS[:n]]
 
 
 class CallLog:

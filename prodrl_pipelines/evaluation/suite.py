@@ -62,6 +62,25 @@ def reply_parser(suite) -> str:
 def calibration_messages(suite, n: int, seed: int) -> list[list[dict]]:
     """Prompts for activation calibration: the suite's own, else its held-out first messages, else
     (a suite whose harness shows no prompts) a few generic ones."""
-    from prodrl_pipelines.evaluation.served import first_messages
-
     return first_messages(suite, n, seed)
+
+
+# a few prompts for W4A4 calibration and the export smoke test of a suite that shows none
+GENERIC_PROMPTS = ("Hello! What can you do?", "What is 17 + 25?", "Name three colours.",
+                   "Write one sentence about the sea.")
+
+
+def is_served(suite) -> bool:
+    return callable(getattr(suite, "play_served", None))
+
+
+def first_messages(suite, n: int, seed: int) -> list[list[dict]]:
+    """Prompts standing for the suite's traffic: its own calibration prompts, its held-out tasks'
+    first messages, else ``GENERIC_PROMPTS``."""
+    own = getattr(suite, "calibration_messages", None)
+    if callable(own):
+        return list(own(n, seed))[:n]
+    if callable(getattr(suite, "initial_messages", None)) and callable(getattr(suite, "heldout_tasks", None)):
+        return [suite.initial_messages(t) for t in suite.heldout_tasks(n)]
+    return [[{"role": "user", "content": p}] for p in GENERIC_PROMPTS[:n]]
+

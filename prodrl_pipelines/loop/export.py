@@ -40,7 +40,7 @@ def export_smoke(settings: Settings, export_dir: Path, suite) -> dict:
     from transformers import AutoTokenizer
 
     from prodrl_pipelines.evaluation.episodes import render_prompt, stop_token_ids
-    from prodrl_pipelines.evaluation.served import first_messages
+    from prodrl_pipelines.evaluation.suite import first_messages
     from prodrl_pipelines.evaluation.smoke import smoke_generate
 
     try:

@@ -17,13 +17,12 @@ score) leaves it unscored and reports the error; it never stands in a 0.
 
 from __future__ import annotations
 
-import inspect
-import weakref
 from typing import Callable, Sequence
 
+from prodrl_pipelines.rewards.code_version import loaded_code_hash
 from prodrl_pipelines.rewards.command_source import CommandSource
 from prodrl_pipelines.rewards.judge import JudgeSource
-from prodrl_pipelines.rewards.outcome import Outcome, checked, short_hash
+from prodrl_pipelines.rewards.outcome import Outcome, checked
 from prodrl_pipelines.rewards.view import TrajectoryView
 
 
@@ -37,33 +36,6 @@ class FeedbackSource:
 
     def score(self, views: Sequence[TrajectoryView], progress=None) -> list[Outcome]:
         raise TypeError("the feedback source scores nothing: clients post its rewards to /v1/feedback")
-
-
-# grader -> the hash of its module's source when this process first built a source on it: right after
-# the import in practice (``GraderSource`` imports it); a new function object (a re-import) is hashed anew
-_LOADED: weakref.WeakKeyDictionary = weakref.WeakKeyDictionary()
-
-
-def _source_hash(fn: Callable) -> str:
-    module = inspect.getmodule(fn)
-    try:
-        code = inspect.getsource(module) if module is not None else inspect.getsource(fn)
-    except (OSError, TypeError):
-        code = getattr(getattr(fn, "__code__", None), "co_code", b"").hex()
-    return short_hash(code)
-
-
-def loaded_code_hash(fn: Callable) -> str:
-    """A hash of the source ``fn`` was loaded from, not of the file on disk now: the file may have been
-    edited since the import, and this process still runs the imported code."""
-    try:
-        return _LOADED[fn]
-    except KeyError:
-        pass
-    except TypeError:  # not weakly referenceable: hashed each time
-        return _source_hash(fn)
-    _LOADED[fn] = h = _source_hash(fn)
-    return h
 
 
 class GraderSource:
