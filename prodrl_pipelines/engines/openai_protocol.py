@@ -442,18 +442,40 @@ def parse_chat_logprobs(
         raise ProtocolError(f"chat logprobs cover {len(content) if isinstance(content, list) else 'no'} positions "
                             f"for {len(token_ids)} generated tokens", status=502)
     sampled, head_ids, head_lps = [], [], []
+    cache = _TOKEN_IDS
     for tid, item in zip(token_ids, content):
         if not isinstance(item, dict) or item.get("logprob") is None:
             raise ProtocolError("a generated position has no logprob", status=502)
         lp = float(item["logprob"])
-        entries = [(parse_token_id(e["token"]), float(e["logprob"])) for e in item.get("top_logprobs") or []]
-        rest = entries[1:] if entries and entries[0][0] == int(tid) else sorted(
-            ((t, v) for t, v in entries if t != int(tid)), key=lambda e: -e[1])
-        ids, vals = reconstruct_head(int(tid), lp, rest, k)
+        tops = item.get("top_logprobs") or []
+        try:  # the token strings repeat (one vocabulary): a dict lookup each, as in ``_ids_of``
+            ids = [cache[e["token"]] for e in tops]
+        except (KeyError, TypeError):  # one not met yet, or not a token string: parsed entry by entry
+            ids = [t for t, _ in _chat_entries(tops)]
+        vals = [float(e["logprob"]) for e in tops]
+        tid = int(tid)
+        if ids and ids[0] == tid:
+            ids, vals = ids[1:], vals[1:]
+        else:
+            rest = sorted(((t, v) for t, v in zip(ids, vals) if t != tid), key=lambda e: -e[1])
+            ids, vals = [t for t, _ in rest], [v for _, v in rest]
+        ids, vals = _head(tid, lp, ids, vals, k, None)
         sampled.append(lp)
         head_ids.append(ids)
         head_lps.append(vals)
     return sampled, head_ids, head_lps
+
+
+def _chat_entries(tops: list) -> list[tuple[int, float]]:
+    """(id, logprob) of a chat position's top entries, checked entry by entry (the first bad one
+    raises); the canonical ``token_id:<id>`` strings are remembered for ``parse_chat_logprobs``."""
+    entries = [(parse_token_id(e["token"]), float(e["logprob"])) for e in tops]
+    if len(_TOKEN_IDS) > _TOKEN_IDS_MAX:
+        _TOKEN_IDS.clear()
+    for e, (t, _) in zip(tops, entries):
+        if e["token"] == token_id_string(t):
+            _TOKEN_IDS[e["token"]] = t
+    return entries
 
 
 def head_support_complete(top_k: int, k: int, head_lps: Iterable[Sequence[float]]) -> bool:

@@ -91,6 +91,7 @@ replay reads the stored parts through the same ``BlobStore`` interface on both.
 from __future__ import annotations
 
 import asyncio
+import gc
 from pathlib import Path
 
 import aiohttp
@@ -159,6 +160,7 @@ class Recorder:
         self.balancer = Balancer(endpoints=self.deployment.file if self.deployment is not None else None)
         self._health: asyncio.Task | None = None
         self.unflushed_segments: int | None = None  # set by stop(): WAL segments not yet in the store
+        self._froze = False
 
     async def start(self) -> None:
         sweep = getattr(self.store.blobs, "sweep_temporaries", None)  # local stores: a killed writer's leftovers
@@ -183,6 +185,11 @@ class Recorder:
         if self.deployment is not None:
             self._health = asyncio.get_running_loop().create_task(self.health_loop())
         await self.find_tokenizer()
+        # What start-up loaded (modules, tokenizer, store, replayed WAL) lives as long as the process:
+        # kept out of the cyclic GC's full collections, which otherwise re-scan all of it every few
+        # hundred calls (the parsed chunks of a streamed call survive long enough to trigger them).
+        gc.freeze()
+        self._froze = True
 
     async def find_tokenizer(self) -> None:
         """Without ``--tokenizer``: the served model's own tokenizer, from the deployment's export
@@ -332,6 +339,9 @@ class Recorder:
             await asyncio.sleep(interval_s)
 
     async def stop(self) -> None:
+        if self._froze:
+            gc.unfreeze()
+            self._froze = False
         if self._health is not None:
             self._health.cancel()
         if self.http is not None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 
 import aiohttp
 from starlette.responses import Response, StreamingResponse
@@ -17,6 +18,29 @@ from prodrl_pipelines.recorder.calls import UPSTREAM_SHAPE_ERRORS, Caller, n_up,
 from prodrl_pipelines.recorder.requests import Unrecordable
 from prodrl_pipelines.recorder.responses import ResponsesShape
 from prodrl_pipelines.recorder.service import Recorder
+
+# A chat chunk's logprob entries each carry ``bytes``, the token's UTF-8 as a list of integers: about
+# half the chunk, and neither the record nor an answer without logprobs reads it. When the client's
+# answer drops the logprobs it is cut from the chunk's text before the parse: the members
+# ``"bytes":[<digits and commas>]`` that end an entry or precede its ``top_logprobs`` (vLLM's layout),
+# from the chunk's logprobs on. Outside a JSON string a ``,"`` starts a key or an array element, and a
+# ``":`` after it makes it a key, so in a well-formed chunk only these members of the logprob entries
+# match: the parse is the chunk's, less them.
+_CHAT_LOGPROBS = '"logprobs":{"content":['
+_LOGPROB_BYTES = re.compile(r',"bytes":\[[0-9,]*\](?=\}|,"top_logprobs":)')
+
+
+_SSE_JSON = json.JSONEncoder(separators=(",", ":"))  # ``sse``'s encoding, without a new encoder per chunk
+
+
+def _sse(obj) -> bytes:
+    """``openai_protocol.sse(obj)``."""
+    return b"data: " + _SSE_JSON.encode(obj).encode() + b"\n\n"
+
+
+def _without_logprob_bytes(payload: str) -> str:
+    at = payload.find(_CHAT_LOGPROBS)
+    return payload if at < 0 else payload[:at] + _LOGPROB_BYTES.sub("", payload[at:])
 
 
 async def proxy_stream(rec: Recorder, kind, path, up, ask, reason, caller: Caller, pv, task_id,
@@ -38,6 +62,8 @@ async def proxy_stream(rec: Recorder, kind, path, up, ask, reason, caller: Calle
         return upstream_error(resp.status, content, resp.headers.get("content-type"), headers, stats)
     rewriter = Rewriter(kind, ask, rec.tokens, stats, n_up(up, kind)) if reason is None else None
     acc = StreamAccumulator(kind)
+    # the client's answer drops the logprobs (not asked for): their bytes need no parsing
+    lean = kind == "chat" and rewriter is not None and ask.n is None
 
     def failed(message: str, code: int) -> list[bytes]:
         """The events that end a failed stream: an error event, then the end of the stream."""
@@ -51,29 +77,46 @@ async def proxy_stream(rec: Recorder, kind, path, up, ask, reason, caller: Calle
             for ev in shape.start_events():
                 yield ev
         try:
-            async for raw in resp.content:
-                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
-                if not line.startswith("data:"):
-                    continue
-                payload = line[5:].strip()
-                if payload == "[DONE]":
-                    done = True
-                    break
-                try:
-                    chunk = json.loads(payload)
-                except ValueError:
-                    if shape is None:
-                        yield (line + "\n\n").encode()
-                    continue
-                try:
-                    acc.add(chunk)
-                    out = rewriter.rewrite(chunk) if rewriter is not None else chunk
-                    pieces = list(shape.chunk_events(out)) if shape is not None else [sse(out)]
-                except UPSTREAM_SHAPE_ERRORS as exc:
-                    bad = f"the upstream server's stream is malformed ({type(exc).__name__}: {exc})"
-                    break
-                for piece in pieces:
-                    yield piece
+            # Whatever the upstream has sent is read at once and relayed as one write: the same bytes as
+            # relaying each event on its own, with one send per read instead of one per event (a
+            # recorder behind a busy upstream gets several events per read).
+            reader, pending, eof = resp.content, [], False  # pending: the start of a line not yet ended
+            while not (done or bad or eof):
+                data = await reader.readany()
+                if data:
+                    pending.append(data)
+                    if b"\n" not in data:
+                        continue
+                    lines = b"".join(pending).split(b"\n")
+                    last = lines.pop()
+                    pending = [last] if last else []
+                else:  # the end of the stream: its last line, if it has no newline
+                    eof, lines = True, [b"".join(pending)] if pending else []
+                out: list[bytes] = []
+                for raw in lines:
+                    line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                    if not line.startswith("data:"):
+                        continue
+                    payload = line[5:].strip()
+                    if payload == "[DONE]":
+                        done = True
+                        break
+                    try:
+                        chunk = json.loads(_without_logprob_bytes(payload) if lean else payload)
+                    except ValueError:
+                        if shape is None:
+                            out.append((line + "\n\n").encode())
+                        continue
+                    try:
+                        acc.add(chunk)
+                        rewritten = rewriter.rewrite(chunk) if rewriter is not None else chunk
+                        pieces = list(shape.chunk_events(rewritten)) if shape is not None else [_sse(rewritten)]
+                    except UPSTREAM_SHAPE_ERRORS as exc:
+                        bad = f"the upstream server's stream is malformed ({type(exc).__name__}: {exc})"
+                        break
+                    out.extend(pieces)
+                if out:
+                    yield b"".join(out)
         except asyncio.TimeoutError:
             stats.inc("upstream_timeouts")
             for piece in failed("the upstream server timed out", 504):
@@ -123,12 +166,13 @@ async def proxy_stream(rec: Recorder, kind, path, up, ask, reason, caller: Calle
             for piece in failed(f"the call could not be recorded durably: {exc}", 503):
                 yield piece
             return
-        yield f": prodrl trajectory_id={caller.client_tid} call_index={index} recorded={'true' if row else 'false'}\n\n".encode()
+        note = f": prodrl trajectory_id={caller.client_tid} call_index={index} recorded={'true' if row else 'false'}\n\n".encode()
         if shape is not None:
+            yield note
             usage = shape.usage(acc.prompt_ids, acc.ids if acc.have_ids else None, None)
             for ev in shape.end_events(acc.finish, usage):
                 yield ev
             return
-        yield SSE_DONE
+        yield note + SSE_DONE
 
     return StreamingResponse(events(), media_type="text/event-stream", headers=headers)
