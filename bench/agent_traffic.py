@@ -32,15 +32,16 @@ generation prompt, none in history).
    server batches, ``max_tokens`` 64) for ``--seconds`` per phase, directly to ``prodrl serve`` and
    through ``prodrl record`` (rerender, its own process; one ``X-Trajectory-Id`` per worker). Three
    kinds, interleaved over ``--rounds`` (each round: per kind, direct then recorder): chat streamed
-   (``stream_options.include_usage``), chat not streamed, and plain ``/v1/completions`` of the same
-   rendered prompt. Requests/s ratio recorder/direct per kind, over all rounds; the CPU ms per request
+   (``stream_options.include_usage``), chat not streamed, plain ``/v1/completions`` of the same
+   rendered prompt, and streamed chat through a second recorder with ``--chat-history extend`` (it
+   renders the call itself and asks the upstream for a completion of ids). Requests/s ratio recorder/direct per kind, over all rounds; the CPU ms per request
    of the server and the recorder, and the recorder's handler time per call (``time_us.*``).
 
 Goals (issue 37): every SDK >= 0.95 merged with ``extend`` on every template; the streamed ratio no
 worse than plain completions' (also compared with non-streamed chat's).
 
 Last line:
-``agent_traffic: merged/multi-call openai-agents=X openai-agents-responses=X pydantic-ai=X langgraph=X; extend/rerender qwen3=X/Y llama32=X/Y [glm45=X/Y qwen3-nothink=X/Y]; recorder/direct streaming c=8=X``
+``agent_traffic: merged/multi-call openai-agents=X openai-agents-responses=X pydantic-ai=X langgraph=X; extend/rerender qwen3=X/Y llama32=X/Y [glm45=X/Y qwen3-nothink=X/Y]; recorder/direct streaming c=8=X; recorder/direct streaming extend c=8=X``
 """
 
 from __future__ import annotations
@@ -211,7 +212,7 @@ async def phase(base_url: str, kind: str, seconds: float, concurrency: int, req:
     async def call(w: int) -> None:
         hdrs = {"X-Trajectory-Id": f"{tid}-w{w}"} if tid else None
         common = dict(model=MODEL, max_tokens=MAX_TOKENS, temperature=0.5, extra_headers=hdrs)
-        if kind == "chat streamed":
+        if kind.startswith("chat streamed"):
             stream = await client.chat.completions.create(messages=messages, tools=tools, stream=True,
                                                           stream_options={"include_usage": True}, **common)
             chunks = [c async for c in stream]
@@ -240,26 +241,35 @@ async def phase(base_url: str, kind: str, seconds: float, concurrency: int, req:
     return done
 
 
-def throughput(up_url: str, rec_url: str, policy: Path, seconds: float, rounds: int, pids: dict,
+EXTEND_KIND = "chat streamed, extend"
+
+
+def throughput(up_url: str, rec_urls: dict, policy: Path, seconds: float, rounds: int, pids: dict,
                concurrency: int = 8) -> dict:
     """Requests/s ratio recorder/direct of each kind; per kind also the CPU ms per request of the
-    server and the recorder, and where the recorder's handler time goes (its ``time_us.*`` counters)."""
+    server and the recorder, and where the recorder's handler time goes (its ``time_us.*`` counters).
+    ``rec_urls``: the re-rendering recorder (``rerender``) and the extending one (``extend``, for
+    ``EXTEND_KIND``: streamed chat whose calls it renders and sends upstream as completions of ids)."""
     req = agent_request(policy)
-    kinds = ("chat streamed", "chat", "completions")
+    kinds = ("chat streamed", "chat", "completions", EXTEND_KIND)
+
+    def rec_of(k: str) -> str:
+        return "extend" if k == EXTEND_KIND else "rerender"
     counts = {(k, w): [] for k in kinds for w in ("direct", "recorder")}
     cpu = Counter()  # (kind, who, process) -> CPU seconds
     timed = Counter()  # (kind, counter) -> its increase over the recorder phases
 
-    def counters() -> dict:
+    def counters(rec_url: str) -> dict:
         return httpx.get(rec_url + "/stats", headers={"Authorization": f"Bearer {TOKEN}"}, timeout=30).json()["counters"]
 
     for r in range(rounds):
         for k in kinds:
+            rec_url = rec_urls[rec_of(k)]
             for who, url in (("direct", up_url), ("recorder", rec_url)):
-                tid = f"load-r{r}-{k.replace(' ', '-')}" if who == "recorder" else None
-                c0, t0 = {n: cpu_seconds(pid) for n, pid in pids.items()}, counters()
+                tid = f"load-r{r}-{k.replace(' ', '-').replace(',', '')}" if who == "recorder" else None
+                c0, t0 = {n: cpu_seconds(pid) for n, pid in pids.items()}, counters(rec_url)
                 counts[(k, who)].append(run_loop(phase(url, k, seconds, concurrency, req, tid)))
-                c1, t1 = {n: cpu_seconds(pid) for n, pid in pids.items()}, counters()
+                c1, t1 = {n: cpu_seconds(pid) for n, pid in pids.items()}, counters(rec_url)
                 for n in pids:
                     cpu[(k, who, n)] += c1[n] - c0[n]
                 if who == "recorder":
@@ -279,10 +289,11 @@ def throughput(up_url: str, rec_url: str, policy: Path, seconds: float, rounds: 
         calls = timed[(k, "timed_calls")]
         where = (", ".join(f"{t} {timed[(k, f'time_us.{t}')] / 1000 / calls:.2f}" for t in TIME_KEYS) if calls
                  else "(streams are not timed)")
-        print(f"{k:14s} c={concurrency}: direct {d / (seconds * rounds):6.1f} req/s, recorder "
+        print(f"{k:21s} c={concurrency}: direct {d / (seconds * rounds):6.1f} req/s, recorder "
               f"{rr / (seconds * rounds):6.1f} req/s, ratio recorder/direct {out[k]:.3f} "
               f"(per round {', '.join(f'{x:.2f}' for x in per_round)}); CPU ms/req: serve {cpu_d:.1f} direct, "
-              f"{cpu_r['serve']:.1f} via recorder, recorder {cpu_r['record']:.1f}; recorder handler ms/call: {where}",
+              f"{cpu_r['serve']:.1f} via recorder, recorder {cpu_r['record-' + rec_of(k)]:.1f}; recorder handler ms/call: "
+              f"{where}",
               flush=True)
     return out
 
@@ -333,13 +344,16 @@ def main() -> None:
             print(f"{sdk:21s} " + "".join(f"{cells[(t, sdk, h)]['frac']:18.2f}" for t in dirs
                                          for h in ("extend", "rerender")))
 
-        rec_port = free_port()
         auth = {"Authorization": f"Bearer {TOKEN}"}
-        procs.append(spawn(["record", "--upstream", ups["qwen3"], "--store", str(tmp / "stores" / "load"), "--port",
-                            str(rec_port), "--tokenizer", str(dirs["qwen3"]), "--reply-parser", "qwen3",
-                            "--chat-history", "rerender"], rec_port, env, tmp / "record.log", auth))
-        ratios = throughput(ups["qwen3"], f"http://127.0.0.1:{rec_port}", dirs["qwen3"], args.seconds, args.rounds,
-                            {"serve": procs[0].pid, "record": procs[-1].pid})
+        rec_urls, rec_pids = {}, {}
+        for history in ("rerender", "extend"):
+            rec_port = free_port()
+            procs.append(spawn(["record", "--upstream", ups["qwen3"], "--store", str(tmp / "stores" / f"load-{history}"),
+                                "--port", str(rec_port), "--tokenizer", str(dirs["qwen3"]), "--reply-parser", "qwen3",
+                                "--chat-history", history], rec_port, env, tmp / f"record-{history}.log", auth))
+            rec_urls[history], rec_pids[f"record-{history}"] = f"http://127.0.0.1:{rec_port}", procs[-1].pid
+        ratios = throughput(ups["qwen3"], rec_urls, dirs["qwen3"], args.seconds, args.rounds,
+                            {"serve": procs[0].pid, **rec_pids})
     finally:
         for p in reversed(procs):
             stop(p)
@@ -350,12 +364,15 @@ def main() -> None:
     print(f"goals: every SDK >= 0.95 merged with extend on every template: {'PASS' if goal_sdk else 'MISS'}; "
           f"streamed ratio no worse than plain completions' ({st:.3f} vs {co:.3f}): {'PASS' if st >= co else 'MISS'}, "
           f"than non-streamed chat's ({st:.3f} vs {ch:.3f}): {'PASS' if st >= ch else 'MISS'}; "
+          f"streamed through an extending recorder {ratios[EXTEND_KIND]:.3f} vs plain completions' {co:.3f}: "
+          f"{'PASS' if ratios[EXTEND_KIND] >= co else 'MISS'}; "
           f"{time.monotonic() - t_start:.0f} s in all")
     sdk_part = " ".join(f"{s}={cells[('qwen3', s, 'extend')]['frac']:.2f}" for s in SDK_NAMES)
     tpl_part = " ".join(f"{t}={cells[(t, 'openai-agents', 'extend')]['frac']:.2f}/"
                         f"{cells[(t, 'openai-agents', 'rerender')]['frac']:.2f}" for t in dirs)
     print(f"agent_traffic: merged/multi-call {sdk_part}; extend/rerender {tpl_part}; "
-          f"recorder/direct streaming c=8={ratios['chat streamed']:.2f}")
+          f"recorder/direct streaming c=8={ratios['chat streamed']:.2f}; "
+          f"recorder/direct streaming extend c=8={ratios[EXTEND_KIND]:.2f}")
 
 
 if __name__ == "__main__":

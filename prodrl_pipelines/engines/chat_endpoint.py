@@ -23,7 +23,14 @@ from prodrl_pipelines.engines.chat_tools import (
 from prodrl_pipelines.engines.openai_protocol import (
     EXTRA_IDS_FIELD, ROUTED_EXPERTS_FIELD, SSE_DONE, ChatCompletionRequest, ProtocolError, chat_logprobs, sse,
 )
-from prodrl_pipelines.engines.serve_http import check_model, error_response, json_body, tokenize, validate
+from prodrl_pipelines.engines.serve_http import (
+    check_model,
+    error_response,
+    json_body,
+    tokenize,
+    validate,
+    whole_stream,
+)
 from prodrl_pipelines.engines.serve_plan import (
     choice_positions, finish_choice, plan_request, run_plan, text_deltas, token_formatter, usage_block,
 )
@@ -78,8 +85,8 @@ async def chat_completions(request: Request) -> Response:
     replies = [reply_message(tools, c.text, c.finish_reason, opening) for c in choices]
     model = state.info.name
     if req.stream:
-        return StreamingResponse(_chat_stream(state, req, plan, choices, replies, rid, created, model, tstr, text),
-                                 media_type="text/event-stream")
+        return StreamingResponse(whole_stream(_chat_stream(state, req, plan, choices, replies, rid, created, model,
+                                                           tstr, text)), media_type="text/event-stream")
     out = []
     for i, (c, reply) in enumerate(zip(choices, replies)):
         lp = None
@@ -103,7 +110,7 @@ async def chat_completions(request: Request) -> Response:
     return JSONResponse(body)
 
 
-async def _chat_stream(state, req, plan, choices, replies, rid, created, model, tstr, prompt_text):
+def _chat_stream(state, req, plan, choices, replies, rid, created, model, tstr, prompt_text):
     ids = plan.prompts[0]
 
     def chunk(choice: dict, **top) -> bytes:

@@ -35,6 +35,7 @@ prodrl extension (not in vLLM), the extra draw of the ``score_centering_sampled`
 
 from __future__ import annotations
 
+
 import json
 import math
 from collections.abc import Callable, Iterable, Sequence
@@ -285,8 +286,13 @@ def completion_logprobs(
     return {"text_offset": offsets, "token_logprobs": token_logprobs, "tokens": tokens, "top_logprobs": tops}
 
 
+@lru_cache(maxsize=1 << 18)
+def _utf8_cached(s: str) -> tuple[int, ...]:
+    return tuple(s.encode("utf-8", errors="replace"))
+
+
 def _utf8(s: str) -> list[int]:
-    return list(s.encode("utf-8", errors="replace"))
+    return list(_utf8_cached(s))  # token strings repeat (one vocabulary): encoded once each
 
 
 def chat_logprobs(

@@ -12,7 +12,7 @@ from starlette.responses import JSONResponse
 from prodrl_pipelines.engines.openai_protocol import ProtocolError, error_body, read_body
 from prodrl_pipelines.engines.serve_state import ServeState
 
-__all__ = ["error_response", "json_body", "validate", "check_model", "tokenize"]
+__all__ = ["error_response", "json_body", "validate", "check_model", "tokenize", "whole_stream"]
 
 
 def error_response(exc: ProtocolError | str, status: int | None = None) -> JSONResponse:
@@ -51,3 +51,10 @@ def check_model(state: ServeState, model: str | None) -> None:
 def tokenize(state: ServeState, text: str, add_special_tokens: bool) -> list[int]:
     tok = state.engine.tokenizer
     return list(tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+
+async def whole_stream(events):
+    """A stream's events (bytes) sent as one piece: generation is over before the first event (the
+    stream is simulated), so the client gets the same bytes in one write instead of one per token,
+    each of which costs both ends a send and a read."""
+    yield b"".join(events)

@@ -25,7 +25,8 @@ Tools: ``tools``, ``tool_choice`` (``none``, ``auto``, ``required``, a named fun
 
 Known differences from vLLM (documented, deliberate or not yet needed):
 
-* Streaming is simulated: the whole completion is generated, then sent one token per chunk.
+* Streaming is simulated: the whole completion is generated, then sent as one chunk per token (vLLM's
+  events, the same bytes), all in one write.
 * Not supported (400): penalties, ``min_p``, ``logit_bias``, ``allowed_token_ids``, ``bad_words``,
   beam search, ``best_of``, ``echo``, ``suffix``, ``prompt_logprobs``, structured outputs and
   non-text message parts. A forced tool choice opens the call in the prompt instead of guided
@@ -66,7 +67,14 @@ from prodrl_pipelines.engines.openai_protocol import (
     sse,
 )
 from prodrl_pipelines.engines.reply_parsers import TOOL_FORMATS
-from prodrl_pipelines.engines.serve_http import check_model, error_response, json_body, tokenize, validate
+from prodrl_pipelines.engines.serve_http import (
+    check_model,
+    error_response,
+    json_body,
+    tokenize,
+    validate,
+    whole_stream,
+)
 from prodrl_pipelines.engines.serve_plan import (
     choice_positions,
     finish_choice,
@@ -139,7 +147,7 @@ async def completions(request: Request) -> Response:
                for recs in results]
     model = state.info.name
     if req.stream:
-        return StreamingResponse(_completion_stream(state, req, plan, choices, rid, created, model, tstr),
+        return StreamingResponse(whole_stream(_completion_stream(state, req, plan, choices, rid, created, model, tstr)),
                                  media_type="text/event-stream")
     out, n_prompt, n_gen = [], 0, 0
     for pi, cs in enumerate(choices):
@@ -168,7 +176,7 @@ async def completions(request: Request) -> Response:
     })
 
 
-async def _completion_stream(state, req, plan, choices, rid, created, model, tstr):
+def _completion_stream(state, req, plan, choices, rid, created, model, tstr):
     n_prompt = n_gen = 0
     index = 0
     for pi, cs in enumerate(choices):
