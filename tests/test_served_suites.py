@@ -335,3 +335,19 @@ def test_live_monitoring_plays_a_served_suite_against_the_deployment_itself(tiny
     assert ev["task_ids"] == ["t0", "t1"] and ev["calls"] == []  # the deployment keeps its calls to itself
     assert ev["rewards"] == [float(len(f["outputs"][0]) % 2) for f in ev["facts"]]
     assert stats["requests"] >= 2  # the harness's calls reached the deployment
+
+
+def test_the_readme_examples_verifiers_taskset_scores_its_tasks(tmp_path, monkeypatch):
+    """``examples/own_model/my_taskset`` (docs/evals.md), as the reward source: q1 is 1+3, q2 is 2+6."""
+    from conftest import REPO
+
+    from prodrl_pipelines.config import environment
+
+    if not Path(environment.verifiers_python()).exists() and os.environ.get("CI") != "true":
+        pytest.skip("no verifiers environment: `make verifiers` builds it")
+    monkeypatch.setenv("PYTHONPATH", str(REPO / "examples" / "own_model"))
+    store, calls = stored(tmp_path, {"a": ("q1", ["4"]), "b": ("q2", ["9"]), "c": ("q2", ["8 is the sum"])})
+    plan = RewardPlan(RewardSettings(sources=("verifiers",), verifiers_taskset="my-taskset"))
+    assert score_missing(store, plan, calls)["verifiers"].scored == 3
+    got = {r["trajectory_id"]: r["reward"] for r in store.read_rewards(latest=False).to_pylist()}
+    assert got == {"a": 1.0, "b": 0.0, "c": 1.0}  # the reply starts with the answer
