@@ -23,14 +23,7 @@ from prodrl_pipelines.engines.chat_tools import (
 from prodrl_pipelines.engines.openai_protocol import (
     EXTRA_IDS_FIELD, ROUTED_EXPERTS_FIELD, SSE_DONE, ChatCompletionRequest, ProtocolError, chat_logprobs, sse,
 )
-from prodrl_pipelines.engines.serve_http import (
-    check_model,
-    error_response,
-    json_body,
-    tokenize,
-    validate,
-    whole_stream,
-)
+from prodrl_pipelines.engines.serve_http import check_model, error_response, json_body, tokenize, validate, whole_stream
 from prodrl_pipelines.engines.serve_plan import (
     choice_positions, finish_choice, plan_request, run_plan, text_deltas, token_formatter, usage_block,
 )

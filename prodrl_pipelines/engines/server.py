@@ -67,14 +67,7 @@ from prodrl_pipelines.engines.openai_protocol import (
     sse,
 )
 from prodrl_pipelines.engines.reply_parsers import TOOL_FORMATS
-from prodrl_pipelines.engines.serve_http import (
-    check_model,
-    error_response,
-    json_body,
-    tokenize,
-    validate,
-    whole_stream,
-)
+from prodrl_pipelines.engines.serve_http import check_model, error_response, json_body, tokenize, validate, whole_stream
 from prodrl_pipelines.engines.serve_plan import (
     choice_positions,
     finish_choice,
