@@ -12,7 +12,8 @@ import httpx
 import pytest
 import torch
 
-from prodrl_pipelines.engines.openai_protocol import LOGPROB_FLOOR, iter_sse_data, parse_token_id
+from prodrl_pipelines.engines.logprob_parsing import parse_token_id
+from prodrl_pipelines.engines.openai_protocol import LOGPROB_FLOOR, iter_sse_data
 from prodrl_pipelines.engines.server import BackgroundServer, build_app
 from prodrl_pipelines.engines.types import SamplingParams
 from prodrl_pipelines.lab.episodes import render_prompt

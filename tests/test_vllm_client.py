@@ -8,13 +8,10 @@ from starlette.responses import JSONResponse
 from starlette.routing import Route
 
 from prodrl_pipelines.engines.local import LocalEngine
+from prodrl_pipelines.engines.logprob_parsing import head_support_complete, parse_chat_logprobs, parse_completion_logprobs, reconstruct_head
 from prodrl_pipelines.engines.openai_protocol import (
     LOGPROB_FLOOR,
     ProtocolError,
-    head_support_complete,
-    parse_chat_logprobs,
-    parse_completion_logprobs,
-    reconstruct_head,
     token_id_string,
 )
 from prodrl_pipelines.engines.server import BackgroundServer, build_app

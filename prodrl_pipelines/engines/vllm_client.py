@@ -44,12 +44,11 @@ from pathlib import Path
 
 import httpx
 
+from prodrl_pipelines.engines.logprob_parsing import head_support_complete, parse_completion_logprobs
 from prodrl_pipelines.engines.openai_protocol import (
     EXTRA_DRAW_FIELD,
     EXTRA_IDS_FIELD,
     ROUTED_EXPERTS_FIELD,
-    head_support_complete,
-    parse_completion_logprobs,
 )
 from prodrl_pipelines.engines.types import CallRecord, SamplingParams
 

@@ -4,12 +4,11 @@ from __future__ import annotations
 
 from typing import Any
 
+from prodrl_pipelines.engines.logprob_parsing import narrow_entries, parse_token_id
 from prodrl_pipelines.engines.openai_protocol import (
     EXTRA_IDS_FIELD,
     ROUTED_EXPERTS_FIELD,
     ProtocolError,
-    narrow_entries,
-    parse_token_id,
 )
 from prodrl_pipelines.recorder.ingest import Stats
 from prodrl_pipelines.recorder.requests import Ask

@@ -96,15 +96,13 @@ from pathlib import Path
 
 import aiohttp
 
+from prodrl_pipelines.engines.logprob_parsing import head_support_complete, parse_chat_logprobs, parse_completion_logprobs
 from prodrl_pipelines.engines.openai_protocol import (
     EXTRA_DRAW_FIELD,
     EXTRA_IDS_FIELD,
     ROUTED_EXPERTS_FIELD,
     ROUTED_EXPERTS_START_FIELD,
     ProtocolError,
-    head_support_complete,
-    parse_chat_logprobs,
-    parse_completion_logprobs,
 )
 from prodrl_pipelines.recorder.balancer import Balancer, NoDeploymentYet
 from prodrl_pipelines.recorder.calls import dumps
