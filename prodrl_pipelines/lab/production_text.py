@@ -49,17 +49,21 @@ _QWEN3_STYLE_HEAD = (
     "{%- for m in messages -%}{%- if m['role'] == 'user' -%}{%- set ns.last_query = loop.index0 -%}{%- endif -%}"
     "{%- endfor -%}"
 )
+# one compact line per tool: add(a, b)
+_TOOL_LINES = (
+    "{%- for t in tools -%}"
+    "{%- set fn = t['function'] if 'function' in t else t -%}"
+    "{%- set props = (fn.get('parameters') or {}).get('properties') or {} -%}"
+    "{{- fn['name'] + '(' + props.keys() | join(', ') + ')\\n' -}}"
+    "{%- endfor -%}"
+)
 # the tool definitions in the system turn, one compact line each: add(a, b)
 _TOOLS_TURN = (
     "{%- if tools -%}"
     "{{- '<|im_start|>system\\n' -}}"
     "{%- if messages and messages[0]['role'] == 'system' -%}{{- messages[0]['content'] + '\\n\\n' -}}{%- endif -%}"
     "{{- '<tools>\\n' -}}"
-    "{%- for t in tools -%}"
-    "{%- set fn = t['function'] if 'function' in t else t -%}"
-    "{%- set props = (fn.get('parameters') or {}).get('properties') or {} -%}"
-    "{{- fn['name'] + '(' + props.keys() | join(', ') + ')\\n' -}}"
-    "{%- endfor -%}"
+    + _TOOL_LINES +
     "{{- '</tools><|im_end|>\\n' -}}"
     "{%- endif -%}"
 )
@@ -136,11 +140,7 @@ LLAMA32_STYLE_TOOLS_TEMPLATE = (
     "{{- '<|im_start|>system\\nToday Date: ' + date_string + '\\n\\n' -}}"
     "{%- if tools -%}"
     "{{- '<tools>\\n' -}}"
-    "{%- for t in tools -%}"
-    "{%- set fn = t['function'] if 'function' in t else t -%}"
-    "{%- set props = (fn.get('parameters') or {}).get('properties') or {} -%}"
-    "{{- fn['name'] + '(' + props.keys() | join(', ') + ')\\n' -}}"
-    "{%- endfor -%}"
+    + _TOOL_LINES +
     "{{- '</tools>' -}}"
     "{%- endif -%}"
     "{%- if messages and messages[0]['role'] == 'system' -%}{{- '\\n\\n' + messages[0]['content'] -}}{%- endif -%}"
