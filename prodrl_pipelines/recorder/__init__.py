@@ -10,7 +10,8 @@ parts, replay on start) and ``wal`` (the log's segment format).
 """
 
 from prodrl_pipelines.recorder.http import build_recorder_app
-from prodrl_pipelines.recorder.ingest import Ingestor, Stats
+from prodrl_pipelines.recorder.counters import Stats
+from prodrl_pipelines.recorder.ingest import Ingestor
 from prodrl_pipelines.recorder.service import RecorderConfig
 from prodrl_pipelines.recorder.wal import WriteAheadLog
 

@@ -10,7 +10,7 @@ from prodrl_pipelines.engines.openai_protocol import (
     ROUTED_EXPERTS_FIELD,
     ProtocolError,
 )
-from prodrl_pipelines.recorder.ingest import Stats
+from prodrl_pipelines.recorder.counters import Stats
 from prodrl_pipelines.recorder.requests import Ask
 from prodrl_pipelines.recorder.upstream_view import TokenStrings
 

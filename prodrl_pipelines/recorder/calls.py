@@ -16,7 +16,8 @@ from starlette.responses import JSONResponse, Response
 from prodrl_pipelines.engines.openai_protocol import ProtocolError, error_body, read_body
 from prodrl_pipelines.config.preflight import redact
 from prodrl_pipelines.recorder.balancer import NoDeploymentYet
-from prodrl_pipelines.recorder.ingest import Attempt, Stats
+from prodrl_pipelines.recorder.counters import Stats
+from prodrl_pipelines.recorder.ingest import Attempt
 from prodrl_pipelines.recorder.requests import is_json_int
 from prodrl_pipelines.recorder.tenants import Tenant
 

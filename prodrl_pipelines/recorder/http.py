@@ -38,7 +38,7 @@ from prodrl_pipelines.recorder.calls import (
     url_session,
 )
 from prodrl_pipelines.recorder.indexer import IndexerUnavailable
-from prodrl_pipelines.recorder.ingest import Stats
+from prodrl_pipelines.recorder.counters import Stats
 from prodrl_pipelines.recorder.requests import Unrecordable, client_ask, is_json_number, unrecordable_reason
 from prodrl_pipelines.recorder.responses import ResponsesShape
 from prodrl_pipelines.recorder.service import Recorder, RecorderConfig

@@ -40,70 +40,25 @@ import json
 import queue
 import threading
 import time
-from collections import Counter
 from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
 
-import pyarrow as pa
 
+from prodrl_pipelines.recorder.counters import Stats, now_us
 from prodrl_pipelines.recorder.indexer import LocalIndexer
-from prodrl_pipelines.recorder.skips import SKIPPED_PREFIX, load_skips, write_skips
+from prodrl_pipelines.recorder.skips import SKIPPED_PREFIX, write_skips
 from prodrl_pipelines.recorder.wal import WriteAheadLog, encode_entry, seq_of
-from prodrl_pipelines.trajectories.schema import CALL_SCHEMA, REWARD_SCHEMA, call_id
+from prodrl_pipelines.recorder.wal_replay import replay_plan, retraction_of
+from prodrl_pipelines.trajectories.schema import CALL_SCHEMA, REWARD_SCHEMA
 from prodrl_pipelines.trajectories.store import CALLS as CALLS_T
 from prodrl_pipelines.trajectories.store import RETRACTIONS as RETRACTIONS_T
 from prodrl_pipelines.trajectories.store import REWARDS as REWARDS_T
 from prodrl_pipelines.trajectories.store import SchemaMismatchError, TrajectoryStore, name_problem, to_table, uuid7
 
-__all__ = ["Ingestor", "Stats", "SKIPPED_PREFIX", "REJECTED_PREFIX", "now_us"]
+__all__ = ["Ingestor", "Attempt", "SKIPPED_PREFIX", "REJECTED_PREFIX"]
 
 REJECTED_PREFIX = "_recorder/rejected/"
-
-
-class Stats:
-    """Thread-safe named counters (``inc``) and a snapshot (``as_dict``)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._c: Counter[str] = Counter()
-
-    def inc(self, name: str, n: int = 1) -> None:
-        with self._lock:
-            self._c[name] += n
-
-    def add_many(self, items) -> None:
-        """``inc`` several counters under one lock: ``items`` is (name, n) pairs."""
-        with self._lock:
-            c = self._c
-            for name, n in items:
-                c[name] += n
-
-    def count(self, *names: str, tenant: str | None = None) -> None:
-        """``inc`` each name, and with a ``tenant`` its per-tenant twin ``tenant.<tenant>.<name>``."""
-        self.add_many([(n, 1) for n in names] + [(f"tenant.{tenant}.{n}", 1) for n in names if tenant])
-
-    def get(self, name: str) -> int:
-        with self._lock:
-            return self._c[name]
-
-    def as_dict(self) -> dict[str, int]:
-        with self._lock:
-            return dict(sorted(self._c.items()))
-
-
-_clock_lock = threading.Lock()
-_last_us = [0]
-
-
-def now_us() -> int:
-    """Wall-clock microseconds since the epoch, strictly increasing within the process."""
-    t = time.time_ns() // 1000
-    with _clock_lock:
-        t = max(t, _last_us[0] + 1)
-        _last_us[0] = t
-    return t
 
 
 @dataclass
@@ -129,19 +84,6 @@ class Attempt:
 
     key: str
     retry: bool
-
-
-def _retraction_of(entry: dict) -> dict | None:
-    """The store retraction a WAL entry carries (a retry superseding its earlier row), or None."""
-    if entry.get("supersedes") is None:
-        return None
-    at = entry["row"] if entry["kind"] == "call" else entry
-    return {"trajectory_id": at["trajectory_id"], "call_index": int(at["call_index"]),
-            "created_at": int(entry["supersedes"])}
-
-
-def _reward_key(tid: str, source: Any, created_us: int, reward: float) -> tuple:
-    return (tid, source, int(created_us), float(reward))
 
 
 class Ingestor:
@@ -202,75 +144,10 @@ class Ingestor:
     def recover(self) -> dict[str, int]:
         """Replay the WAL into the store (exactly once) and rebuild the index state; call before
         ``start``. Returns counts (also added to ``stats``)."""
-        counts = Counter()
-        stored_calls: set[tuple[str, int]] = set()  # (call id, created_at): a retry is another row of its call id
-        calls = self.store.read_calls(columns=["trajectory_id", "call_index", "created_at"], dedupe=False, retracted=True)
-        seen: list[tuple[str, int]] = []  # (trajectory, call index) already taken: the next index is past them
-        for tid, ci, c in zip(calls.column("trajectory_id").to_pylist(), calls.column("call_index").to_pylist(),
-                              calls.column("created_at").cast(pa.int64()).to_pylist()):
-            stored_calls.add((call_id(tid, ci), c))
-            seen.append((tid, int(ci)))
-        rewards = self.store.read_rewards(latest=False)
-        stored_rewards = set()
-        if rewards.num_rows:
-            created = rewards.column("created_at").cast(pa.int64()).to_pylist()
-            for tid, r, src, c in zip(rewards.column("trajectory_id").to_pylist(), rewards.column("reward").to_pylist(),
-                                      rewards.column("source").to_pylist(), created):
-                if r is not None and c is not None:
-                    stored_rewards.add(_reward_key(tid, src, c, r))
-        stored_skips: set[str] = set()
-        for s in load_skips(self.store.blobs):  # one folded part, plus those flushed since
-            stored_skips.add(call_id(s["trajectory_id"], s["call_index"]))
-            seen.append((s["trajectory_id"], int(s["call_index"])))
-
-        new_calls, new_rewards, new_skips, new_retractions = [], [], [], []
-        segments = self.wal.segments()
-        for path in segments:
-            seg = self.wal.read_segment(path)
-            if seg.torn:
-                counts["wal_torn_tails"] += 1
-            # a segment whose commit landed (its application transaction) is not written again
-            done = self._committed(seq_of(path))
-            for e in seg.entries:
-                kind = e.get("kind")
-                if kind == "call":
-                    row = e["row"]
-                    cid = (call_id(row["trajectory_id"], row["call_index"]), row.get("created_at"))
-                    if done[CALLS_T]:
-                        counts["replay_committed"] += 1
-                        stored_calls.add(cid)
-                        seen.append((row["trajectory_id"], int(row["call_index"])))
-                        continue
-                    if cid in stored_calls:
-                        counts["replay_duplicates"] += 1
-                        continue
-                    stored_calls.add(cid)
-                    new_calls.append(row)
-                    if (r := _retraction_of(e)) is not None:
-                        new_retractions.append(r)
-                    seen.append((row["trajectory_id"], int(row["call_index"])))
-                elif kind == "skip":
-                    cid = call_id(e["trajectory_id"], e["call_index"])
-                    if (r := _retraction_of(e)) is not None:  # idempotent: written again whether or not it was
-                        new_retractions.append(r)
-                    if cid in stored_skips:
-                        counts["replay_duplicates"] += 1
-                        continue
-                    stored_skips.add(cid)
-                    new_skips.append(e)
-                    seen.append((e["trajectory_id"], int(e["call_index"])))
-                elif kind == "reward":
-                    row = e["row"]
-                    k = _reward_key(row["trajectory_id"], row["source"], row["created_at"], row["reward"])
-                    if done[REWARDS_T]:
-                        counts["replay_committed"] += 1
-                        continue
-                    if k in stored_rewards:
-                        counts["replay_duplicates"] += 1
-                        continue
-                    stored_rewards.add(k)
-                    new_rewards.append(row)
-        self.indexer.see(seen)
+        plan = replay_plan(self.store, self.wal, self._committed)
+        counts, segments = plan.counts, plan.segments
+        new_calls, new_rewards, new_skips, new_retractions = plan.calls, plan.rewards, plan.skips, plan.retractions
+        self.indexer.see(plan.seen)
         if new_calls or new_rewards or new_skips or new_retractions:
             self._write(new_calls, new_rewards, new_skips, new_retractions,
                         seq=seq_of(segments[-1]) if segments else None)
@@ -493,7 +370,7 @@ class Ingestor:
         calls = [e["row"] for e in item.entries if e["kind"] == "call"]
         rewards = [e["row"] for e in item.entries if e["kind"] == "reward"]
         skips = [e for e in item.entries if e["kind"] == "skip"]
-        retractions = [r for e in item.entries if (r := _retraction_of(e)) is not None]
+        retractions = [r for e in item.entries if (r := retraction_of(e)) is not None]
         if not item.entries:
             return
         seq = None if item.path is None else seq_of(item.path)

@@ -107,7 +107,8 @@ from prodrl_pipelines.engines.openai_protocol import (
 from prodrl_pipelines.recorder.balancer import Balancer, NoDeploymentYet
 from prodrl_pipelines.recorder.calls import dumps
 from prodrl_pipelines.recorder.config import TOKEN_ENV, UPSTREAM_KEY_ENV, RecorderConfig
-from prodrl_pipelines.recorder.ingest import Attempt, Ingestor, Stats
+from prodrl_pipelines.recorder.counters import Stats
+from prodrl_pipelines.recorder.ingest import Attempt, Ingestor
 from prodrl_pipelines.recorder.requests import Ask, Unrecordable, is_json_int
 from prodrl_pipelines.recorder.tenants import Tenants
 from prodrl_pipelines.recorder.upstream_view import FollowedEndpoint, TokenStrings
