@@ -64,6 +64,7 @@ import httpx
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from recorder_overhead import TIME_KEYS, cpu_seconds, free_port, make_client, run_loop  # noqa: E402
+from recorder_overhead import spawn as spawn_prodrl  # noqa: E402
 
 from prodrl_pipelines.engines.server import BackgroundServer  # noqa: E402
 from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app  # noqa: E402
@@ -80,21 +81,7 @@ MAX_TOKENS = 64
 
 def spawn(args: list[str], port: int, env: dict, log: Path, headers: dict | None = None) -> subprocess.Popen:
     """``prodrl ARGS`` in its own process (output to ``log``), once its /health answers."""
-    with open(log, "wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "prodrl_pipelines.cli", *args], env=env, stdout=out,
-                                stderr=subprocess.STDOUT, start_new_session=True)
-    deadline = time.monotonic() + 180
-    while time.monotonic() < deadline:
-        if proc.poll() is not None:
-            raise RuntimeError(f"prodrl {args[0]} exited: {log.read_text()[-3000:]}")
-        try:
-            if httpx.get(f"http://127.0.0.1:{port}/health", headers=headers, timeout=1).status_code == 200:
-                return proc
-        except httpx.HTTPError:
-            pass
-        time.sleep(0.2)
-    proc.kill()
-    raise RuntimeError(f"prodrl {args[0]} did not come up: {log.read_text()[-3000:]}")
+    return spawn_prodrl(args, port, env, headers, log=log, timeout_s=180)
 
 
 def stop(proc: subprocess.Popen) -> None:

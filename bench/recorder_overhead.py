@@ -90,12 +90,24 @@ def _cli(src: str | None) -> list[str]:
     return [sys.executable, "-c", launcher, str(Path(src).resolve())]
 
 
-def spawn(args: list[str], port: int, env: dict, headers: dict | None = None, src: str | None = None) -> subprocess.Popen:
-    proc = subprocess.Popen([*_cli(src), *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-    deadline = time.monotonic() + 120
+def spawn(args: list[str], port: int, env: dict, headers: dict | None = None, src: str | None = None,
+          log: Path | None = None, timeout_s: float = 120.0) -> subprocess.Popen:
+    """``prodrl ARGS`` in its own process, once its /health answers; ``log``: its output goes there
+    (in a session of its own), else stderr is kept for the error."""
+    if log is None:
+        proc = subprocess.Popen([*_cli(src), *args], env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    else:
+        with open(log, "wb") as out:
+            proc = subprocess.Popen([*_cli(src), *args], env=env, stdout=out, stderr=subprocess.STDOUT,
+                                    start_new_session=True)
+
+    def output() -> str:
+        return (log.read_text() if log is not None else proc.stderr.read().decode())[-3000:]
+
+    deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(proc.stderr.read().decode()[-3000:])
+            raise RuntimeError(f"prodrl {args[0]} exited: {output()}")
         try:
             if httpx.get(f"http://127.0.0.1:{port}/health", headers=headers, timeout=1).status_code == 200:
                 return proc
@@ -103,7 +115,7 @@ def spawn(args: list[str], port: int, env: dict, headers: dict | None = None, sr
             pass
         time.sleep(0.1)
     proc.kill()
-    raise RuntimeError(f"{args[0]} did not come up")
+    raise RuntimeError(f"prodrl {args[0]} did not come up" + (f": {output()}" if log is not None else ""))
 
 
 def pin(pid: int, cpus: set[int]) -> None:
