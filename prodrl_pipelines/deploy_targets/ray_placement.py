@@ -28,6 +28,9 @@ from prodrl_pipelines.deploy_targets.replica_host import kv_del, kv_get, kv_put,
 NAMESPACE = "prodrl-fleet"  # named actors are per namespace: every driver of the fleet uses this one
 GCS_PORT = 6379  # `ray start --head`'s default GCS port (a dashboard URL does not say it)
 CALL_TIMEOUT_S = 30.0
+# an actor's first call waits for a worker process to start on its node (Python and Ray imported):
+# seconds on a quiet node, far more on a loaded one; not the health timeout that bounds the placement
+ACTOR_START_S = 180.0
 # variables Ray sets per worker for the resources it gave: the node's own values win
 NODE_OWNED = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
 
@@ -119,9 +122,10 @@ class RayPlacement:
             num_cpus=self.cpus, num_gpus=self.gpus, **({"runtime_env": self.runtime_env} if self.runtime_env else {}),
             scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)).remote(name)
         try:
-            at = ray.get(actor.where.remote(preferred_port), timeout=self.ready_timeout_s)
+            start_s = max(self.ready_timeout_s, ACTOR_START_S)
+            at = ray.get(actor.where.remote(preferred_port), timeout=start_s)
             pid = ray.get(actor.start.remote(command(at["port"], at["host"]), env, log, at["port"], version, export,
-                                             source), timeout=self.ready_timeout_s)
+                                             source), timeout=start_s)
         except BaseException:
             stop(name, self.address)
             raise

@@ -260,15 +260,10 @@ async def serve_extended(rec, ext: ChatExtender, body: dict, caller, pv: str | N
     plan, why = ext.plan(caller.tid, body, tools)
     stats.inc("extend_bridged" if plan.extended else f"extend_rendered.{why}")
     up = rec.force(completion_body(body, plan, ext.max_len), "completion", Ask(False, None, False, False))
-    replica = None
     try:
-        resp, replica = await rec.post_upstream("v1/completions", up, caller.client_tid)
-        async with resp:
-            content, status, ctype = await resp.read(), resp.status, resp.headers.get("content-type")
+        status, ctype, content = await rec.read_upstream("v1/completions", up, caller.client_tid)
     except (TimeoutError, aiohttp.ClientError) as exc:
         return upstream_unavailable(exc, stats, headers)
-    finally:
-        rec.finished(replica)
     if status != 200:
         return upstream_error(status, content, ctype, headers, stats)
     row, reason = None, None

@@ -95,16 +95,10 @@ async def _proxy(request: Request, kind: str) -> Response:
     if body.get("stream"):
         return await proxy_stream(rec, kind, path, up, ask, reason, caller, pv, task_id, shape)
     t1 = time.perf_counter()
-    replica = None
     try:
-        resp, replica = await rec.post_upstream(path.lstrip("/"), up, client_tid)
-        async with resp:
-            content = await resp.read()
-            status, ctype = resp.status, resp.headers.get("content-type")
+        status, ctype, content = await rec.read_upstream(path.lstrip("/"), up, client_tid)
     except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
         return upstream_unavailable(exc, stats, headers)
-    finally:
-        rec.finished(replica)
     t2 = time.perf_counter()
     if status != 200:
         return upstream_error(status, content, ctype, headers, stats)

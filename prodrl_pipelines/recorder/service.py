@@ -219,8 +219,31 @@ class Recorder:
                 self.stats.inc("tokenizer_found")
                 return
 
+    async def read_upstream(self, path: str, up: dict, trajectory_id: str | None = None) -> tuple[int, str | None, bytes]:
+        """``post_upstream`` with the whole answer read: ``(status, content type, body)``. An answer
+        cut before its end (its replica killed mid-answer, its node gone) has reached no client and
+        is recorded nowhere, so it is asked again: of another replica where there is one (each other
+        replica once), else once of the same upstream."""
+        avoid: set[str] = set()
+        cuts = 0
+        while True:
+            resp, replica = await self.post_upstream(path, up, trajectory_id, avoid=frozenset(avoid))
+            try:
+                async with resp:
+                    return resp.status, resp.headers.get("content-type"), await resp.read()
+            except (aiohttp.ClientPayloadError, *_RESET_ERRORS):
+                cuts += 1
+                replicas = len(ep.replica_list()) if self.deployment is not None and (ep := self.deployment.current()) else 1
+                if cuts > max(1, replicas - 1):
+                    raise
+                self.stats.inc("upstream_retries")
+                if replica is not None and replicas > 1:
+                    avoid.add(replica.url)
+            finally:
+                self.finished(replica)
+
     async def post_upstream(self, path: str, up: dict, trajectory_id: str | None = None,
-                            timeout: aiohttp.ClientTimeout | None = None):
+                            timeout: aiohttp.ClientTimeout | None = None, avoid: frozenset[str] = frozenset()):
         """POST ``up`` to the upstream: ``(response, replica)``; the response is not read yet (use it
         as ``async with`` or release it), then call ``finished(replica)``.
 
@@ -230,7 +253,8 @@ class Recorder:
         the call goes to the next one; a connection closed before any answer came back (a keep-alive
         connection the upstream was closing, a replica draining or killed) is retried on each other
         replica once (once in all with one replica): several replicas can die together (a node).
-        Safe for the records: nothing is recorded before an answer.
+        Safe for the records: nothing is recorded before an answer. ``avoid``: replicas not to pick
+        (one that cut its last answer short).
         """
         assert self.http is not None
         kw = {"timeout": timeout} if timeout is not None else {}
@@ -243,7 +267,7 @@ class Recorder:
                     raise
                 self.stats.inc("upstream_retries")
                 return await self.http.post(path, data=data, headers=_JSON, **kw), None
-        refused: set[str] = set()
+        refused: set[str] = set(avoid)
         resets = 0
         while True:
             ep = self.deployment.current()
