@@ -233,7 +233,7 @@ class Fuzzed:
 
     def __init__(self, srv: BackgroundServer, recorder, store_dir: Path) -> None:
         self.srv, self.rec, self.store_dir = srv, recorder, store_dir
-        self.http = httpx.Client(base_url=srv.url, timeout=20, headers=AUTH)
+        self.http = httpx.Client(base_url=srv.url, timeout=60, headers=AUTH)
         # (trajectory_id, call_index) -> whether its last answer said "recorded" (a retry supersedes)
         self.acked: dict[tuple[str, int], bool] = {}
         self.requests = 0
@@ -294,7 +294,7 @@ def send(f: Fuzzed, method: str, path: str, headers: dict | None = None, content
         return _send(f, method, path, headers, content, client)
     except BaseException:
         f.http.close()
-        f.http = httpx.Client(base_url=f.srv.url, timeout=20, headers=AUTH)
+        f.http = httpx.Client(base_url=f.srv.url, timeout=60, headers=AUTH)
         raise
 
 
@@ -711,7 +711,7 @@ AUTHS = st.sampled_from([AUTH, AUTH, AUTH, {}, {"Authorization": "Bearer wrong"}
 @given(method=METHODS, path=ODD_PATHS, auth=AUTHS,
        body=st.one_of(st.none(), st.just(json.dumps(COMPLETION).encode()), st.binary(max_size=20)))
 def test_any_method_on_any_path(rec, method, path, auth, body):
-    with httpx.Client(base_url=rec.srv.url, timeout=20, headers=auth) as c:
+    with httpx.Client(base_url=rec.srv.url, timeout=60, headers=auth) as c:
         resp = send(rec, method, path, {**auth}, body, client=c)
     if resp.status_code == 200 and auth is AUTH and method == "GET" and path in ("/stats", "/health"):
         assert isinstance(resp.json(), dict)
@@ -789,7 +789,7 @@ def test_a_top_k_that_overflows_the_schema_is_not_acknowledged_then_lost(fake, t
         assert big.status_code == 200
         after = send(f, "POST", "/v1/completions", {**JSON_CT, "X-Trajectory-Id": "after"}, json.dumps(COMPLETION).encode())
         assert after.status_code == 200 and after.headers["x-prodrl-recorded"] == "true"
-        assert f.rec.ingestor.flush(3), f"the flush never finished: {f.http.get('/stats').json()['counters']}"
+        assert f.rec.ingestor.flush(60), f"the flush never finished: {f.http.get('/stats').json()['counters']}"
         stored = set(zip(*(TrajectoryStore(LocalBlobStore(tmp_path / "store")).read_calls()
                            .column(c).to_pylist() for c in ("trajectory_id", "call_index"))))
         assert ("after", 0) in stored
@@ -805,7 +805,7 @@ def test_zz_the_store_is_whole_and_readable_after_the_fuzzing(rec):
     stored row (and skip) has a valid call index, no call index is stored twice, and every call last
     answered as recorded is stored."""
     assert rec.requests > 500  # the fuzz tests above ran against this recorder
-    assert rec.rec.ingestor.flush(10), "the flush did not finish (a flush error retried for ever?)"
+    assert rec.rec.ingestor.flush(60), "the flush did not finish (a flush error retried for ever?)"
     leftovers = [str(p) for p in rec.store_dir.rglob(".tmp-*")]
     assert not leftovers, leftovers
     store = TrajectoryStore(LocalBlobStore(rec.store_dir))

@@ -159,19 +159,23 @@ def test_a_call_whose_client_gave_up_is_not_appended(fake, start_recorder):
     import openai
 
     r = start_recorder(fake.url, tokenizer_dir=None)
-    client = openai.OpenAI(base_url=r.srv.url + "/v1", api_key=AUTH["Authorization"].split()[1], timeout=0.4,
+    # the timeout leaves each attempt time to reach the upstream on a loaded machine
+    client = openai.OpenAI(base_url=r.srv.url + "/v1", api_key=AUTH["Authorization"].split()[1], timeout=3,
                            max_retries=2, default_headers={"X-Trajectory-Id": "agent"})
-    fake.delay = 1.0
-    with pytest.raises(openai.APITimeoutError):
-        client.completions.create(model="m", prompt=[5, 6, 7], max_tokens=3)
+    fake.delay = 300.0  # every attempt is held upstream until the client has given up on it
+    try:
+        with pytest.raises(openai.APITimeoutError):
+            client.completions.create(model="m", prompt=[5, 6, 7], max_tokens=3)
+    finally:
+        fake.delay = 0.0  # the upstream answers each abandoned attempt now
     import time
 
-    deadline = time.monotonic() + 10
+    deadline = time.monotonic() + 120
     while r.stats().get("client_disconnected", 0) < 3 and time.monotonic() < deadline:
-        time.sleep(0.2)  # the upstream answers each abandoned attempt a little later
+        time.sleep(0.1)
     assert r.stats()["client_disconnected"] == 3
-    fake.delay = 0.0
-    ok = client.completions.with_raw_response.create(model="m", prompt=[5, 6, 7], max_tokens=3)
+    ok = client.with_options(timeout=60).completions.with_raw_response.create(model="m", prompt=[5, 6, 7],
+                                                                               max_tokens=3)
     assert ok.headers["x-call-index"] == "0"
     assert r.store().read_calls().column("call_index").to_pylist() == [0]
 

@@ -11,6 +11,7 @@ import sys
 import threading
 import time
 from collections import Counter
+from types import SimpleNamespace
 
 import httpx
 import openai
@@ -99,20 +100,28 @@ def test_tokens_rotate_without_a_restart_and_a_bad_edit_keeps_the_tokens_in_forc
     new.close()
 
 
-def test_a_tenant_over_its_rate_limit_gets_a_429_with_retry_after(fake, start_recorder, tokens):
+def test_a_tenant_over_its_rate_limit_gets_a_429_with_retry_after(fake, start_recorder, tokens, monkeypatch):
+    # the bucket's clock stands still unless the test moves it: the requests' own duration (long on a
+    # loaded machine) refills nothing
+    from prodrl_pipelines.recorder import tenants as tenants_module
+
+    clock = [1000.0]
+    monkeypatch.setattr(tenants_module, "time", SimpleNamespace(monotonic=lambda: clock[0]))
     _write_tokens(tokens, {"alice": {"tokens": [ALICE]}, "bob": {"tokens": [BOB], "requests_per_s": 2, "burst": 3}})
     r = start_recorder(fake.url, tokens_file=str(tokens), tokenizer_dir=None)
     bob, alice = _client(r, BOB), _client(r, ALICE)
     codes = [bob.post("/v1/completions", json=BODY).status_code for _ in range(5)]
-    assert codes[:3] == [200, 200, 200] and 429 in codes[3:]  # burst 3, then 2/s
+    assert codes == [200, 200, 200, 429, 429]  # burst 3, then 2/s
     limited = bob.post("/v1/completions", json=BODY)
     assert limited.status_code == 429 and int(limited.headers["retry-after"]) >= 1
     assert "over its rate limit of 2 requests/s" in limited.json()["error"]["message"]
     assert alice.post("/v1/completions", json=BODY).status_code == 200  # other tenants are not limited by bob
-    time.sleep(1.1)
+    clock[0] += 0.4
+    assert bob.post("/v1/completions", json=BODY).status_code == 429  # 0.8 of a request refilled
+    clock[0] += 0.2
     assert bob.post("/v1/completions", json=BODY).status_code == 200  # the bucket refills
-    time.sleep(0.6)
-    assert bob.get("/stats").json()["tenants"]["bob"]["rate_limited"] >= 2
+    clock[0] += 0.6  # /stats is a request too
+    assert bob.get("/stats").json()["tenants"]["bob"]["rate_limited"] == 4
     bob.close()
     alice.close()
 
@@ -179,14 +188,21 @@ def test_a_retry_of_the_same_call_replaces_it_instead_of_appending(fake, start_r
 def test_the_openai_clients_timeout_retries_add_no_phantom_calls(fake, start_recorder):
     """The reported case: one timed-out model call became calls 0, 1 and 2 of the trajectory."""
     r = start_recorder(fake.url, tokenizer_dir=None)
-    client = openai.OpenAI(base_url=r.srv.url + "/v1", api_key="rec-token", max_retries=2, timeout=0.5,
+    # the timeout leaves each attempt time to reach the upstream on a loaded machine
+    client = openai.OpenAI(base_url=r.srv.url + "/v1", api_key="rec-token", max_retries=2, timeout=3,
                            default_headers={"X-Trajectory-Id": "agent"})
-    fake.delay = 1.0  # every attempt times out on the client
-    with pytest.raises(openai.APITimeoutError):
-        client.completions.create(model="m", prompt=[5, 6, 7], max_tokens=3)
-    fake.delay = 0.0
-    time.sleep(1.2)  # the abandoned attempts' upstream answers come back and are dropped
-    done = client.completions.with_raw_response.create(model="m", prompt=[5, 6, 8], max_tokens=3)
+    fake.delay = 300.0  # every attempt is held upstream until the client has given up on it
+    try:
+        with pytest.raises(openai.APITimeoutError):
+            client.completions.create(model="m", prompt=[5, 6, 7], max_tokens=3)
+    finally:
+        fake.delay = 0.0
+    deadline = time.monotonic() + 120  # the abandoned attempts' upstream answers come back and are dropped
+    while r.stats().get("client_disconnected", 0) < 3:
+        assert time.monotonic() < deadline, r.stats()
+        time.sleep(0.1)
+    done = client.with_options(timeout=60).completions.with_raw_response.create(model="m", prompt=[5, 6, 8],
+                                                                                 max_tokens=3)
     assert done.headers["x-call-index"] == "0"  # the agent's real next turn is call 0, not call 3
     s = r.stats()
     assert s["client_disconnected"] == 3 and s["recorded_calls"] == 1
@@ -232,7 +248,8 @@ def test_sigkill_with_retries_in_flight_and_during_replay_loses_nothing(fake, tm
     lock = threading.Lock()
 
     def client(w: int, stop: threading.Event) -> None:
-        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=10) as c:
+        # a client that times out leaves the load for good: wait as long as a loaded machine may need
+        with httpx.Client(base_url=f"http://127.0.0.1:{port}", headers=AUTH, timeout=120) as c:
             i = 0
             while not stop.is_set():
                 tid = f"w{w}-{i}"
