@@ -9,6 +9,7 @@ import os
 import signal
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict
 
@@ -91,6 +92,7 @@ class Traffic:
         self.url, self.pause_s = url, pause_s
         self.failures: list[str] = []
         self.sent = 0
+        self.served: Counter = Counter()  # answers by the served model name (the policy version)
         self.stop = threading.Event()
         self.pool = ThreadPoolExecutor(workers)
         self.futs = [self.pool.submit(self._run, i) for i in range(workers)]
@@ -104,6 +106,8 @@ class Traffic:
                                headers={"X-Trajectory-Id": f"w{i}-{n}"})
                     if r.status_code != 200:
                         self.failures.append(f"{r.status_code}: {r.text[:200]}")
+                    else:
+                        self.served[r.json().get("model")] += 1
                 except httpx.HTTPError as e:
                     self.failures.append(f"{type(e).__name__}: {e}")
                 n += 1
@@ -116,6 +120,13 @@ class Traffic:
             f.result()
         self.pool.shutdown()
         return self.sent
+
+    def wait_served(self, version: str, at_least: int = 1, timeout_s: float = 180.0) -> None:
+        """Until ``at_least`` answers from ``version`` came back (however slowly the loaded machine serves)."""
+        deadline = time.monotonic() + timeout_s
+        while self.served[version] < at_least:
+            assert time.monotonic() < deadline and not self.failures, (version, self.served, self.failures[:3])
+            time.sleep(0.1)
 
 
 def _fleet(tmp_path, replicas=3, **deploy):
@@ -135,10 +146,10 @@ def test_rolling_update_of_three_replicas_fails_no_call_and_tags_each_with_its_v
         assert first.waves == 3 and [r.policy_version for r in target.currents()] == ["v1"] * 3
         with BackgroundServer(app) as rec:
             traffic = Traffic(rec.url)
-            time.sleep(1.0)
+            traffic.wait_served("v1", 10)  # calls before the waves, counted rather than timed
             with watch_endpoint(s.home_path) as seen:  # the endpoint file's versions while the waves run
                 ro = roll_out(s, ProdrlServeTarget(s, s.home_path), tiny_exports["bf16"], "v2", PROMPTS)  # a later run
-                time.sleep(1.0)
+                traffic.wait_served("v2", 11)  # and after them
             sent = traffic.finish()
             assert not traffic.failures, traffic.failures[:5]
             assert ro.waves == 3 and ro.probe.passed
@@ -158,12 +169,12 @@ def test_rolling_update_of_three_replicas_fails_no_call_and_tags_each_with_its_v
             victim = target.current(1)
             traffic = Traffic(rec.url)
             os.killpg(victim.pid, signal.SIGKILL)
-            deadline = time.monotonic() + 20
+            deadline = time.monotonic() + 120  # a ceiling: the health loop is slower on a loaded machine
             while victim.url not in httpx.get(rec.url + "/stats", headers={"Authorization": "Bearer t"}).json()["replicas_down"]:
                 assert time.monotonic() < deadline, "the dead replica was never taken out"
                 time.sleep(0.2)
             back = target.start(tiny_exports["bf16"], "v2", victim.port, 1)
-            deadline = time.monotonic() + 60
+            deadline = time.monotonic() + 180
             while victim.url in httpx.get(rec.url + "/stats", headers={"Authorization": "Bearer t"}).json()["replicas_down"]:
                 assert time.monotonic() < deadline, "the restarted replica never came back"
                 time.sleep(0.2)
