@@ -271,14 +271,14 @@ def test_concurrent_unseeded_requests_share_engine_calls(engine, model_dir):
         def generate(self, prompts, params, seed=None):
             calls.append(len(prompts))
             if len(calls) == 1:
-                release.wait(30)  # hold the engine until every other request is queued
+                release.wait(180)  # hold the engine until every other request is queued (a ceiling)
             return engine.generate(prompts, params, seed=seed)
 
     app = build_app(Gated(), model_dir=model_dir, served_model_name="v0", batch_wait_ms=0)
     batcher = app.state.serve.batcher
     with BackgroundServer(app) as srv, httpx.Client(base_url=srv.url, timeout=60) as c, ThreadPoolExecutor(8) as pool:
         futs = [pool.submit(c.post, "/v1/completions", json={"prompt": PROMPT, "max_tokens": 3}) for _ in range(8)]
-        deadline = time.monotonic() + 30
+        deadline = time.monotonic() + 180
         while batcher.stats.requests < 8 and time.monotonic() < deadline:  # all 8 reached the batcher
             time.sleep(0.01)
         release.set()
