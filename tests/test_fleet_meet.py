@@ -165,7 +165,7 @@ def test_concurrent_endpoint_writers_cannot_resurrect_a_stopped_canary(tmp_path,
                 for f in futs:
                     f.result()
             resurrected += endpoint_file(s.home_path).read().canary is not None
-            canary.wait(10)
+            canary.wait(60)
             target.stop_canary()  # clean up whatever came back, for the next round
         assert resurrected == 0, f"a stopped canary came back in {resurrected} of 15 rounds"
         ep = endpoint_file(s.home_path).read()
@@ -219,6 +219,7 @@ class Episodes:
 
     def __init__(self, url: str, prefix: str, workers: int = 3, calls: int = 4) -> None:
         self.failures: list[str] = []
+        self.done: list[list[str]] = []  # the versions that answered each finished episode
         self.stop = threading.Event()
         self.pool = ThreadPoolExecutor(workers)
         self.futs = [self.pool.submit(self._run, url, f"{prefix}-w{i}", calls) for i in range(workers)]
@@ -227,16 +228,27 @@ class Episodes:
         n = 0
         with httpx.Client(base_url=url, headers=HEADERS, timeout=120) as h:
             while not self.stop.is_set():
+                versions = []
                 for k in range(calls):  # an episode is never cut short: its calls all go out
                     try:
                         r = h.post("/v1/completions", json={"model": "any", "prompt": PROMPTS[k % 3], "max_tokens": 4},
                                    headers={"X-Trajectory-Id": f"{prefix}-{n}"})
                         if r.status_code != 200:
                             self.failures.append(f"{r.status_code}: {r.text[:200]}")
+                        else:
+                            versions.append(r.json()["model"])
                     except httpx.HTTPError as e:
                         self.failures.append(f"{type(e).__name__}: {e}")
                     time.sleep(0.02)
+                self.done.append(versions)
                 n += 1
+
+    def wait_whole(self, version: str, timeout_s: float = 180.0) -> None:
+        """Until an episode ran whole on ``version`` (however slowly the loaded machine serves)."""
+        deadline = time.monotonic() + timeout_s
+        while not any(v and set(v) == {version} for v in list(self.done)):
+            assert time.monotonic() < deadline and not self.failures, (version, self.done[-5:], self.failures[:3])
+            time.sleep(0.1)
 
     def finish(self) -> None:
         self.stop.set()
@@ -257,9 +269,9 @@ def test_episodes_stay_on_one_version_through_a_rolling_wave(fleet, tiny_exports
     old, new = _live(target), "wave-b"
     before = getattr(recorder.balancer, "crossings", 0)  # earlier tests share the recorder
     traffic = Episodes(str(client.base_url), "wave")
-    time.sleep(1.0)
+    traffic.wait_whole(old)  # episodes counted rather than timed, before the wave and after it
     ro = roll_out(s, target, tiny_exports["bf16"], new, PROMPTS)
-    time.sleep(1.0)
+    traffic.wait_whole(new)
     traffic.finish()
     assert not traffic.failures, traffic.failures[:5]
     assert ro.waves == 2 and _live(target) == new
@@ -307,7 +319,7 @@ def test_a_crashed_canary_fails_no_call_and_is_paused_with_the_reason(fleet, tin
     # every later call succeeds: the episodes cross to the stable version, new ones start there
     assert [_call(client, t, 1) for t in inside[:3]] == [stable] * 3
     assert [_call(client, t) for t in inside[3:8]] == [stable] * 5
-    deadline = time.monotonic() + 30  # the health loop's refusals complete the count
+    deadline = time.monotonic() + 120  # the health loop's refusals complete the count (a ceiling)
     while endpoint_file(s.home_path).read().canary_paused() is None:
         assert time.monotonic() < deadline, "the crashed canary was never paused"
         time.sleep(0.2)
