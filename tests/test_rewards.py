@@ -224,6 +224,7 @@ class ScriptedJudge(BaseHTTPRequestHandler):
     active = 0
     peak = 0
     lock = threading.Lock()
+    release = threading.Event()  # SLOW answers wait for it (set when the test ends): always past the timeout
 
     def log_message(self, *a):  # quiet
         pass
@@ -246,7 +247,7 @@ class ScriptedJudge(BaseHTTPRequestHandler):
             if "FLAKY" in prompt and n == 1:
                 return self._send(503, {"error": "overloaded"})
             if "SLOW" in prompt:
-                time.sleep(1.0)
+                cls.release.wait(120)
             content = "I like it" if "GARBAGE" in prompt else \
                 f'```json\n{{"score": {1.0 if "GOOD" in prompt else 0.0}}}\n```'
             self._send(200, {"choices": [{"message": {"role": "assistant", "content": content}}]})
@@ -271,7 +272,9 @@ def judge_url():
     server = ThreadingHTTPServer(("127.0.0.1", 0), ScriptedJudge)
     threading.Thread(target=server.serve_forever, daemon=True).start()
     ScriptedJudge.seen, ScriptedJudge.attempts, ScriptedJudge.peak = [], {}, 0
+    ScriptedJudge.release.clear()
     yield f"http://127.0.0.1:{server.server_address[1]}/v1"
+    ScriptedJudge.release.set()
     server.shutdown()
 
 
@@ -281,7 +284,7 @@ def test_the_judge_scores_concurrently_retries_and_counts_what_it_cannot_parse(s
                                                           "garbage": ["GARBAGE"], "slow": ["SLOW"]}
     calls = stored(store, outs)
     rs = RewardSettings(sources=("judge",), judge_endpoint=judge_url, judge_model="judge-1", judge_concurrency=4,
-                        judge_timeout_s=0.5, judge_retries=1, judge_api_key_env="TEST_JUDGE_KEY",
+                        judge_timeout_s=3, judge_retries=1,  # long enough for the answered ones when loaded judge_api_key_env="TEST_JUDGE_KEY",
                         judge_rubric="Rate this.\n{transcript}\nAnswer JSON {{\"score\": x}}")
     plan = RewardPlan(rs, {"judge": JudgeSource(rs, sleep=lambda s: None)})
     rep = score_missing(store, plan, calls)["judge"]
