@@ -284,7 +284,7 @@ def test_the_judge_scores_concurrently_retries_and_counts_what_it_cannot_parse(s
                                                           "garbage": ["GARBAGE"], "slow": ["SLOW"]}
     calls = stored(store, outs)
     rs = RewardSettings(sources=("judge",), judge_endpoint=judge_url, judge_model="judge-1", judge_concurrency=4,
-                        judge_timeout_s=3, judge_retries=1,  # long enough for the answered ones when loaded judge_api_key_env="TEST_JUDGE_KEY",
+                        judge_timeout_s=3, judge_retries=1, judge_api_key_env="TEST_JUDGE_KEY",  # 3 s: a loaded machine
                         judge_rubric="Rate this.\n{transcript}\nAnswer JSON {{\"score\": x}}")
     plan = RewardPlan(rs, {"judge": JudgeSource(rs, sleep=lambda s: None)})
     rep = score_missing(store, plan, calls)["judge"]
