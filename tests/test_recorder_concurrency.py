@@ -92,7 +92,7 @@ def test_256_concurrent_calls_all_succeed_and_are_recorded_once(model_dir, tmp_p
         failed = [r for r in results if r[1] != 200]
         assert not failed, f"{len(failed)} of {len(results)} calls failed, e.g. {failed[:3]}"
         assert all(index == "0" for _, _, index in results)
-        counters = httpx.get(f"http://127.0.0.1:{rec_port}/stats", headers=AUTH, timeout=10).json()["counters"]
+        counters = httpx.get(f"http://127.0.0.1:{rec_port}/stats", headers=AUTH, timeout=60).json()["counters"]
         assert counters["requests"] == counters["recorded_calls"] == len(results) == 2 * CONCURRENCY
         assert not {k: v for k, v in counters.items() if k.startswith(("upstream_", "unrecordable", "commit_"))
                     and k != "upstream_retries"}

@@ -328,7 +328,7 @@ def test_live_monitoring_plays_a_served_suite_against_the_deployment_itself(tiny
         with VLLMClient(f"http://127.0.0.1:{port}", tokenizer=AutoTokenizer.from_pretrained(tiny_policy_dir)) as client:
             ev = evaluate_policy(settings, load_suite(harness, "", settings), tiny_policy_dir, "round-0004",
                                  engine=client, keep_calls=True)
-        stats = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=10).json()
+        stats = httpx.get(f"http://127.0.0.1:{port}/stats", timeout=60).json()
     finally:
         proc.send_signal(signal.SIGTERM)
         proc.wait(30)
