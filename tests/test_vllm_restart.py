@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import threading
 import time
+from collections import Counter
 from concurrent.futures import ThreadPoolExecutor
 
 import numpy as np
@@ -46,6 +47,7 @@ class Traffic:
         import httpx
 
         self.failures, self.stop, self.url = [], threading.Event(), url
+        self.served: Counter = Counter()  # answers by the served model name (the policy version)
         self.pool = ThreadPoolExecutor(workers)
         self.futs = [self.pool.submit(self._run, i, httpx) for i in range(workers)]
 
@@ -60,6 +62,8 @@ class Traffic:
                                headers={"X-Trajectory-Id": f"w{i}-{n}"})
                     if r.status_code != 200:
                         self.failures.append(f"{r.status_code}: {r.text}")
+                    else:
+                        self.served[r.json().get("model")] += 1
                 except Exception as e:  # noqa: BLE001 - counted as a failed call
                     self.failures.append(f"{type(e).__name__}: {e}")
                 n += 1
@@ -71,6 +75,13 @@ class Traffic:
         sent = sum(f.result() for f in self.futs)
         self.pool.shutdown()
         return sent
+
+    def wait_served(self, version: str, timeout_s: float = 180.0) -> None:
+        """Until an answer from ``version`` came back (however slowly the loaded machine serves)."""
+        deadline = time.monotonic() + timeout_s
+        while not self.served[version]:
+            assert time.monotonic() < deadline and not self.failures, (version, self.served, self.failures[:3])
+            time.sleep(0.1)
 
 
 def _explained_by(rows, exports: dict) -> None:
@@ -107,7 +118,7 @@ def test_every_export_scheme_serves_on_vllm_through_the_restart_target(vllm_expo
                     # (booting under unthrottled load on 2 cores is bench/deploy_switch.py's subject)
                     sw = target.switch(vllm_exports[export], version)
                     traffic = Traffic(srv.url)
-                    time.sleep(2.0)
+                    traffic.wait_served("dense2")  # blue answered under this traffic before the cut-over
                     ro = probe_and_commit(settings, target, sw, PROMPTS)
                 else:
                     ro = roll_out(settings, target, vllm_exports[export], version, PROMPTS)
@@ -124,7 +135,7 @@ def test_every_export_scheme_serves_on_vllm_through_the_restart_target(vllm_expo
                 bound = {"dense2": 5e-3, "moe-bf16": 5e-3, "w4a16": 5e-3, "w4a4": 5e-2}[version]
                 assert FIGURES[version]["mean"] < bound, FIGURES[version]
                 if version == "w4a16":
-                    time.sleep(2.0)
+                    traffic.wait_served("w4a16")
                     sent = traffic.finish()
                     assert app.state.recorder.ingestor.flush(30)
                     rows = app.state.recorder.store.read_calls().to_pylist()
