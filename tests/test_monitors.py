@@ -165,7 +165,7 @@ def test_heldout_size_beyond_the_suite_warns_naming_both_numbers(tmp_path, caplo
     f = tmp_path / "settings.json"
     f.write_text(json.dumps(flat))
     out = subprocess.run([sys.executable, "-m", "prodrl_pipelines.cli", "check-settings", str(f)],
-                         capture_output=True, text=True, timeout=120, env={**__import__("os").environ,
+                         capture_output=True, text=True, timeout=300, env={**__import__("os").environ,
                                                                         "PYTHONPATH": str(tmp_path)})
     assert out.returncode == 0, out.stderr
     assert "warning: heldout_size=256" in out.stderr and "only 16" in out.stderr

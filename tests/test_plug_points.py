@@ -222,7 +222,7 @@ def test_a_relative_home_resolves_against_the_settings_file(tmp_path, monkeypatc
 
 def _cli(*args, **kw):
     return subprocess.run([sys.executable, "-m", "prodrl_pipelines.cli", *args], capture_output=True, text=True,
-                          timeout=120, **kw)
+                          timeout=300, **kw)
 
 
 def test_check_settings_prints_the_resolved_settings_or_names_the_field(tmp_path):
@@ -257,7 +257,7 @@ def test_python_chess_is_only_needed_for_the_chess_task():
             "from prodrl_pipelines.lab.tasks import TASKS, get_task\n"
             "assert get_task('arithmetic').name == 'arithmetic' and set(TASKS) == {'arithmetic', 'chess', 'arithmetic_tools'}\n"
             "try:\n    get_task('chess')\nexcept ValueError as e:\n    print(e)\n")
-    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "needs python-chess" in out.stdout and "prodrl_pipelines[lab]" in out.stdout
 

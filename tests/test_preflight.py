@@ -25,7 +25,7 @@ def test_unreachable_postgres_names_setting():
 def test_demo_with_unreachable_database_starts_nothing(tmp_path):
     env = {**os.environ, "PRODRL_DAGSTER_HOME": str(tmp_path), "DAGSTER_PG_URL": "postgresql://u@127.0.0.1:1/x"}
     out = subprocess.run([sys.executable, "-m", "prodrl_pipelines.cli", "demo", "--name", "x", "--runs-dir",
-                          str(tmp_path / "runs")], env=env, capture_output=True, text=True, timeout=120)
+                          str(tmp_path / "runs")], env=env, capture_output=True, text=True, timeout=300)
     assert out.returncode == 2
     assert "DAGSTER_PG_URL=postgresql://u@127.0.0.1:1/x is unreachable" in out.stderr
     assert not (tmp_path / "runs" / "x" / "checkpoints").exists()

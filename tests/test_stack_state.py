@@ -56,7 +56,7 @@ def test_a_foreign_alembic_version_is_refused_naming_the_schema(prefix):
     assert f"{prefix}_dagster" in msg and mlflow_rev in msg and "MLflow's" in msg and "--schema-prefix" in msg
     # the command line says the same, exits 2, and starts nothing
     out = subprocess.run([sys.executable, "-m", "prodrl_pipelines.cli", "up", "--home", str(REPO / "runs" / "never"),
-                          "--pg-url", PG_URL, "--schema-prefix", prefix], capture_output=True, text=True, timeout=120)
+                          "--pg-url", PG_URL, "--schema-prefix", prefix], capture_output=True, text=True, timeout=300)
     assert out.returncode == 2, out.stderr
     assert f"{prefix}_dagster" in out.stderr and "Traceback" not in out.stderr
     assert not (REPO / "runs" / "never").exists()
