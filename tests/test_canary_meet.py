@@ -195,7 +195,7 @@ def test_a_canary_whose_promotion_was_requested_is_never_failed(fleet, pg_instan
 
 # --- end to end through the Dagster daemon, on scored live reward -----------------------------------
 
-def _wait(cond, what: str, log: Path, timeout_s: float = 240):
+def _wait(cond, what: str, log: Path, timeout_s: float = 600):  # a ceiling: daemon runs start slowly when loaded
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         v = cond()

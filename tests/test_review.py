@@ -44,7 +44,7 @@ def consistent(client: MlflowClient, model: str = MODEL) -> None:
         assert not review.tag_problems(mv.tags), (mv.version, mv.tags)
 
 
-def wait_for(cond, what: str, log: Path, client: MlflowClient, timeout_s: float = 300):
+def wait_for(cond, what: str, log: Path, client: MlflowClient, timeout_s: float = 600):  # a ceiling (loaded machine)
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         consistent(client)
