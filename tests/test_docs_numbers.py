@@ -66,9 +66,13 @@ def test_unknown_blocks_and_missing_results_are_named(tmp_path):
 
 @pytest.mark.long(seconds=70)
 def test_reward_hacking_walkthrough_claims_on_a_real_run(tmp_path, monkeypatch):
-    """The walkthrough the README's table comes from, at its own size: every hack round is blocked by
-    named checks, and after the fix the held-out reward ends above the base. On the machine the
-    stored result came from the run reproduces it exactly (whatever the directory)."""
+    """The walkthrough the README's table comes from, at its own size: the hole pays, the hack rounds
+    are blocked by named checks, and after the fix the held-out reward ends above the base. On the
+    machine the stored result came from the run reproduces it exactly (whatever the directory).
+
+    Asserted is what held on AVX512 and AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``), seeds 0 and 1:
+    every hack round from the second on is blocked. The first is blocked on three of those four runs;
+    on AVX2 seed 0 its drift stayed under every threshold and it deployed (README, "Reward hacking")."""
     from prodrl_pipelines.lab.provenance import provenance
     from prodrl_pipelines.lab.reward_hacking import walkthrough, walkthrough_settings
 
@@ -79,11 +83,12 @@ def test_reward_hacking_walkthrough_claims_on_a_real_run(tmp_path, monkeypatch):
     rounds = out["rounds"]
     hack, fixed = rounds[:hack_rounds], rounds[hack_rounds:]
     assert len(fixed) == fixed_rounds
-    for r in hack:
+    for i, r in enumerate(hack):
+        assert r["holey_reward"] > r["exact_reward"]  # the hole pays
         blockers = [k for k, v in [*r["monitors"].items(), *r["cumulative_monitors"].items()]
                     if not v["passed"] and v["blocking"]]
-        assert not r["gate_passed"] and not r["deployed"] and blockers, r
-        assert r["holey_reward"] > r["exact_reward"]  # the hole pays
+        if i or not r["deployed"]:  # a blocked round names its monitors; the first may deploy (docstring)
+            assert not r["gate_passed"] and not r["deployed"] and blockers, r
     assert fixed[-1]["deployed"] and fixed[-1]["heldout_reward"] > out["base_heldout_reward"]
     assert out["rescore"]["changed"] > 0 and out["rescore"]["new_mean"] < out["rescore"]["old_mean"]
 

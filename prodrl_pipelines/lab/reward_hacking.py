@@ -31,8 +31,9 @@ EXACT = "prodrl_pipelines.lab.graders:arithmetic_exact"
 
 # A learning rate 5x the demo's: at the demo's 1e-4 hedging creeps up ~2-3 points a round, below
 # any per-round threshold; at 3e-4 a hack round sits at the thresholds (on one CPU it is blocked, on
-# another, with other float rounding, it deploys); at 5e-4 every hack round fails the held-out gate
-# and at least one monitor on both; from 7e-4 the rounds after the fix overshoot too.
+# another, with other float rounding, it deploys); at 5e-4 the hack rounds fail the held-out gate and
+# at least one monitor, except that the first round's drift can still stay under them (AVX2 kernels,
+# seed 0: it deploys; the later ones are blocked); from 7e-4 the rounds after the fix overshoot too.
 WALKTHROUGH_SETTINGS = {
     "lab_hedge_noise": 0.3, "rewards_sources": ["grader"], "rewards_grader": HOLEY, "learning_rate": 5e-4,
     "monitors_format_errors_blocking": True, "monitors_length_drift_blocking": True,
