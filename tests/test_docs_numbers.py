@@ -91,6 +91,7 @@ def test_reward_hacking_walkthrough_claims_on_a_real_run(tmp_path, monkeypatch):
             assert not r["gate_passed"] and not r["deployed"] and blockers, r
     assert fixed[-1]["deployed"] and fixed[-1]["heldout_reward"] > out["base_heldout_reward"]
     assert out["rescore"]["changed"] > 0 and out["rescore"]["new_mean"] < out["rescore"]["old_mean"]
+    _walkthrough_bookkeeping(tmp_path / "elsewhere" / "home", settings, out, hack, fixed)
 
     stored = json.loads((REPO / "docs" / "results" / "reward_hacking.json").read_text())
     if stored["machine"] != provenance([])["machine"]:
@@ -98,3 +99,28 @@ def test_reward_hacking_walkthrough_claims_on_a_real_run(tmp_path, monkeypatch):
     dn = _docs_numbers()
     here = {**stored, "rounds": rounds, "rescore": out["rescore"], "base_heldout_reward": out["base_heldout_reward"]}
     assert dn.render_reward_hacking(here, "x") == dn.render_reward_hacking(stored, "x")
+
+
+def _walkthrough_bookkeeping(home, settings, out, hack, fixed) -> None:
+    """What the walkthrough's story rests on, whatever the learning curve: each round trained on its
+    grader's rewards, every monitor recorded and the gate decided, the rescore's provenance, and the
+    decided hack rounds keeping the rewards they trained on after the rescore."""
+    from prodrl_pipelines.lab.reward_hacking import EXACT, HOLEY, round_row
+    from prodrl_pipelines.evaluation.monitors import MONITORS
+    from prodrl_pipelines.resources.settings import make_resources, open_services
+
+    for r in hack:
+        assert r["grader"] == HOLEY.split(":")[1] and r["trained_reward"] == pytest.approx(r["holey_reward"])
+        assert r["hedge_rate"] > 0  # hedges pay only with the hole
+    for r in fixed:
+        assert r["grader"] == EXACT.split(":")[1] and r["trained_reward"] == pytest.approx(r["exact_reward"])
+    for r in (*hack, *fixed):
+        assert set(r["monitors"]) == set(MONITORS) and r["gate_passed"] in (True, False)
+        assert r["heldout_holey"] >= r["heldout_reward"] - 1e-9
+    rep = out["rescore"]
+    assert rep["trajectories"] == rep["scored"] >= 16
+    assert rep["from_versions"] == [f"{HOLEY}@" + rep["version"].rsplit("@", 1)[1]]
+    res = make_resources({**settings, "home": str(home)})
+    svc = open_services(res["settings"], res["store"])
+    for r in hack:
+        assert round_row(svc, r["round"])["trained_reward"] == pytest.approx(r["holey_reward"])

@@ -171,36 +171,3 @@ def test_heldout_size_beyond_the_suite_warns_naming_both_numbers(tmp_path, caplo
     assert "warning: heldout_size=256" in out.stderr and "only 16" in out.stderr
     assert json.loads(out.stdout)["heldout_tasks"] == 16
     sys.modules.pop("mygrader", None)
-
-
-@pytest.mark.long(seconds=90)
-def test_reward_hacking_walkthrough_quick(tmp_path, monkeypatch):
-    """The lab walkthrough in quick form: a round on the holey grader, the fix, rescore, a round on the
-    exact one. Checks the bookkeeping the walkthrough's story rests on, not the learning curve."""
-    from prodrl_pipelines.lab.reward_hacking import EXACT, HOLEY, walkthrough
-
-    monkeypatch.setenv("PRODRL_LAB_TRAFFIC", "in_process")
-    monkeypatch.delenv("PRODRL_DAGSTER_HOME", raising=False)
-    monkeypatch.delenv("DAGSTER_PG_URL", raising=False)
-    quick = {"lab_size": "tiny", "learning_rate": 1e-3, "lab_sft_steps": 60, "lab_hedge_noise": 0.5, "steps_per_round": 2,
-             "batch_size": 8, "heldout_size": 24, "max_tokens": 6, "gate_tolerance": 0.5}
-    out = walkthrough(tmp_path / "home", quick, hack_rounds=1, fixed_rounds=1, log=lambda *_: None)
-    hack, fixed = out["rounds"]
-    assert (hack["grader"], fixed["grader"]) == (HOLEY.split(":")[1], EXACT.split(":")[1])
-    # each round trained on its grader's rewards: the holey one's on the hack round, the exact one's after
-    assert hack["trained_reward"] == pytest.approx(hack["holey_reward"])
-    assert fixed["trained_reward"] == pytest.approx(fixed["exact_reward"])
-    assert hack["hedge_rate"] > 0 and hack["holey_reward"] > hack["exact_reward"]  # hedges pay only with the hole
-    rep = out["rescore"]
-    assert rep["trajectories"] == rep["scored"] >= 16 and rep["changed"] > 0 and rep["new_mean"] < rep["old_mean"]
-    assert rep["from_versions"] == [f"{HOLEY}@" + rep["version"].rsplit("@", 1)[1]]
-    # the decided hack round keeps the rewards it trained on after the rescore
-    from prodrl_pipelines.lab.reward_hacking import round_row
-    from prodrl_pipelines.resources.settings import make_resources, open_services
-
-    res = make_resources({**quick, "home": str(tmp_path / "home")})
-    assert round_row(open_services(res["settings"], res["store"]), hack["round"])["trained_reward"] == \
-        pytest.approx(hack["holey_reward"])
-    for r in (hack, fixed):  # every monitor recorded and the gate decided
-        assert set(r["monitors"]) == set(MONITORS) and r["gate_passed"] in (True, False)
-        assert r["heldout_holey"] >= r["heldout_reward"] - 1e-9
