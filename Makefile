@@ -61,8 +61,10 @@ up: $(STAMP)
 	bash scripts/ensure_postgres.sh
 	$(BIN)/prodrl up --home $(STACK_HOME) --settings $(STACK_SETTINGS) --cluster $(CLUSTER)
 
+# every benchmark at full size (bench/_*.py are helpers); `python bench/NAME.py --smoke` runs one at its
+# smoke size, as tests/test_benches.py does for all of them
 bench: $(STAMP) vllm
-	for b in bench/*.py; do $(BIN)/python $$b || exit 1; done
+	for b in bench/[!_]*.py; do $(BIN)/python $$b || exit 1; done
 
 clean:
 	rm -rf runs .prodrl .pytest_cache

@@ -1,7 +1,7 @@
 """Agent SDK traffic through the recorder: how often an episode trains as one sequence, and what
 streaming costs the recorder (issue 37's benchmark), side by side in one run.
 
-    python bench/agent_traffic.py [--episodes 8] [--seconds 5] [--rounds 2] [--policy-dir DIR]
+    python bench/agent_traffic.py [--episodes 24] [--seconds 5] [--rounds 3] [--policy-dir DIR] [--smoke]
 
 The policy is the lab's tools policy (tests/conftest.py's ``tools_policy_dir``: ``arithmetic_tools``
 warm-started on the agent loop, seeded; built here in a temporary directory unless ``--policy-dir``),
@@ -41,7 +41,11 @@ Goals (issue 37): every SDK >= 0.95 merged with ``extend`` on every template; th
 worse than plain completions' (also compared with non-streamed chat's).
 
 Last line:
-``agent_traffic: merged/multi-call openai-agents=X openai-agents-responses=X pydantic-ai=X langgraph=X; extend/rerender qwen3=X/Y llama32=X/Y [glm45=X/Y qwen3-nothink=X/Y]; recorder/direct streaming c=8=X; recorder/direct streaming extend c=8=X``
+``agent_traffic: merged/multi-call openai-agents=X openai-agents-responses=X pydantic-ai=X langgraph=X; extend/rerender qwen3=X/Y [llama32=X/Y glm45=X/Y qwen3-nothink=X/Y]; recorder/direct streaming c=8=X; recorder/direct streaming extend c=8=X``
+(the templates served: ``--templates``).
+
+Smoke size (``--smoke``, bench/_smoke.py): the tiny tools policy (10 warm-start steps on 64 tasks: it
+rarely calls the tool right), ``qwen3`` only, one episode per cell, one round of 0.3 s phases.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ import httpx
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from recorder_overhead import TIME_KEYS, cpu_seconds, free_port, make_client, run_loop  # noqa: E402
 from recorder_overhead import spawn as spawn_prodrl  # noqa: E402
+from _smoke import parse_args  # noqa: E402
 
 from prodrl_pipelines.engines.server import BackgroundServer  # noqa: E402
 from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app  # noqa: E402
@@ -221,10 +226,11 @@ async def phase(base_url: str, kind: str, seconds: float, concurrency: int, req:
             if time.perf_counter() >= start:
                 done += time.perf_counter() < end
 
+    warm = min(1.0, seconds)  # not counted: the first second (less in a smoke run's short phases)
     async with client:
         await asyncio.gather(*(call(w) for w in range(concurrency)))  # open the connections
         t0 = time.perf_counter()
-        await asyncio.gather(*(worker(w, t0 + 1.0, t0 + 1.0 + seconds) for w in range(concurrency)))
+        await asyncio.gather(*(worker(w, t0 + warm, t0 + warm + seconds) for w in range(concurrency)))
     return done
 
 
@@ -293,7 +299,11 @@ def main() -> None:
     ap.add_argument("--policy-dir", default=None, help="the tools policy (default: build it, ~20 s)")
     ap.add_argument("--templates", nargs="+", default=["qwen3", *MIMICS], choices=["qwen3", *MIMICS],
                     help="chat templates to serve the policy with (qwen3, its own, is always served)")
-    args = ap.parse_args()
+    ap.add_argument("--policy-size", default="demo", help="lab size of the tools policy built")
+    ap.add_argument("--sft-steps", type=int, default=TOOLS_POLICY_SFT["steps"], help="its warm start")
+    ap.add_argument("--sft-tasks", type=int, default=TOOLS_POLICY_SFT["n_tasks"], help="its demonstrated tasks")
+    args = parse_args(ap, episodes=1, seconds=0.3, rounds=1, templates=["qwen3"], policy_size="tiny", sft_steps=10,
+                      sft_tasks=64)
     t_start = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="agent-traffic-"))
     procs: list[subprocess.Popen] = []
@@ -304,8 +314,9 @@ def main() -> None:
             from prodrl_pipelines.lab.warmstart import build_base_policy
 
             t = time.monotonic()
-            policy = build_base_policy(tmp / "qwen3", size="demo", seed=0, progress=False, task="arithmetic_tools",
-                                       sft=TOOLS_POLICY_SFT)
+            policy = build_base_policy(tmp / "qwen3", size=args.policy_size, seed=0, progress=False,
+                                       task="arithmetic_tools", sft={**TOOLS_POLICY_SFT, "steps": args.sft_steps,
+                                                                  "n_tasks": args.sft_tasks})
             print(f"tools policy built in {time.monotonic() - t:.1f} s", flush=True)
         dirs = {"qwen3": Path(policy), **{t: template_copy(Path(policy), tmp / t, t) for t in MIMICS
                                           if t in args.templates}}

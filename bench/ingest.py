@@ -13,7 +13,12 @@ compresses worse than real traffic, so the sizes are an upper bound). Three meas
 Bytes per generated token: the Parquet parts' total size (and the WAL's) divided by the number of
 generated tokens.
 
-Usage: ``python bench/ingest.py [--calls 4096] [--prompt 512] [--output 128] [--k 20]``
+Last line: ``ingest: pipeline calls/s=X; parquet only calls/s=X; wal only calls/s=X; parquet bytes/token=X;
+wal bytes/token=X``.
+
+Usage: ``python bench/ingest.py [--calls 4096] [--prompt 512] [--output 128] [--k 20] [--smoke]``
+
+Smoke size (``--smoke``, bench/_smoke.py): 64 calls of 32 + 8 tokens, K = 4, 4 producers.
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ import time
 from pathlib import Path
 
 import numpy as np
+from _smoke import parse_args
 
 from prodrl_pipelines.recorder.ingest import Ingestor
 from prodrl_pipelines.recorder.wal import WriteAheadLog, encode_entry
@@ -69,7 +75,7 @@ def main() -> None:
     ap.add_argument("--flush-rows", type=int, default=1024)
     ap.add_argument("--producers", type=int, default=32)
     ap.add_argument("--json", default=None)
-    args = ap.parse_args()
+    args = parse_args(ap, calls=64, prompt=32, output=8, k=4, vocab=1000, flush_rows=16, producers=4)
 
     tmp = Path(tempfile.mkdtemp(prefix="ingest-bench-"))
     n_distinct = min(args.calls, 512)  # generating rows is slower than ingesting them: reuse
@@ -147,6 +153,11 @@ def main() -> None:
           f"wal only: {out['wal_only']['calls_per_s']:.0f} calls/s")
     if args.json:
         Path(args.json).write_text(json.dumps(out, indent=1))
+    print(f"ingest: pipeline calls/s={p['calls_per_s_into_parquet']:.0f}; "
+          f"parquet only calls/s={out['parquet_only']['calls_per_s']:.0f}; "
+          f"wal only calls/s={out['wal_only']['calls_per_s']:.0f}; "
+          f"parquet bytes/token={p['parquet_bytes_per_generated_token']:.1f}; "
+          f"wal bytes/token={p['wal_bytes_per_generated_token']:.1f}")
 
 
 if __name__ == "__main__":

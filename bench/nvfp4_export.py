@@ -12,7 +12,11 @@ Peak memory: a Qwen3 with Qwen's real vocabulary (151,936 rows, untied embedding
 process; the peak resident memory the export adds (``phases.PhaseMeter`` resets the high-water mark
 after the imports) over the checkpoint's size (goal <= 1.3).
 
-Usage: ``python bench/nvfp4_export.py [--vocab 151936]``
+Last line: ``nvfp4_export: throughput ours/compressed-tensors=X; peak-memory/checkpoint=X``.
+
+Usage: ``python bench/nvfp4_export.py [--vocab 151936] [--repeats 5] [--smoke]``
+
+Smoke size (``--smoke``, bench/_smoke.py): two of the layer's tensors, one repeat, vocabulary 4,096.
 """
 
 import argparse
@@ -29,7 +33,10 @@ from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
 from compressed_tensors.quantization import preset_name_to_scheme
 from compressed_tensors.quantization.utils import calculate_qparams, generate_gparam
 
-from prodrl_pipelines.quant.nvfp4 import quantize_nvfp4
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _smoke import parse_args  # noqa: E402
+
+from prodrl_pipelines.quant.nvfp4 import quantize_nvfp4  # noqa: E402
 
 SCHEME = preset_name_to_scheme("NVFP4A16", ["Linear"])
 # One Qwen3-0.6B-sized decoder layer's Linear shapes ([out, in]): q, k, v, o, gate, up, down.
@@ -91,13 +98,15 @@ def peak_memory(vocab: int) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--vocab", type=int, default=151_936)
+    ap.add_argument("--repeats", type=int, default=REPS)
+    ap.add_argument("--tensors", type=int, default=len(SHAPES), help="how many of the layer's tensors (SHAPES)")
     ap.add_argument("--memory-child", nargs=2)
-    args = ap.parse_args()
+    args = parse_args(ap, vocab=4096, repeats=1, tensors=2)
     if args.memory_child:
         memory_child(*args.memory_child)
         return
     torch.manual_seed(0)
-    weights = [(torch.randn(n, k) * 0.02).to(torch.bfloat16) for n, k in SHAPES]
+    weights = [(torch.randn(n, k) * 0.02).to(torch.bfloat16) for n, k in SHAPES[: args.tensors]]
     gb = sum(w.numel() * 2 for w in weights) / 1e9
     # identical bytes first
     for w in weights:
@@ -106,7 +115,7 @@ def main() -> None:
         assert torch.equal(a[1].view(torch.uint8), b[1].view(torch.uint8)), "FP8 scales differ"
         assert torch.equal(a[2], b[2]), "global scales differ"
     times = {"ours": [], "compressed-tensors": []}
-    for _ in range(REPS):  # interleaved, so load on the shared machine hits both alike
+    for _ in range(args.repeats):  # interleaved, so load on the shared machine hits both alike
         for name, fn in (("ours", ours), ("compressed-tensors", theirs)):
             t0 = time.perf_counter()
             for w in weights:
@@ -114,7 +123,7 @@ def main() -> None:
             times[name].append(time.perf_counter() - t0)
     med = {k: statistics.median(v) for k, v in times.items()}
     print(f"{len(weights)} bf16 tensors, {gb * 1e3:.1f} MB in, torch threads {torch.get_num_threads()}, "
-          f"median of {REPS}; bytes identical")
+          f"median of {args.repeats}; bytes identical")
     for k, t in med.items():
         print(f"  {k:20s} {t * 1e3:8.1f} ms  {gb / t:6.3f} GB/s")
     ratio = med["compressed-tensors"] / med["ours"]

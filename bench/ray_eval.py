@@ -12,7 +12,9 @@ medians. The two pools' episodes are checked identical (and equal to the in-proc
 Last line: ``ray_eval: tasks=N; eval 2 workers/1=X`` (goal <= 0.65). ``measure(...)`` returns X for
 ``bench/ray_scale.py``; with a Ray connection already open it uses that cluster.
 
-Usage: ``python bench/ray_eval.py [--tasks 64] [--batch 8] [--repeats 3] [--max-tokens 12]``
+Usage: ``python bench/ray_eval.py [--tasks 64] [--batch 8] [--repeats 3] [--max-tokens 12] [--smoke]``
+
+Smoke size (``--smoke``, bench/_smoke.py): one node of 3 CPUs, the tiny policy, 2 tasks of 2 tokens, one repeat.
 """
 
 from __future__ import annotations
@@ -27,6 +29,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+from _smoke import parse_args  # noqa: E402
+
+
+# measure()'s smoke size (bench/ray_scale.py's too)
+SMOKE = dict(tasks=2, batch=1, repeats=1, max_tokens=2, size="tiny", sft_steps=2)
 
 
 def _facts(eps) -> list:
@@ -57,8 +65,9 @@ def _work(policy: Path, tasks: int, batch: int, max_tokens: int, home: Path):
 
 
 def measure(tasks: int = 64, batch: int = 8, repeats: int = 3, max_tokens: int = 12, size: str = "demo",
-            sft_steps: int = 30, cpus_per_node: float = 2, root: Path | None = None, log=print) -> float:
-    """Median wall time of the suite on 2 warm Ray workers over that on 1 (same episodes checked)."""
+            sft_steps: int = 30, cpus_per_node: float = 2, root: Path | None = None, log=print, nodes: int = 2) -> float:
+    """Median wall time of the suite on 2 warm Ray workers over that on 1 (same episodes checked); without
+    a Ray connection, on a local cluster of ``nodes`` it starts (and stops)."""
     from prodrl_pipelines.cluster.local import LOOPBACK_ENV
 
     if "ray" not in sys.modules:
@@ -81,7 +90,7 @@ def measure(tasks: int = 64, batch: int = 8, repeats: int = 3, max_tokens: int =
     cluster = None
     own = not ray.is_initialized()
     if own:
-        cluster = LocalRayCluster(root / "ray", nodes=2, cpus_per_node=cpus_per_node).start()
+        cluster = LocalRayCluster(root / "ray", nodes=nodes, cpus_per_node=cpus_per_node).start()
         # the head's GCS listens on loopback; the address Ray reports may name the primary one
         ray.init(address="127.0.0.1:" + cluster.gcs_address.rpartition(":")[2], log_to_driver=False)
     pools = {1: RayEpisodeRunner(workers=1, cpus_per_worker=1), 2: RayEpisodeRunner(workers=2, cpus_per_worker=1)}
@@ -117,8 +126,10 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--max-tokens", type=int, default=12)
     ap.add_argument("--size", default="demo", help="lab policy size")
     ap.add_argument("--cpus", type=float, default=2, help="CPUs per Ray node (both pools stay up: 3 workers)")
-    a = ap.parse_args(argv)
-    x = measure(a.tasks, a.batch, a.repeats, a.max_tokens, a.size, cpus_per_node=a.cpus)
+    ap.add_argument("--nodes", type=int, default=2, help="of the local Ray cluster")
+    ap.add_argument("--sft-steps", type=int, default=30, help="the policy's warm start")
+    a = parse_args(ap, argv, **SMOKE, nodes=1, cpus=3)
+    x = measure(a.tasks, a.batch, a.repeats, a.max_tokens, a.size, a.sft_steps, a.cpus, nodes=a.nodes)
     print(f"ray_eval: tasks={a.tasks}; eval 2 workers/1={x:.2f}", flush=True)
     return 0
 

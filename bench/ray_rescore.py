@@ -11,7 +11,9 @@ rounds and the ratio is of the medians. The rows both sizes write are checked id
 Last line: ``ray_rescore: rows=N; rescore 2 workers/1=X`` (goal <= 0.6). ``measure(...)`` returns X
 for ``bench/ray_scale.py``; with a Ray connection already open it uses that cluster.
 
-Usage: ``python bench/ray_rescore.py [--rows 1000] [--delay 0.05] [--concurrency 4] [--repeats 2]``
+Usage: ``python bench/ray_rescore.py [--rows 1000] [--delay 0.05] [--concurrency 4] [--repeats 2] [--smoke]``
+
+Smoke size (``--smoke``, bench/_smoke.py): one node of 2 CPUs, 8 rows, a 10 ms judge, one repeat.
 """
 
 from __future__ import annotations
@@ -31,8 +33,12 @@ from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
+sys.path.insert(0, str(REPO / "bench"))
+from _smoke import parse_args  # noqa: E402
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+# measure()'s smoke size (bench/ray_scale.py's too)
+SMOKE = dict(rows=8, delay=0.01, concurrency=2, repeats=1)
 
 
 class DelayedJudge(BaseHTTPRequestHandler):
@@ -80,8 +86,9 @@ def _rescored(store, version: str) -> list:
 
 
 def measure(rows: int = 1000, delay: float = 0.05, concurrency: int = 4, repeats: int = 2,
-            cpus_per_node: float = 2, root: Path | None = None, log=print) -> float:
-    """Median wall time of a judge rescore job on 2 Ray Data workers over that on 1 (same rows checked)."""
+            cpus_per_node: float = 2, root: Path | None = None, log=print, nodes: int = 2) -> float:
+    """Median wall time of a judge rescore job on 2 Ray Data workers over that on 1 (same rows checked);
+    without a Ray connection, on a local cluster of ``nodes`` it starts (and stops)."""
     from prodrl_pipelines.cluster.local import LOOPBACK_ENV, LocalRayCluster
 
     os.environ.update(LOOPBACK_ENV)  # before Ray is imported: it reads the loopback switch once
@@ -106,7 +113,7 @@ def measure(rows: int = 1000, delay: float = 0.05, concurrency: int = 4, repeats
     cluster = None
     own = not ray.is_initialized()
     if own:
-        cluster = LocalRayCluster(root / "ray", nodes=2, cpus_per_node=cpus_per_node).start()
+        cluster = LocalRayCluster(root / "ray", nodes=nodes, cpus_per_node=cpus_per_node).start()
         ray.init(address="127.0.0.1:" + cluster.gcs_address.rpartition(":")[2], log_to_driver=False,  # GCS on loopback
                  runtime_env={"env_vars": dict(LOOPBACK_ENV)})
     times: dict[int, list[float]] = {1: [], 2: []}
@@ -145,8 +152,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--concurrency", type=int, default=4, help="judge requests in flight per actor")
     ap.add_argument("--repeats", type=int, default=2)
     ap.add_argument("--cpus", type=float, default=2, help="CPUs per Ray node")
-    a = ap.parse_args(argv)
-    x = measure(a.rows, a.delay, a.concurrency, a.repeats, a.cpus)
+    ap.add_argument("--nodes", type=int, default=2, help="of the local Ray cluster")
+    a = parse_args(ap, argv, **SMOKE, nodes=1, cpus=2)
+    x = measure(a.rows, a.delay, a.concurrency, a.repeats, a.cpus, nodes=a.nodes)
     print(f"ray_rescore: rows={a.rows}; rescore 2 workers/1={x:.2f}", flush=True)
     return 0
 

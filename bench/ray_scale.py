@@ -12,7 +12,10 @@
 One cluster (two nodes, ``--cpus`` each) serves all three. Last line:
 ``ray_scale: nodes=N; train step ray/torchrun=X; eval 2 workers/1=X; rescore 2 workers/1=X``
 
-Usage: ``python bench/ray_scale.py [--cpus 2] [--steps 6]``
+Usage: ``python bench/ray_scale.py [--cpus 2] [--steps 6] [--nodes 2] [--smoke]``
+
+Smoke size (``--smoke``, bench/_smoke.py): one node of 3 CPUs (training placed anywhere, not one rank per
+node), one optimizer step; evaluation and re-scoring at their own smoke sizes.
 """
 
 from __future__ import annotations
@@ -28,6 +31,7 @@ from pathlib import Path
 REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO))
 sys.path.insert(0, str(REPO / "bench"))
+from _smoke import parse_args  # noqa: E402
 
 # a lab round big enough for a step to be more than start-up noise, small enough for 2 shared cores
 ROUND = {"lab_size": "tiny", "lab_sft_steps": 5, "steps_per_round": 6, "batch_size": 8, "heldout_size": 4,
@@ -41,7 +45,7 @@ def _step_seconds(svc, rkey: str) -> list[float]:
     return [m["tokens"] / m["tokens_per_s"] for m in steps]
 
 
-def train_ratio(cluster, root: Path, steps: int, log=print) -> float:
+def train_ratio(cluster, root: Path, steps: int, log=print, placement: str = "spread") -> float:
     import numpy as np
     from dagster import DagsterInstance, materialize
 
@@ -67,7 +71,7 @@ def train_ratio(cluster, root: Path, steps: int, log=print) -> float:
         times = {}
         for name, extra in (("torchrun", {}), ("ray", {"train_processes": 1, "cluster": "ray",
                                                        "cluster_address": cluster.dashboard_url,
-                                                       "cluster_workers": 2, "cluster_placement": "spread"})):
+                                                       "cluster_workers": 2, "cluster_placement": placement})):
             r = make_resources({**base, "train_processes": 2, **extra})
             assert materialize(assets, selection=[trained_checkpoint], instance=instance, partition_key=rkey,
                                resources=r).success, name
@@ -80,7 +84,8 @@ def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--cpus", type=float, default=2, help="CPUs each of the two nodes offers")
     ap.add_argument("--steps", type=int, default=6, help="optimizer steps of the trained round")
-    a = ap.parse_args(argv)
+    ap.add_argument("--nodes", type=int, default=2, help="of the local Ray cluster (1: training placed anywhere)")
+    a = parse_args(ap, argv, steps=1, nodes=1, cpus=3)
     from prodrl_pipelines.cluster.local import LOOPBACK_ENV
 
     os.environ.update(LOOPBACK_ENV)  # before Ray is imported anywhere
@@ -92,15 +97,16 @@ def main(argv: list[str] | None = None) -> int:
 
     with tempfile.TemporaryDirectory(prefix="ray-scale-") as tmp:
         root = Path(tmp)
-        with LocalRayCluster(root / "cluster", nodes=2, cpus_per_node=a.cpus) as cluster:
-            train = train_ratio(cluster, root / "train", a.steps)
+        with LocalRayCluster(root / "cluster", nodes=a.nodes, cpus_per_node=a.cpus) as cluster:
+            train = train_ratio(cluster, root / "train", a.steps, placement="spread" if a.nodes > 1 else "any")
             ray.init(address=cluster.gcs_address, log_to_driver=False)
             try:
-                ev = ray_eval.measure(cpus_per_node=a.cpus, root=root / "eval")
-                rs = ray_rescore.measure(cpus_per_node=a.cpus, root=root / "rescore")
+                ev = ray_eval.measure(**(ray_eval.SMOKE if a.smoke else {}), cpus_per_node=a.cpus, root=root / "eval")
+                rs = ray_rescore.measure(**(ray_rescore.SMOKE if a.smoke else {}), cpus_per_node=a.cpus,
+                                         root=root / "rescore")
             finally:
                 ray.shutdown()
-    print(f"ray_scale: nodes=2; train step ray/torchrun={train:.2f}; eval 2 workers/1={ev:.2f}; "
+    print(f"ray_scale: nodes={a.nodes}; train step ray/torchrun={train:.2f}; eval 2 workers/1={ev:.2f}; "
           f"rescore 2 workers/1={rs:.2f}")
     return 0
 

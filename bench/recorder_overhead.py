@@ -45,8 +45,13 @@ continuously): both make the comparison pessimistic for a recorder in front of a
 from another source tree (e.g. ``mkdir /tmp/base && git archive <rev> prodrl_pipelines | tar -x -C
 /tmp/base``), in front of the same upstream, interleaved with the others: before/after in one run.
 
+Last line: ``recorder_overhead: throughput recorder/direct c=1=X c=8=X c=32=X; added p50 ms c=1=X c=8=X c=32=X;
+all goals=PASS`` (MISS when one is missed; the concurrencies measured).
+
 Usage: ``python bench/recorder_overhead.py [--rounds 6] [--seconds 3] [--concurrency 1 8 32]
-[--instant-seconds 1.5] [--http aiohttp|httpx] [--pin] [--model-dir DIR] [--compare-src DIR] [--json FILE]``
+[--instant-seconds 1.5] [--http aiohttp|httpx] [--pin] [--model-dir DIR] [--compare-src DIR] [--json FILE] [--smoke]``
+
+Smoke size (``--smoke``, bench/_smoke.py): one round at concurrency 2, 0.3 s per phase, 4 tokens.
 """
 
 from __future__ import annotations
@@ -66,6 +71,9 @@ from pathlib import Path
 
 import httpx
 import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _smoke import parse_args  # noqa: E402
 
 TOKEN = "bench-token"
 MODEL = "bench-v0"
@@ -211,7 +219,7 @@ def main() -> None:
     ap.add_argument("--compare-src", default=None,
                     help="source tree of another prodrl_pipelines (e.g. the previous commit's): adds 'recorder (base)'")
     ap.add_argument("--json", default=None, help="also write the results here")
-    args = ap.parse_args()
+    args = parse_args(ap, rounds=1, seconds=0.3, concurrency=[2], instant_seconds=0.3, max_tokens=4)
     t_start = time.monotonic()
 
     import prodrl_pipelines
@@ -327,6 +335,11 @@ def main() -> None:
     print(f"(total {time.monotonic() - t_start:.0f} s)")
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
+    goals = {c: summary["goals"][f"recorder c{c}"] for c in args.concurrency}
+    print("recorder_overhead: throughput recorder/direct " + " ".join(
+        f"c={c}={g['throughput_ratio']:.3f}" for c, g in goals.items()) + "; added p50 ms " + " ".join(
+        f"c={c}={g['added_p50_ms']:.2f}" for c, g in goals.items())
+        + f"; all goals={'PASS' if summary['all_goals_pass'] else 'MISS'}")
 
 
 def report(args, phases: dict, results: dict, rec_counters: dict) -> dict:

@@ -7,12 +7,15 @@ activation quantization simulated) and recording its experts; pi_k is the fp32 t
 checkpoint) on exactly the recorded tokens, packed as the trainer packs them, once with its own
 routing and once with the recorded one. Mean and p99 over all generated tokens.
 
-    python bench/routing_replay.py [existing_base_checkpoint_dir]
+    python bench/routing_replay.py [existing_base_checkpoint_dir] [--prompts 256] [--smoke]
 
 Ends with ``routing_replay: engine=local-nvfp4-w4a4; disagreement=...; mean_off=...; mean_on=...;
 p99_off=...; p99_on=...; p99_ratio=...`` (p99 without replay / with).
+
+Smoke size (``--smoke``, bench/_smoke.py): the tiny lab MoE (2 warm-start steps), 8 prompts.
 """
 
+import argparse
 import sys
 import tempfile
 import time
@@ -21,16 +24,19 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from prodrl_pipelines.engines.local import LocalEngine
-from prodrl_pipelines.engines.types import SamplingParams
-from prodrl_pipelines.lab.arithmetic import generate_tasks, heldout_tasks, initial_messages
-from prodrl_pipelines.lab.episodes import render_prompt, stop_token_ids
-from prodrl_pipelines.quant.export import export_policy
-from prodrl_pipelines.rl.batch import pack_sequences
-from prodrl_pipelines.rl.logprobs import policy_logprobs
-from prodrl_pipelines.rl.routing_replay import RoutingStats
-from prodrl_pipelines.rl.sequences import minibatch_sequences
-from prodrl_pipelines.rl.trajectory import Call, Trajectory
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _smoke import parse_args  # noqa: E402
+
+from prodrl_pipelines.engines.local import LocalEngine  # noqa: E402
+from prodrl_pipelines.engines.types import SamplingParams  # noqa: E402
+from prodrl_pipelines.lab.arithmetic import generate_tasks, heldout_tasks, initial_messages  # noqa: E402
+from prodrl_pipelines.lab.episodes import render_prompt, stop_token_ids  # noqa: E402
+from prodrl_pipelines.quant.export import export_policy  # noqa: E402
+from prodrl_pipelines.rl.batch import pack_sequences  # noqa: E402
+from prodrl_pipelines.rl.logprobs import policy_logprobs  # noqa: E402
+from prodrl_pipelines.rl.routing_replay import RoutingStats  # noqa: E402
+from prodrl_pipelines.rl.sequences import minibatch_sequences  # noqa: E402
+from prodrl_pipelines.rl.trajectory import Call, Trajectory  # noqa: E402
 
 N_PROMPTS, MAX_TOKENS, SEED = 256, 8, 0
 
@@ -54,26 +60,33 @@ def measure(served: LocalEngine, trainer, prompts, params) -> dict:
 
 
 def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("base", nargs="?", help="an existing base checkpoint, a MoE (default: build the lab's)")
+    ap.add_argument("--size", default="demo", help="lab policy size built without a checkpoint")
+    ap.add_argument("--sft-steps", type=int, default=None, help="its warm start (default: the lab's)")
+    ap.add_argument("--prompts", type=int, default=N_PROMPTS, help="measured prompts (half training, half held-out)")
+    ap.add_argument("--calibration", type=int, default=64, help="W4A4 calibration prompts")
+    args = parse_args(ap, size="tiny", sft_steps=2, prompts=8, calibration=8)
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="routing_replay-"))
-    if len(sys.argv) > 1:
-        base = Path(sys.argv[1])
+    if args.base:
+        base = Path(args.base)
     else:
         from prodrl_pipelines.lab.warmstart import build_base_policy
 
         t0 = time.perf_counter()
-        base = build_base_policy(tmp / "base", size="demo", progress=False)
-        print(f"built the demo lab base policy (MoE) in {time.perf_counter() - t0:.0f}s")
+        base = build_base_policy(tmp / "base", size=args.size, sft_steps=args.sft_steps, progress=False)
+        print(f"built the {args.size} lab base policy (MoE) in {time.perf_counter() - t0:.0f}s")
     from transformers import AutoTokenizer
 
     tok = AutoTokenizer.from_pretrained(base)
-    calib = [render_prompt(tok, initial_messages(t))[1] for t in generate_tasks(64, seed=7)]
+    calib = [render_prompt(tok, initial_messages(t))[1] for t in generate_tasks(args.calibration, seed=7)]
     exports = {"fp32 checkpoint": base}
     for scheme in ("bf16", "nvfp4-w4a16", "nvfp4-w4a4"):
         export_policy(base, tmp / scheme, scheme, calibration_prompts=calib if scheme == "nvfp4-w4a4" else None)
         exports[scheme] = tmp / scheme
     trainer = LocalEngine.from_pretrained(base).model  # fp32: pi_k
-    tasks = generate_tasks(N_PROMPTS // 2, seed=1) + heldout_tasks(N_PROMPTS // 2)
+    tasks = generate_tasks(args.prompts // 2, seed=1) + heldout_tasks(args.prompts // 2)
     prompts = [render_prompt(tok, initial_messages(t))[1] for t in tasks]
     params = SamplingParams(temperature=1.0, max_tokens=MAX_TOKENS, num_top_logprobs=8,
                             stop_token_ids=stop_token_ids(tok), record_routing=True)

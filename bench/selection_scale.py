@@ -14,7 +14,9 @@ Last line::
 
     selection_scale: ratio=X (select(N)=A ms, select(1)=B ms); skipped parts read at start: N rounds=P, 1 round=Q
 
-Usage: ``python bench/selection_scale.py [--rounds 256] [--trajectories 64] [--repeats 9]``
+Usage: ``python bench/selection_scale.py [--rounds 256] [--trajectories 64] [--repeats 9] [--smoke]``
+
+Smoke size (``--smoke``, bench/_smoke.py): 3 rounds of 8 trajectories, one repeat.
 """
 
 from __future__ import annotations
@@ -29,6 +31,7 @@ from pathlib import Path
 import numpy as np
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _smoke import parse_args  # noqa: E402
 from store_scale import T0, VOCAB, calls_of, rewards_of, write_parts  # noqa: E402
 
 from prodrl_pipelines.recorder.ingest import Ingestor  # noqa: E402
@@ -68,9 +71,9 @@ def build(root: Path, rounds: int, n_traj: int, round_parts: int, seed: int = 0)
     return store
 
 
-def select_ms(store: TrajectoryStore, order: list[str]) -> float:
+def select_ms(store: TrajectoryStore, order: list[str], least: int = 32) -> float:
     t = time.perf_counter()
-    res = select_round_dataset(store, "round-bench", order[-1], order, 0, 32, VOCAB, record=False)
+    res = select_round_dataset(store, "round-bench", order[-1], order, 0, least, VOCAB, record=False)
     assert res.n_eligible > 0
     return (time.perf_counter() - t) * 1e3
 
@@ -89,7 +92,8 @@ def main() -> None:
     ap.add_argument("--trajectories", type=int, default=64, help="per round")
     ap.add_argument("--round-parts", type=int, default=4, help="recorder commits per round")
     ap.add_argument("--repeats", type=int, default=9)
-    args = ap.parse_args()
+    args = parse_args(ap, rounds=3, trajectories=8, round_parts=2, repeats=1)
+    least = min(32, args.trajectories)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
         stores, orders = {}, {}
@@ -101,10 +105,10 @@ def main() -> None:
             print(f"history {rounds:4d} rounds: {files} files, built in {time.perf_counter() - t:.0f} s", flush=True)
         times: dict[int, list[float]] = {1: [], args.rounds: []}
         for rounds in times:  # warm: the first read of a store opens its tables
-            select_ms(stores[rounds], orders[rounds])
+            select_ms(stores[rounds], orders[rounds], least)
         for _ in range(args.repeats):
             for rounds in times:
-                times[rounds].append(select_ms(stores[rounds], orders[rounds]))
+                times[rounds].append(select_ms(stores[rounds], orders[rounds], least))
         med = {r: float(np.median(v)) for r, v in times.items()}
         reads = {r: start_reads(stores[r], tmp / f"wal{r}") for r in times}
         for r in times:

@@ -7,8 +7,8 @@ Two axes, each measured side by side in one run:
   the round's ledger), compacted as the hourly maintenance job leaves it. Tick = one
   ``EligibilityTracker.count`` after one new recorder commit and its rewards (the steady state of
   the sensor; median of ``--repeats``). Selection = ``select_round_dataset`` of the live window.
-* files: one version's 12,288 calls written in 16 vs ``--parts`` recorder commits, then compacted;
-  tick as above.
+* files: one version's 12,288 calls (``--part-trajectories`` x 3) written in 16 vs ``--parts``
+  recorder commits, then compacted; tick as above.
 
 On the S3 endpoint (a moto server on loopback; the history store is uploaded as it is), every
 boto3 request of a tick is counted through botocore's event hooks: the tick's requests must not
@@ -16,7 +16,9 @@ grow with history. Last line:
 
     store_scale: tick(256)/tick(1)=X; tick(4096 parts, compacted)/tick(16 parts)=X; s3 requests per tick at 256 rounds=N; select(256)/select(1)=X
 
-Usage: ``python bench/store_scale.py [--rounds 256] [--parts 4096] [--trajectories 64]``
+Usage: ``python bench/store_scale.py [--rounds 256] [--parts 4096] [--trajectories 64] [--smoke]``
+
+Smoke size (``--smoke``, bench/_smoke.py): 3 rounds of 8 trajectories, 192 calls in 16 vs 32 parts, one repeat.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from datetime import datetime, timedelta, timezone
 from pathlib import Path
 
 import numpy as np
+from _smoke import parse_args
 
 from prodrl_pipelines.trajectories import maintenance
 from prodrl_pipelines.storage.blobstore import LocalBlobStore
@@ -42,6 +45,10 @@ from prodrl_pipelines.trajectories.store import TrajectoryStore
 
 VOCAB = 1000
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
+# the ticks' new traffic is recorded now, after everything the stores hold (the history's rounds are
+# minutes after T0): a call of the live version stamped before its first call would move the
+# window's start earlier, and the tick would rebuild and widen what it sees instead of measuring one
+NOW_MINUTES = 365 * 24 * 60
 
 
 def calls_of(prefix: str, n_traj: int, version: str, rng, n_calls: int = 3, minutes: int = 0) -> list[dict]:
@@ -91,7 +98,7 @@ def tick_time(store: TrajectoryStore, live: str, order: list[str], repeats: int,
     tracker.count(live, order, 0)  # the first tick builds the state from a snapshot
     times = []
     for i in range(repeats):
-        store.write_calls(calls_of(f"{tag}-new{i}", 8, live, rng))  # one recorder commit arrives
+        store.write_calls(calls_of(f"{tag}-new{i}", 8, live, rng, minutes=NOW_MINUTES + i))  # one recorder commit
         store.write_rewards(rewards_of(f"{tag}-new{i}", 8, rng))
         t = time.perf_counter()
         rep = tracker.count(live, order, 0, report=True)
@@ -100,11 +107,11 @@ def tick_time(store: TrajectoryStore, live: str, order: list[str], repeats: int,
     return float(np.median(times))
 
 
-def select_time(store: TrajectoryStore, live: str, order: list[str], repeats: int) -> float:
+def select_time(store: TrajectoryStore, live: str, order: list[str], repeats: int, least: int = 32) -> float:
     times = []
     for _ in range(repeats):
         t = time.perf_counter()
-        select_round_dataset(store, "round-bench", live, order, 0, 32, VOCAB, record=False)
+        select_round_dataset(store, "round-bench", live, order, 0, least, VOCAB, record=False)
         times.append(time.perf_counter() - t)
     return float(np.median(times))
 
@@ -147,7 +154,7 @@ def s3_requests_per_tick(local_root: Path, live: str, order: list[str], rng) -> 
         tracker.count(live, order, 0)
         per_tick = []
         for i in range(3):
-            store.write_calls(calls_of(f"s3-new{i}", 8, live, rng))
+            store.write_calls(calls_of(f"s3-new{i}", 8, live, rng, minutes=NOW_MINUTES + i))
             store.write_rewards(rewards_of(f"s3-new{i}", 8, rng))
             counts.clear()
             tracker.count(live, order, 0)
@@ -165,7 +172,8 @@ def main() -> None:
     ap.add_argument("--trajectories", type=int, default=64, help="per round")
     ap.add_argument("--round-parts", type=int, default=4, help="recorder commits per round")
     ap.add_argument("--repeats", type=int, default=5)
-    args = ap.parse_args()
+    ap.add_argument("--part-trajectories", type=int, default=4096, help="of the files axis' version (x 3 calls)")
+    args = parse_args(ap, rounds=3, parts=32, trajectories=8, round_parts=2, repeats=1, part_trajectories=64)
     rng = np.random.default_rng(1)
     with tempfile.TemporaryDirectory() as tmp:
         tmp = Path(tmp)
@@ -177,7 +185,7 @@ def main() -> None:
             live = order[-1]
             files = sum(1 for p in (tmp / f"h{rounds}").rglob("*.parquet"))
             res[rounds] = (tick_time(store, live, order, args.repeats, rng, f"h{rounds}"),
-                           select_time(store, live, order, args.repeats))
+                           select_time(store, live, order, args.repeats, min(32, args.trajectories)))
             print(f"history {rounds:4d} rounds ({files} files, built in {time.perf_counter() - t:.0f} s): "
                   f"tick {res[rounds][0] * 1e3:.1f} ms, selection {res[rounds][1] * 1e3:.1f} ms", flush=True)
         s3_req, s3_files = s3_requests_per_tick(tmp / f"h{args.rounds}", f"v{args.rounds - 1:04d}",
@@ -185,12 +193,12 @@ def main() -> None:
         print(f"S3 (moto, {s3_files} objects uploaded): {s3_req} requests per steady-state tick", flush=True)
 
         parts = {}
-        calls = calls_of("p", 4096, "v0", np.random.default_rng(2))  # 12,288 calls
+        calls = calls_of("p", args.part_trajectories, "v0", np.random.default_rng(2))  # 12,288 calls at full size
         for n in (16, args.parts):
             store = TrajectoryStore(LocalBlobStore(tmp / f"p{n}"))
             t = time.perf_counter()
             write_parts(store, calls, n)
-            store.write_rewards(rewards_of("p", 4096, rng))
+            store.write_rewards(rewards_of("p", args.part_trajectories, rng))
             wrote = time.perf_counter() - t
             raw = tick_time(store, "v0", ["v0"], args.repeats, rng, f"p{n}raw")
             maintenance.compact(store)

@@ -12,7 +12,9 @@ what a recorder running for days would keep adding per ``appends/2`` commits. La
 
     table_cache: appends=N; rss_growth_unbounded_mb=X; rss_growth_bounded_mb=X; ratio=X; second_half_unbounded_mb=X; second_half_bounded_mb=X; open_unbounded=N; open_bounded=N
 
-Usage: ``python bench/table_cache.py [--appends 400] [--rows 8] [--compact-every 100]``
+Usage: ``python bench/table_cache.py [--appends 400] [--rows 8] [--compact-every 100] [--smoke]``
+
+Smoke size (``--smoke``, bench/_smoke.py): 24 appends, compacted every 8.
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ import tempfile
 import time
 from datetime import datetime, timezone
 from pathlib import Path
+
+from _smoke import parse_args
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
 WARMUP = 20  # appends before the first reading: imports and allocator pools settle
@@ -56,9 +60,10 @@ def worker(root: str, max_open: int, appends: int, rows: int, compact_every: int
     store = TrajectoryStore(LocalBlobStore(root))
     store.tables = DeltaTables(store.blobs, max_open=max_open)
     start = half = None
+    warmup = min(WARMUP, appends // 4)  # a smoke run has fewer appends than the warm-up
     t0 = time.perf_counter()
     for k in range(appends):
-        if k == WARMUP:
+        if k == warmup:
             gc.collect()
             start = rss_mb()
             t0 = time.perf_counter()
@@ -76,7 +81,7 @@ def worker(root: str, max_open: int, appends: int, rows: int, compact_every: int
     live = sum(1 for o in gc.get_objects() if isinstance(o, DeltaTable))
     return {"rss_start_mb": start, "rss_end_mb": end, "growth_mb": end - start, "second_half_mb": end - half,
             "live_tables": live,
-            "ms_per_append": elapsed / max(appends - WARMUP, 1) * 1e3}
+            "ms_per_append": elapsed / max(appends - warmup, 1) * 1e3}
 
 
 def main() -> None:
@@ -86,7 +91,7 @@ def main() -> None:
     ap.add_argument("--compact-every", type=int, default=100)
     ap.add_argument("--worker", type=int, default=None, help=argparse.SUPPRESS)  # max_open of a child run
     ap.add_argument("--root", default=None, help=argparse.SUPPRESS)
-    args = ap.parse_args()
+    args = parse_args(ap, appends=24, compact_every=8)
     if args.worker is not None:
         print(json.dumps(worker(args.root, args.worker, args.appends, args.rows, args.compact_every)))
         return

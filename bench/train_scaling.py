@@ -16,7 +16,12 @@ On 2 shared CPU cores throughput cannot scale (the two ranks split the same core
 collectives); the memory column is the point here, and the GPU script (``scripts/gpu_train_check.py``)
 measures MFU where it means something.
 
-Usage: ``python bench/train_scaling.py [--steps 3] [--batch 8] [--seq 128] [--models lab qwen3-110m]``
+Last line: ``train_scaling: params+Adam/rank 2/1 lab=X [qwen3-110m=X]; tokens/s 2/1 lab=X [qwen3-110m=X]`` (the
+models measured: ``--models``).
+
+Usage: ``python bench/train_scaling.py [--steps 3] [--batch 8] [--seq 128] [--models lab qwen3-110m] [--smoke]``
+
+Smoke size (``--smoke``, bench/_smoke.py): the lab model only, one step of 2 x 16 tokens, a 256^3 matmul peak.
 """
 
 from __future__ import annotations
@@ -32,6 +37,9 @@ import time
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "bench"))
+from _smoke import parse_args  # noqa: E402
+
 MODELS = ("lab", "qwen3-110m")
 
 
@@ -127,7 +135,7 @@ def worker(args) -> None:
         dist.all_gather_object(rows, out)
     if rank == 0:
         out = {**out, "held_bytes_per_rank": [r["held_bytes"] for r in rows], "peak_rss_per_rank": [r["peak_rss"] for r in rows],
-               "matmul_peak": matmul_peak(threads), "threads_per_rank": threads}
+               "matmul_peak": matmul_peak(threads, args.matmul_n), "threads_per_rank": threads}
         print("RESULT " + json.dumps(out), flush=True)
     if world > 1:
         dist.destroy_process_group()
@@ -141,7 +149,7 @@ def _free_port() -> int:
 
 def run(model: str, world: int, args) -> dict:
     me = [str(Path(__file__).resolve()), "--worker", "--model", model, "--steps", str(args.steps),
-          "--batch", str(args.batch), "--seq", str(args.seq)]
+          "--batch", str(args.batch), "--seq", str(args.seq), "--matmul-n", str(args.matmul_n)]
     cmd = [sys.executable, *me] if world == 1 else [
         sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc_per_node", str(world),
         "--master_addr", "127.0.0.1", "--master_port", str(_free_port()), *me]
@@ -161,24 +169,30 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=3)
     ap.add_argument("--batch", type=int, default=8, help="sequences per minibatch (split over the ranks)")
     ap.add_argument("--seq", type=int, default=128, help="tokens per sequence (half prompt, half generated)")
-    args = ap.parse_args()
+    ap.add_argument("--matmul-n", type=int, default=2048, help="side of the matmul measuring the fp32 peak")
+    args = parse_args(ap, models=["lab"], steps=1, batch=2, seq=16, matmul_n=256)
     if args.worker:
         worker(args)
         return
     print(f"FSDP2 training, CPU gloo, {os.cpu_count()} cores; {args.batch} x {args.seq} tokens per step, {args.steps} timed steps")
     print(f"{'model':12s} {'params':>8s} {'world':>5s} {'tokens/s':>9s} {'peak RSS/rank':>14s} {'params+Adam/rank':>17s} "
           f"{'vs 1 rank':>9s} {'GFLOP/s':>8s} {'fp32 mm peak':>12s} {'of peak':>7s}")
+    held_ratio, speed_ratio = {}, {}
     for model in args.models:
-        base = None
+        base = speed = None
         for world in (1, 2):
             r = run(model, world, args)
             held = max(r["held_bytes_per_rank"])
             base = base or held
+            speed = speed or r["tokens_per_step"] / r["step_s"]
+            held_ratio[model], speed_ratio[model] = held / base, r["tokens_per_step"] / r["step_s"] / speed
             flops = 6 * r["params"] * r["tokens_per_step"] / r["step_s"]
             peak = r["matmul_peak"] * r["world"]  # the ranks' threads together
             print(f"{model:12s} {r['params'] / 1e6:7.1f}M {world:5d} {r['tokens_per_step'] / r['step_s']:9.0f} "
                   f"{max(r['peak_rss_per_rank']) / 2**20:11.0f} MiB {held / 2**20:14.1f} MiB {held / base:9.2f} "
                   f"{flops / 1e9:8.1f} {peak / 1e9:9.1f} GF/s {flops / peak:7.1%}")
+    print("train_scaling: params+Adam/rank 2/1 " + " ".join(f"{m}={x:.2f}" for m, x in held_ratio.items())
+          + "; tokens/s 2/1 " + " ".join(f"{m}={x:.2f}" for m, x in speed_ratio.items()))
 
 
 if __name__ == "__main__":

@@ -20,7 +20,12 @@ broken at every second call, as a template that drops earlier reasoning does).
 Goals: tokens/unique <= 1.05 where the property holds (<= 1.05x the per-call sum where it breaks);
 peak memory (4x)/(1x) <= 1.2; step time old/new on the tool shape >= 3.
 
-Usage: ``python bench/train_shape.py [--batch 4] [--scale 0.5] [--reps 1]``
+Last line: ``train_shape: tokens/unique chat=X tool=X coding=X tool-broken/per-call=X; peak-memory(4x batch)/(1x)=X
+(default malloc X); step-time old/new tool=X``.
+
+Usage: ``python bench/train_shape.py [--batch 4] [--scale 0.5] [--reps 1] [--token-batch 16] [--smoke]``
+
+Smoke size (``--smoke``, bench/_smoke.py): minibatches of 2 trajectories (8 for the memory), lengths x0.05.
 """
 
 from __future__ import annotations
@@ -32,6 +37,7 @@ import sys
 import time
 
 import numpy as np
+from _smoke import parse_args
 
 VOCAB = 8192
 BUDGET_FULL = 8192
@@ -159,16 +165,17 @@ def main() -> None:
     ap.add_argument("--batch", type=int, default=4)
     ap.add_argument("--scale", type=float, default=0.5)
     ap.add_argument("--reps", type=int, default=1)
+    ap.add_argument("--token-batch", type=int, default=16, help="trajectories a minibatch in the token count")
     ap.add_argument("--memory-child", type=int)
-    args = ap.parse_args()
+    args = parse_args(ap, batch=2, scale=0.05, token_batch=2)
     if args.memory_child:
         memory_child(args.memory_child, args.scale)
         return
     import torch
 
     torch.set_num_threads(2)
-    print("tokens computed per unique token (16 trajectories a minibatch, full lengths):")
-    ratios = token_ratios()
+    print(f"tokens computed per unique token ({args.token_batch} trajectories a minibatch, full lengths):")
+    ratios = token_ratios(args.token_batch)
     for name, r in ratios.items():
         print(f"  {name:12s} calls {r['calls']:4d} longest {r['longest']:6,d}  padded {r['padded/unique']:6.2f}  "
               f"per-call rows {r['per_call/unique']:5.2f}  new {r['new/unique']:5.3f} (x{r['new/per_call']:.3f} of "

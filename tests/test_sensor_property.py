@@ -143,6 +143,33 @@ def test_a_late_commit_that_moves_the_window_start_earlier(store):
     assert check(store, tracker, "v1", ["v0", "v1"], 0, "after") == 2  # y and z; x is held back
 
 
+def test_a_recorder_whose_clock_runs_behind_rebuilds_once_not_every_tick(store):
+    """Two recorders behind one balancer, the second's clock 3 s behind the first's. Its first commit
+    holds the window's earliest call: one rebuild (outside calls recorded since then were never
+    folded). Every later commit of either recorder is stamped after that call, so the ticks after
+    it read only what arrived, and each equals a count from scratch."""
+    order = ["v0", "v1"]
+    store.write_calls([_call("old", 0, "v0", 0)])
+    tracker = EligibilityTracker(store, VOCAB)
+    tracker.count("v1", order, 0)  # v1 deployed, no call under it yet
+    reasons = []
+    for k in range(8):
+        now = 100 + 2 * k  # real time; recorder a stamps it, recorder b stamps it 3 s early
+        wave = "v0" if k == 2 else "v1"  # a replica not yet updated answered a's second call
+        commits = [[_call(f"a{k}", 0, "v1", now), _call(f"a{k}", 1, wave, now + 0.5)],
+                   [_call(f"b{k}", 0, "v1", now + 1 - 3)]]
+        for rows in commits:
+            store.write_calls(rows)
+            store.write_rewards([make_reward(r["trajectory_id"]) for r in rows])
+            rep = tracker.count("v1", order, 0, report=True)
+            reasons.append(rep.rebuilt)
+            assert rep.eligible == from_scratch(store, "v1", order, 0), (k, rep)
+    moved = "the window's first call moved earlier"
+    # a's first call (no v1 call before it), then b's first call 2 s before it; then never again
+    assert reasons == [moved, moved] + [None] * (len(reasons) - 2), reasons
+    assert check(store, tracker, "v1", order, 0, "at the end") == 15  # a2 crossed into v0
+
+
 # ----------------------------------------------------------------------------- the random walk
 
 
