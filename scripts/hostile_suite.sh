@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # `make test` on a fresh clone of this repository's HEAD, under the conditions a release must survive:
 #
-#   scripts/hostile_suite.sh [plain] [avx2] [busy] [twice]     (no argument: all four, in that order)
+#   scripts/hostile_suite.sh [COND ...]     (no argument: plain avx2 busy twice, one after the other)
 #
 #   plain  as is
 #   avx2   ATEN_CPU_CAPABILITY=avx2: torch's AVX2 kernels (other float rounding than AVX512's)
 #   busy   one extra process keeping a core busy for the whole run (started and stopped by its pid)
 #   twice  make test twice in a row in the same clone (the second run meets what the first left)
+#   joined with '+', several at once: avx2+busy+twice
 #
 # Each condition gets a clone of its own under $HOSTILE_WORK (default: a new /tmp/prodrl-hostile-*);
 # the vLLM and verifiers environments are the machine's cache (~/.cache/prodrl), as for `make test`.
@@ -20,7 +21,9 @@ mkdir -p "$WORK"
 CONDITIONS=("$@")
 [ ${#CONDITIONS[@]} -eq 0 ] && CONDITIONS=(plain avx2 busy twice)
 for c in "${CONDITIONS[@]}"; do
-    case "$c" in plain|avx2|busy|twice) ;; *) echo "unknown condition '$c' (plain, avx2, busy, twice)"; exit 2;; esac
+    for part in ${c//+/ }; do
+        case "$part" in plain|avx2|busy|twice) ;; *) echo "unknown condition '$part' (plain, avx2, busy, twice)"; exit 2;; esac
+    done
 done
 
 BUSY_PID=""
@@ -48,19 +51,20 @@ for c in "${CONDITIONS[@]}"; do
     dir="$WORK/clone-$c"
     rm -rf "$dir"
     git clone -q "$REPO" "$dir"
-    case "$c" in
-        plain) run_once "$dir" plain ;;
-        avx2) run_once "$dir" avx2 ATEN_CPU_CAPABILITY=avx2 ;;
-        busy)
-            # a pure busy loop on core 0 (taskset where it exists): half the machine gone for the run
-            if command -v taskset >/dev/null; then taskset -c 0 sh -c 'while :; do :; done' & else sh -c 'while :; do :; done' & fi
-            BUSY_PID=$!
-            run_once "$dir" busy
-            stop_busy ;;
-        twice)
-            run_once "$dir" twice-1
-            run_once "$dir" twice-2 ;;
-    esac
+    envs=()
+    [[ "+$c+" == *+avx2+* ]] && envs+=(ATEN_CPU_CAPABILITY=avx2)
+    if [[ "+$c+" == *+busy+* ]]; then
+        # a pure busy loop on core 0 (taskset where it exists): half the machine gone for the run
+        if command -v taskset >/dev/null; then taskset -c 0 sh -c 'while :; do :; done' & else sh -c 'while :; do :; done' & fi
+        BUSY_PID=$!
+    fi
+    if [[ "+$c+" == *+twice+* ]]; then
+        run_once "$dir" "$c-1" "${envs[@]}"
+        run_once "$dir" "$c-2" "${envs[@]}"
+    else
+        run_once "$dir" "$c" "${envs[@]}"
+    fi
+    stop_busy
 done
 echo "hostile_suite: ${summary[*]}"
 exit "$failed"
