@@ -310,8 +310,13 @@ def _loop_and_restart(home, tmp_path, fresh_database, started):
     # ... by replicas each owned by a Ray actor on the cluster (the old ones gone)
     from ray.util.state import list_actors
 
-    hosts = list_actors(address=urls["ray"], filters=[("class_name", "=", "ReplicaHost"), ("state", "=", "ALIVE")],
-                        raise_on_missing_output=False)
+    def replica_hosts():
+        return list_actors(address=urls["ray"], filters=[("class_name", "=", "ReplicaHost"), ("state", "=", "ALIVE")],
+                           raise_on_missing_output=False)
+
+    # an old replica's actor may still be stopping when the rollout has committed (a loaded machine)
+    up.wait(lambda: len(replica_hosts()) <= 2, "the old replicas' actors gone", 300)
+    hosts = replica_hosts()
     assert len(hosts) == 2, hosts
     figures["redeploy_calls"] = background.sent
 
