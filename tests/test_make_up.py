@@ -330,8 +330,12 @@ def _loop_and_restart(home, tmp_path, fresh_database, started):
     # round 1's training, held-out evaluation and scoring ran as Ray jobs; its ranks on both nodes
     jobs = httpx.get(urls["ray"] + "/api/jobs/", timeout=30).json()
     for step in ("train", "eval", "score"):
-        mine = [j for j in jobs if (j.get("submission_id") or "").startswith(f"prodrl-{step}-round-000001")]
-        assert [j["status"] for j in mine] == ["SUCCEEDED"], (step, [(j["submission_id"], j["status"]) for j in jobs])
+        # the last job of each step succeeded; an earlier one may have failed on the loaded machine and
+        # been retried by the round's retry policy (a train job failed once so in a full suite's run)
+        mine = sorted((j for j in jobs if (j.get("submission_id") or "").startswith(f"prodrl-{step}-round-000001")),
+                      key=lambda j: j.get("start_time") or 0)
+        assert mine and mine[-1]["status"] == "SUCCEEDED", (step, [(j["submission_id"], j["status"]) for j in jobs])
+        assert all(j["status"] in ("SUCCEEDED", "FAILED", "STOPPED") for j in mine), (step, mine)
     workers = [json.loads(_s3_object(urls["s3"], f"prodrl/rounds/round-000001/train_workers/rank{r}.json"))
                for r in range(2)]
     assert workers[0]["node"] != workers[1]["node"], workers
