@@ -104,28 +104,25 @@ from prodrl_pipelines.engines.openai_protocol import (
     ROUTED_EXPERTS_START_FIELD,
     ProtocolError,
 )
-from prodrl_pipelines.recorder.balancer import Balancer, NoDeploymentYet
-from prodrl_pipelines.recorder.calls import dumps
+from prodrl_pipelines.recorder.balancer import Balancer
 from prodrl_pipelines.recorder.config import TOKEN_ENV, UPSTREAM_KEY_ENV, RecorderConfig
 from prodrl_pipelines.recorder.counters import Stats
 from prodrl_pipelines.recorder.ingest import Attempt, Ingestor
 from prodrl_pipelines.recorder.requests import Ask, Unrecordable, is_json_int
 from prodrl_pipelines.recorder.tenants import Tenants
+from prodrl_pipelines.recorder.upstream_calls import UpstreamCalls
 from prodrl_pipelines.recorder.upstream_view import FollowedEndpoint, TokenStrings
 from prodrl_pipelines.trajectories import routing
 from prodrl_pipelines.trajectories.store import TrajectoryStore
 
 __all__ = ["RecorderConfig", "Recorder", "TokenStrings", "TOKEN_ENV"]
 
-_JSON = {"Content-Type": "application/json"}
-_RESET_ERRORS = tuple(e for e in (getattr(aiohttp, "ServerDisconnectedError", None), getattr(aiohttp, "ClientOSError", None),
-                                  getattr(aiohttp, "ClientConnectionResetError", None)) if e is not None)
 
 
 # ----------------------------------------------------------------------------- the service
 
 
-class Recorder:
+class Recorder(UpstreamCalls):
     """State of one recorder process: config, ingest, upstream client, counters."""
 
     def __init__(self, config: RecorderConfig) -> None:
@@ -218,109 +215,6 @@ class Recorder:
                 self.tokenizer_source = c
                 self.stats.inc("tokenizer_found")
                 return
-
-    async def read_upstream(self, path: str, up: dict, trajectory_id: str | None = None) -> tuple[int, str | None, bytes]:
-        """``post_upstream`` with the whole answer read: ``(status, content type, body)``. An answer
-        cut before its end (its replica killed mid-answer, its node gone) has reached no client and
-        is recorded nowhere, so it is asked again: of another replica where there is one (each other
-        replica once), else once of the same upstream."""
-        avoid: set[str] = set()
-        cuts = 0
-        while True:
-            resp, replica = await self.post_upstream(path, up, trajectory_id, avoid=frozenset(avoid))
-            try:
-                async with resp:
-                    return resp.status, resp.headers.get("content-type"), await resp.read()
-            except (aiohttp.ClientPayloadError, *_RESET_ERRORS):
-                cuts += 1
-                replicas = len(ep.replica_list()) if self.deployment is not None and (ep := self.deployment.current()) else 1
-                if cuts > max(1, replicas - 1):
-                    raise
-                self.stats.inc("upstream_retries")
-                if replica is not None and replicas > 1:
-                    avoid.add(replica.url)
-            finally:
-                self.finished(replica)
-
-    async def post_upstream(self, path: str, up: dict, trajectory_id: str | None = None,
-                            timeout: aiohttp.ClientTimeout | None = None, avoid: frozenset[str] = frozenset()):
-        """POST ``up`` to the upstream: ``(response, replica)``; the response is not read yet (use it
-        as ``async with`` or release it), then call ``finished(replica)``.
-
-        With ``--follow`` the replica is the balancer's pick for ``trajectory_id`` (least requests in
-        flight among the healthy replicas of its group, the canary's or the stable one), and the body
-        names the model that replica serves. A replica that refuses the connection is taken out and
-        the call goes to the next one; a connection closed before any answer came back (a keep-alive
-        connection the upstream was closing, a replica draining or killed) is retried on each other
-        replica once (once in all with one replica): several replicas can die together (a node).
-        Safe for the records: nothing is recorded before an answer. ``avoid``: replicas not to pick
-        (one that cut its last answer short).
-        """
-        assert self.http is not None
-        kw = {"timeout": timeout} if timeout is not None else {}
-        if self.deployment is None:
-            data = dumps(up)
-            try:
-                return await self.http.post(path, data=data, headers=_JSON, **kw), None
-            except _RESET_ERRORS as exc:
-                if isinstance(exc, aiohttp.ClientConnectorError):  # could not connect at all: no retry
-                    raise
-                self.stats.inc("upstream_retries")
-                return await self.http.post(path, data=data, headers=_JSON, **kw), None
-        refused: set[str] = set(avoid)
-        resets = 0
-        while True:
-            ep = self.deployment.current()
-            if ep is None:
-                raise NoDeploymentYet(f"no policy is live yet ({self.cfg.follow} does not exist): launch the "
-                                      "`bootstrap` job in Dagster (or run `prodrl bootstrap`), then call again")
-            choice = self.balancer.pick(ep, trajectory_id, frozenset(refused))
-            if choice is None:
-                raise aiohttp.ClientConnectionError(f"no replica of the deployment accepts connections "
-                                                    f"(tried {sorted(refused)})")
-            if choice.served_model_name:
-                up["model"] = choice.served_model_name
-            self.balancer.started(choice)
-            try:
-                resp = await self.http.post(choice.url.rstrip("/") + "/" + path, data=dumps(up),
-                                            headers=_JSON, **kw)
-            except aiohttp.ClientConnectorError as exc:
-                self.balancer.finished(choice)
-                if self.balancer.refused(choice, exc):
-                    self.stats.inc("canary_paused")
-                refused.add(choice.url)
-                self.stats.inc("upstream_replica_refused")
-                continue
-            except _RESET_ERRORS:
-                self.balancer.finished(choice)
-                resets += 1
-                self.stats.inc("upstream_retries")
-                if resets > max(1, len(ep.replica_list()) - 1):
-                    raise
-                if len(ep.replica_list()) > 1:
-                    refused.add(choice.url)
-                continue
-            except BaseException:
-                self.balancer.finished(choice)
-                raise
-            return resp, choice
-
-    def finished(self, choice) -> None:
-        """The call on ``choice`` (from ``post_upstream``) has ended."""
-        if choice is not None:
-            self.balancer.finished(choice)
-
-    def upstream_url(self, path: str) -> str:
-        """``path`` on the upstream: relative to the fixed base URL, or on a replica of the followed
-        deployment (for reads such as ``/v1/models``)."""
-        if self.deployment is None:
-            return path
-        ep = self.deployment.current()
-        if ep is None:
-            raise NoDeploymentYet(f"no policy is live yet ({self.cfg.follow} does not exist): launch the "
-                                  "`bootstrap` job in Dagster (or run `prodrl bootstrap`)")
-        choice = self.balancer.pick(ep, None)
-        return choice.url.rstrip("/") + "/" + path
 
     def served_model(self) -> str | None:
         """The model name the followed deployment serves (requests are sent with it), else None."""
