@@ -20,3 +20,13 @@ def parse_args(ap: argparse.ArgumentParser, argv: list[str] | None = None, **smo
     if known.smoke:
         ap.set_defaults(**smoke)
     return ap.parse_args(argv)
+
+
+def add_policy_args(ap: argparse.ArgumentParser, base_help: str, n_prompts: int) -> None:
+    """The lab-policy arguments of the export benches: a checkpoint or a lab size to build, the
+    measured prompts and the W4A4 calibration prompts."""
+    ap.add_argument("base", nargs="?", help=base_help)
+    ap.add_argument("--size", default="demo", help="lab policy size built without a checkpoint")
+    ap.add_argument("--sft-steps", type=int, default=None, help="its warm start (default: the lab's)")
+    ap.add_argument("--prompts", type=int, default=n_prompts, help="measured prompts (half training, half held-out)")
+    ap.add_argument("--calibration", type=int, default=64, help="W4A4 calibration prompts")

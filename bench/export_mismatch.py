@@ -27,7 +27,7 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _smoke import parse_args  # noqa: E402
+from _smoke import add_policy_args, parse_args  # noqa: E402
 
 from prodrl_pipelines.engines.local import LocalEngine  # noqa: E402
 from prodrl_pipelines.engines.types import SamplingParams  # noqa: E402
@@ -48,11 +48,7 @@ def mismatch(served: LocalEngine, trainer: LocalEngine, prompts, params) -> dict
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("base", nargs="?", help="an existing base checkpoint (default: build the lab's)")
-    ap.add_argument("--size", default="demo", help="lab policy size built without a checkpoint")
-    ap.add_argument("--sft-steps", type=int, default=None, help="its warm start (default: the lab's)")
-    ap.add_argument("--prompts", type=int, default=N_PROMPTS, help="measured prompts (half training, half held-out)")
-    ap.add_argument("--calibration", type=int, default=64, help="W4A4 calibration prompts")
+    add_policy_args(ap, "an existing base checkpoint (default: build the lab's)", N_PROMPTS)
     ap.add_argument("--repeats", type=int, default=3, help="generate calls timed (best of)")
     args = parse_args(ap, size="tiny", sft_steps=2, prompts=8, calibration=8, repeats=1)
     torch.set_num_threads(1)

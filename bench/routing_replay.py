@@ -25,7 +25,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from _smoke import parse_args  # noqa: E402
+from _smoke import add_policy_args, parse_args  # noqa: E402
 
 from prodrl_pipelines.engines.local import LocalEngine  # noqa: E402
 from prodrl_pipelines.engines.types import SamplingParams  # noqa: E402
@@ -61,11 +61,7 @@ def measure(served: LocalEngine, trainer, prompts, params) -> dict:
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    ap.add_argument("base", nargs="?", help="an existing base checkpoint, a MoE (default: build the lab's)")
-    ap.add_argument("--size", default="demo", help="lab policy size built without a checkpoint")
-    ap.add_argument("--sft-steps", type=int, default=None, help="its warm start (default: the lab's)")
-    ap.add_argument("--prompts", type=int, default=N_PROMPTS, help="measured prompts (half training, half held-out)")
-    ap.add_argument("--calibration", type=int, default=64, help="W4A4 calibration prompts")
+    add_policy_args(ap, "an existing base checkpoint, a MoE (default: build the lab's)", N_PROMPTS)
     args = parse_args(ap, size="tiny", sft_steps=2, prompts=8, calibration=8)
     torch.set_num_threads(1)
     tmp = Path(tempfile.mkdtemp(prefix="routing_replay-"))
