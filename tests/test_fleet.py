@@ -189,7 +189,8 @@ def test_rolling_update_of_three_replicas_fails_no_call_and_tags_each_with_its_v
 @pytest.mark.long(seconds=60)
 def test_a_probe_failure_in_the_second_wave_restores_the_first(tiny_exports, tmp_path):
     """Replica 1's server is broken (it serves W4A4 weights under the bf16 name): wave 1 passes, wave 2's
-    probe fails, wave 2 is stopped and wave 1 brought back to v1; every replica serves v1 again."""
+    probe fails, wave 2 is stopped and wave 1 brought back to v1; every replica serves v1 again. Then a
+    cluster error (not a ``DeployError``) starting wave 2 of v3: rejected, wave 1 restored the same way."""
     s, target = _fleet(tmp_path, probe_mean_bound=1e-4)
 
     class BrokenSecondReplica(ProdrlServeTarget):
@@ -211,5 +212,20 @@ def test_a_probe_failure_in_the_second_wave_restores_the_first(tiny_exports, tmp
         ep = endpoint_file(s.home_path).read()
         assert ep.policy_version == "v1" and [r["policy_version"] for r in ep.replica_list()] == ["v1"] * 3
         assert asdict(ep)["replicas"][0]["url"] == target.current(0).url
+
+        class ClusterErrorInSecondWave(ProdrlServeTarget):  # what Ray raises (GetTimeoutError is one)
+            def start(self, export_dir, policy_version, port, slot=0):
+                if slot == 1:
+                    raise TimeoutError("the node did not answer")
+                return super().start(export_dir, policy_version, port, slot)
+
+        with pytest.raises(DeployRejected) as err:
+            roll_out(s, ClusterErrorInSecondWave(s, s.home_path), tiny_exports["bf16"], "v3", PROMPTS)
+        e = err.value
+        assert "wave 2/3" in e.reason and "TimeoutError: the node did not answer" in e.reason, e.reason
+        assert "restored replica 0: v1" in e.rollback, e.rollback
+        assert [r.policy_version for r in target.currents()] == ["v1"] * 3
+        ep = endpoint_file(s.home_path).read()
+        assert ep.policy_version == "v1" and [r["policy_version"] for r in ep.replica_list()] == ["v1"] * 3
     finally:
         target.stop()

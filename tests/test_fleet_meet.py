@@ -104,6 +104,8 @@ def test_a_canary_that_refuses_connections_falls_back_to_the_stable_replicas_and
     assert file.read().canary_paused() is None
     assert not b.refused(first)  # the health loop's checks refuse too
     assert b.refused(first, ConnectionRefusedError(111, "Connection refused"))
+    assert b.groups(file.read())[1] == []  # decided: no traffic, before the file is written
+    b.settle(120)
     reason = file.read().canary_paused()
     assert reason and "can (v2) could not be connected to 3 times" in reason and "stable replicas" in reason, reason
     assert b.groups(file.read())[1] == []  # paused: no traffic, whatever its health says later
@@ -113,6 +115,42 @@ def test_a_canary_that_refuses_connections_falls_back_to_the_stable_replicas_and
     # a canary stopped (or replaced) meanwhile is not paused
     file.update(lambda ep: Endpoint(**{**asdict(ep), "canary": None}))
     assert not file.pause_canary("can", "v2", "late") and file.read().canary is None
+
+
+def test_pausing_a_canary_never_waits_for_the_endpoint_files_lock(tmp_path):
+    """A deploy may hold the endpoint file's lock for a while (Ray calls); the recorder decides a pause
+    on its event loop, so ``refused`` returns with the lock still held, the canary takes no traffic at
+    once, and the pause is written when the lock is free."""
+    import threading
+
+    file = endpoint_file(tmp_path)
+    file.write(_ep(("a", "v1"), canary=("can", "v2"), fraction=1.0))
+    b = Balancer(endpoints=file, refusals_to_pause=1)
+    first = b.pick(file.read(), "episode")
+    holding, release = threading.Event(), threading.Event()
+
+    def deploy_holding_the_lock():
+        with file.locked():
+            holding.set()
+            release.wait(600)
+
+    holder = threading.Thread(target=deploy_holding_the_lock, daemon=True)
+    holder.start()
+    assert holding.wait(120)
+    decided = []
+    caller = threading.Thread(target=lambda: decided.append(b.refused(first, ConnectionRefusedError(111, "refused"))),
+                              daemon=True)
+    caller.start()
+    caller.join(120)  # a blocked call would still be waiting: the lock is released only below
+    try:
+        assert decided == [True], "refused() waited for the endpoint file's lock"
+        assert b.pick(file.read(), "another-episode").policy_version == "v1"
+        assert file.read().canary_paused() is None  # not written yet: the lock is held
+    finally:
+        release.set()
+        holder.join(120)
+    b.settle(120)
+    assert "could not be connected to 1 times" in (file.read().canary_paused() or "")
 
 
 # --------------------------------------------------------------- endpoint-file updates under a lock

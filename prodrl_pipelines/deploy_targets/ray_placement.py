@@ -33,6 +33,8 @@ CALL_TIMEOUT_S = 30.0
 ACTOR_START_S = 180.0
 # variables Ray sets per worker for the resources it gave: the node's own values win
 NODE_OWNED = ("CUDA_VISIBLE_DEVICES", "ROCR_VISIBLE_DEVICES", "HIP_VISIBLE_DEVICES")
+# what travels even when this process has the same value: a node's own environment lacks the deployment's key
+ALWAYS_SENT = ("VLLM_API_KEY",)
 
 
 def gcs_address(cluster_address: str) -> str:
@@ -45,8 +47,38 @@ def gcs_address(cluster_address: str) -> str:
     return f"{host}:{GCS_PORT}"
 
 
+CLIENT_PORT = 10001  # `ray start --head`'s default Ray Client port
+
+
+def local_raylet(gcs: str) -> bool:
+    """Whether a raylet of the cluster whose GCS is ``gcs`` runs on this host (in its process table).
+    A plain driver needs one: without it ``ray.init(address=GCS)`` waits for a raylet forever."""
+    port = gcs.rsplit(":", 1)[-1]
+    for pid in os.listdir("/proc"):
+        if not pid.isdigit():
+            continue
+        try:
+            args = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
+        except OSError:
+            continue
+        if args and args[0].endswith("/raylet") and any(
+                a.startswith("--gcs-address=") and a.rsplit(":", 1)[-1] == port for a in args):
+            return True
+    return False
+
+
+def driver_address(address: str) -> str:
+    """Where this process connects: ``address`` (a GCS ``host:port``) when a raylet of that cluster runs
+    on this host, else Ray Client on the GCS host (``ray://host:10001``), which needs none: a host that
+    runs no raylet (Dagster's, on KubeRay or Slurm) still drives the fleet. ``ray://...`` and "auto" as given."""
+    if not address or address == "auto" or address.startswith("ray://") or local_raylet(address):
+        return address
+    return f"ray://{address.rsplit(':', 1)[0]}:{CLIENT_PORT}"
+
+
 def connect(address: str = "") -> str:
-    """This process's Ray connection (made to ``address`` when there is none yet); the GCS address."""
+    """This process's Ray connection (made to ``address`` when there is none yet, through
+    ``driver_address``); the address another process of this deployment connects to again."""
     if not _ray_initialized():
         if address.split(":")[0] in ("127.0.0.1", "localhost"):
             from prodrl_pipelines.cluster.local import LOOPBACK_ENV
@@ -55,10 +87,11 @@ def connect(address: str = "") -> str:
                 os.environ.setdefault(k, v)
         import ray
 
+        target = driver_address(address)
         try:
-            ray.init(address=address or "auto", namespace=NAMESPACE, log_to_driver=False)
+            ray.init(address=target or "auto", namespace=NAMESPACE, log_to_driver=False)
         except Exception as e:  # noqa: BLE001 - any failure to connect: said with the address
-            raise DeployError(f"replica_placement 'ray': cannot connect to the Ray cluster at {address or 'auto'} "
+            raise DeployError(f"replica_placement 'ray': cannot connect to the Ray cluster at {target or 'auto'} "
                               f"({type(e).__name__}: {e}); set RAY_ADDRESS to its GCS address") from None
     import ray
 
@@ -115,19 +148,23 @@ class RayPlacement:
             raise DeployError(f"replica {slot}: no node of the Ray cluster offered {bundle}{where} within "
                               f"{self.ready_timeout_s:.0f}s ({type(e).__name__}; cluster resources: "
                               f"{ray.available_resources()})") from None
-        # detached: a restartable actor in a placement group is what Ray warns about, and what we want:
-        # removing the group on stop is what ends the replica for good
-        actor = ray.remote(ReplicaHost).options(
-            name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1, max_concurrency=4,
-            num_cpus=self.cpus, num_gpus=self.gpus, **({"runtime_env": self.runtime_env} if self.runtime_env else {}),
-            scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)).remote(name)
         try:
+            # detached: a restartable actor in a placement group is what Ray warns about, and what we want:
+            # removing the group on stop is what ends the replica for good
+            actor = ray.remote(ReplicaHost).options(
+                name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1, max_concurrency=4,
+                num_cpus=self.cpus, num_gpus=self.gpus,
+                **({"runtime_env": self.runtime_env} if self.runtime_env else {}),
+                scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)).remote(name)
             start_s = max(self.ready_timeout_s, ACTOR_START_S)
             at = ray.get(actor.where.remote(preferred_port), timeout=start_s)
             pid = ray.get(actor.start.remote(command(at["port"], at["host"]), env, log, at["port"], version, export,
                                              source), timeout=start_s)
-        except BaseException:
+        except BaseException as e:  # the actor, its group and its marks go; a Ray error is a failed start
             stop(name, self.address)
+            if isinstance(e, Exception) and not isinstance(e, DeployError):
+                raise DeployError(f"replica {slot}: its server did not start on the Ray cluster "
+                                  f"({type(e).__name__}: {str(e)[:500]})") from e
             raise
         return {**at, "pid": pid, "actor": name, "ray_address": self.address}
 
@@ -261,8 +298,8 @@ def start_replica(target, export_dir, policy_version: str, port: int, slot, log:
     from prodrl_pipelines.deploy_targets.node_exports import export_source
 
     placement = target.ray_placement()
-    env = {k: v for k, v in target.environment(port).items()
-           if os.environ.get(k) != v and k not in NODE_OWNED}
+    env = {k: v for k, v in target.server_environment(port).items()
+           if (os.environ.get(k) != v or k in ALWAYS_SENT) and k not in NODE_OWNED}
     source = export_source(target.settings, export_dir)  # None: the store is this disk, shared with the nodes
     at = placement.start(slot, port, lambda p, host: with_address(target.command(export_dir, p, policy_version),
                                                                    host, p),

@@ -50,9 +50,10 @@ def roll_out(settings, target, export_dir: Path, policy_version: str,
         where = f" (wave {n}/{len(waves)}: replicas {wave})" if len(waves) > 1 else ""
         try:
             sw = target.switch(Path(export_dir), policy_version, **({"wave": wave} if wave is not None else {}))
-        except DeployError as e:  # this wave never served: undo the earlier ones
+        except Exception as e:  # noqa: BLE001 - this wave never served (a cluster error too): undo the earlier ones
             undone = target.restore(done) if done else "nothing changed; the previous deployment kept serving"
-            raise DeployRejected(f"deploy failed{where}: {e}", None, None, undone) from e
+            what = str(e) if isinstance(e, DeployError) else f"{type(e).__name__}: {e}"
+            raise DeployRejected(f"deploy failed{where}: {what}", None, None, undone) from e
         try:
             ro = probe_and_commit(settings, target, sw, prompts, api_key, t0)
         except DeployRejected as e:

@@ -72,6 +72,17 @@ class ManagedServerTarget(FleetCanary):
     def environment(self, port: int) -> dict:
         return dict(os.environ)
 
+    def server_environment(self, port: int) -> dict:
+        """``environment(port)`` with the deployment's key (``PRODRL_DEPLOY_API_KEY``) as the server's
+        ``VLLM_API_KEY`` when none is set: a server never listens without the key its deployment has."""
+        from prodrl_pipelines.config import environment
+
+        env = self.environment(port)
+        key = environment.deploy_api_key()
+        if key and not env.get("VLLM_API_KEY"):
+            env["VLLM_API_KEY"] = key
+        return env
+
     # state: slot 0 keeps the single server's layout (<dir>/current.json)
     def slot_dir(self, slot: int) -> Path:
         return self.dir if slot == 0 else self.dir / f"replica-{slot}"
@@ -137,7 +148,7 @@ class ManagedServerTarget(FleetCanary):
                                                 avoid_nodes=avoid))
         log.parent.mkdir(parents=True, exist_ok=True)
         with open(log, "ab") as fh:
-            proc = subprocess.Popen(self.command(export_dir, port, policy_version), env=self.environment(port),
+            proc = subprocess.Popen(self.command(export_dir, port, policy_version), env=self.server_environment(port),
                                     stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
         return ServerRecord(pid=proc.pid, port=port, url=f"http://{self.host}:{port}", policy_version=policy_version,
                             export_dir=str(export_dir), log=str(log), started_at=time.time())
@@ -200,8 +211,11 @@ class ManagedServerTarget(FleetCanary):
         """The endpoint file: every live replica (versions differ mid-update), the canary if one runs
         (as the file holds it now: read and written under the file's lock, so a canary stopped or
         paused meanwhile is not put back)."""
+        # read before the lock: a Ray-placed record is refreshed and checked through the cluster (up to
+        # 30 s a call), and the recorder pauses a canary under this lock
+        reps = [r for r in self.currents() if r is not None]
+
         def change(old: Endpoint | None) -> Endpoint | None:
-            reps = [r for r in self.currents() if r is not None]
             if not reps:
                 return None
             head = next((r for r in reps if r.policy_version == policy_version), reps[0])

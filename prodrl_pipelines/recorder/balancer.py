@@ -23,7 +23,9 @@ to any healthy one (a canary's trajectories fall back to the stable replicas: no
 so nothing is recorded twice). When every candidate is out they are tried anyway (one that is back
 answers). A canary that cannot be connected to ``refusals_to_pause`` times in a row (calls and health
 checks) is paused in the endpoint file with the reason (``EndpointFile.pause_canary``): no traffic
-goes to it any more, and whoever judges the canary reads ``Endpoint.canary_paused()``.
+goes to it any more, and whoever judges the canary reads ``Endpoint.canary_paused()``. The file is
+written by a thread of its own: its lock may be held for a while by a deploy, and the recorder's event
+loop never waits on it (the balancer sends the canary nothing from the moment it decides).
 
 The table is this process's: with a fleet of recorders, an episode stays on one version when the
 load balancer in front sends a trajectory's calls to one recorder (sticky on ``X-Trajectory-Id``);
@@ -73,13 +75,18 @@ class Balancer:
         self._turn = itertools.count()  # rotates ties, so idle replicas share the load
         self.crossings = 0  # calls that found no replica of their episode's version left
         self.paused: list[str] = []  # canaries this balancer paused: "url: reason"
+        self._pausing: set[tuple[str, str]] = set()  # (url, version) whose pause is decided, maybe not yet written
+        self._pause_threads: list[threading.Thread] = []
 
     def groups(self, endpoint) -> tuple[list[Choice], list[Choice], float]:
         """(stable replicas, canary replicas, canary fraction) of an endpoint file's ``Endpoint``; a
         paused canary takes no traffic."""
         stable = [Choice(r["url"], r["served_model_name"], r["policy_version"]) for r in endpoint.replica_list()]
         canary = endpoint.canary or {}
-        picks = [] if canary.get("paused") else [
+        with self._lock:
+            pausing = any((r.get("url"), canary.get("policy_version")) in self._pausing
+                          for r in canary.get("replicas", []))
+        picks = [] if canary.get("paused") or pausing else [
             Choice(r["url"], r["served_model_name"], r["policy_version"], True) for r in canary.get("replicas", [])]
         return stable, picks, float(canary.get("fraction", 0.0)) if picks else 0.0
 
@@ -142,7 +149,8 @@ class Balancer:
 
     def refused(self, choice: Choice, error: BaseException | None = None) -> bool:
         """``choice`` could not be connected to (a call or a health check): taken out for ``down_s``;
-        a canary that keeps refusing is paused in the endpoint file. True when this call paused it."""
+        a canary that keeps refusing is paused in the endpoint file (written by a thread: ``settle``).
+        True when this call decided the pause (once per canary and version)."""
         self.mark_down(choice.url)
         if not choice.canary:
             return False
@@ -153,12 +161,30 @@ class Balancer:
         reason = (f"the canary server {choice.url} ({choice.policy_version}) could not be connected to "
                   f"{n} times in a row" + (f" (last: {type(error).__name__}: {error})" if error is not None else "")
                   + "; its trajectories go to the stable replicas")
-        # once per canary: the endpoint file says it is paused from then on, and groups() skips it
-        if self.endpoints.pause_canary(choice.url, choice.policy_version, reason):
+        key = (choice.url, choice.policy_version)
+        with self._lock:  # once per canary: the endpoint file says it is paused from then on
+            if key in self._pausing:
+                return False
+            self._pausing.add(key)
+        t = threading.Thread(target=self._pause, args=(choice, reason), daemon=True, name="canary-pause")
+        self._pause_threads.append(t)
+        t.start()
+        return True
+
+    def _pause(self, choice: Choice, reason: str) -> None:
+        try:
+            if self.endpoints.pause_canary(choice.url, choice.policy_version, reason):
+                with self._lock:
+                    self.paused.append(f"{choice.url}: {reason}")
+        except Exception as e:  # noqa: BLE001 - the file cannot be written: the next refusal tries again
             with self._lock:
-                self.paused.append(f"{choice.url}: {reason}")
-            return True
-        return False
+                self._pausing.discard((choice.url, choice.policy_version))
+                self.paused.append(f"{choice.url}: pause not written ({type(e).__name__}: {e})")
+
+    def settle(self, timeout_s: float | None = None) -> None:
+        """Wait for the pauses decided so far to be written (tests, shutdown)."""
+        for t in list(self._pause_threads):
+            t.join(timeout_s)
 
     def down(self) -> list[str]:
         now = self.clock()
