@@ -180,6 +180,10 @@ def endpoint_file(home: str | os.PathLike) -> EndpointFile:
     return EndpointFile(Path(home) / "deployment" / "endpoint.json")
 
 
+class KeyRefused(DeployError):
+    """A server answered 401/403: the key sent (or its absence) is not the one it requires."""
+
+
 def _get(url: str, timeout: float, api_key: str | None) -> tuple[int, bytes]:
     req = urllib.request.Request(url, headers={"Authorization": f"Bearer {api_key}"} if api_key else {})
     try:
@@ -191,6 +195,10 @@ def _get(url: str, timeout: float, api_key: str | None) -> tuple[int, bytes]:
 
 def served_models(url: str, api_key: str | None = None, timeout: float = 5.0) -> list[str]:
     status, body = _get(url.rstrip("/") + "/v1/models", timeout, api_key)
+    if status in (401, 403):  # no waiting makes a key right
+        raise KeyRefused(f"GET {url}/v1/models -> HTTP {status} "
+                         f"({'no key sent' if not api_key else 'the key sent was refused'}): the server requires "
+                         "the deployment's key (PRODRL_DEPLOY_API_KEY / VLLM_API_KEY)")
     if status != 200:
         raise DeployError(f"GET {url}/v1/models -> HTTP {status}: {body[:200]!r}")
     return [str(m["id"]) for m in json.loads(body).get("data") or []]
@@ -217,6 +225,8 @@ def wait_healthy(url: str, timeout_s: float, *, expect_model: str | None = None,
                 last = f"serves {names}, not {expect_model!r}"
             else:
                 last = f"/health -> HTTP {status}"
+        except KeyRefused:
+            raise
         except (OSError, DeployError, ValueError) as e:
             last = f"{type(e).__name__}: {e}"
         if time.monotonic() - t0 > timeout_s:

@@ -9,7 +9,9 @@ file's lock and with nothing else changed, so it can neither undo a commit nor a
 then the recorder's health checks keep the replica out of rotation.
 
 The keeper is pinned to the node of the deploy step (which holds the endpoint file), started at the
-first commit and stopped with the fleet.
+first commit and stopped with the fleet. A deploy step on a host without a raylet (connected through
+Ray Client) starts none: no Ray process can run beside its endpoint file. There a replica brought back
+at another address stays out of rotation until the next deploy lists it.
 """
 
 from __future__ import annotations
@@ -104,8 +106,16 @@ def keeper_name(target) -> str:
     return f"{prefix_of(target)}-keeper"
 
 
+def client_mode() -> bool:
+    """Whether this process drives the cluster through Ray Client (its host runs no raylet)."""
+    from ray.util.client import ray as client
+
+    return client.is_connected()
+
+
 def ensure_keeper(target):
-    """The deployment's keeper (started when it is not running), pinned to this process's node."""
+    """The deployment's keeper (started when it is not running), pinned to this process's node; None
+    through Ray Client (``client_mode``: this host is no node of the cluster)."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
@@ -114,6 +124,8 @@ def ensure_keeper(target):
 
     placement = target.ray_placement()
     placement.connect()
+    if client_mode():
+        return None
     name = keeper_name(target)
     try:
         return ray.get_actor(name, namespace=NAMESPACE)

@@ -48,6 +48,7 @@ def gcs_address(cluster_address: str) -> str:
 
 
 CLIENT_PORT = 10001  # `ray start --head`'s default Ray Client port
+CLIENT_TRIES = 3  # a Ray Client connection whose server-side process failed to start is made again
 
 
 def local_raylet(gcs: str) -> bool:
@@ -88,11 +89,17 @@ def connect(address: str = "") -> str:
         import ray
 
         target = driver_address(address)
-        try:
-            ray.init(address=target or "auto", namespace=NAMESPACE, log_to_driver=False)
-        except Exception as e:  # noqa: BLE001 - any failure to connect: said with the address
-            raise DeployError(f"replica_placement 'ray': cannot connect to the Ray cluster at {target or 'auto'} "
-                              f"({type(e).__name__}: {e}); set RAY_ADDRESS to its GCS address") from None
+        tries = CLIENT_TRIES if target.startswith("ray://") else 1
+        for attempt in range(1, tries + 1):
+            try:
+                ray.init(address=target or "auto", namespace=NAMESPACE, log_to_driver=False)
+                break
+            except Exception as e:  # noqa: BLE001 - any failure to connect: said with the address
+                if attempt < tries:  # the head's client server failed to start this client's server
+                    time.sleep(2.0 * attempt)
+                    continue
+                raise DeployError(f"replica_placement 'ray': cannot connect to the Ray cluster at {target or 'auto'} "
+                                  f"({type(e).__name__}: {e}); set RAY_ADDRESS to its GCS address") from None
     import ray
 
     return ray.get_runtime_context().gcs_address

@@ -72,6 +72,10 @@ class ManagedServerTarget(FleetCanary):
     def environment(self, port: int) -> dict:
         return dict(os.environ)
 
+    def api_key(self) -> str | None:
+        """The key this deployment's servers require (None: they require none)."""
+        return self.server_environment(int(self.deploy.target_port)).get("VLLM_API_KEY") or None
+
     def server_environment(self, port: int) -> dict:
         """``environment(port)`` with the deployment's key (``PRODRL_DEPLOY_API_KEY``) as the server's
         ``VLLM_API_KEY`` when none is set: a server never listens without the key its deployment has."""
@@ -182,7 +186,7 @@ class ManagedServerTarget(FleetCanary):
     def _wait(self, recs: list[ServerRecord], policy_version: str) -> None:
         for rec in recs:
             wait_healthy(rec.url, self.deploy.health_timeout_s, expect_model=policy_version,
-                         alive=rec.alive, log_tail=rec.log_tail)
+                         api_key=self.api_key(), alive=rec.alive, log_tail=rec.log_tail)
 
     # the protocol
     def switch(self, export_dir: Path, policy_version: str, wave: list[int] | None = None) -> Switch:

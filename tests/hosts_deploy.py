@@ -1,0 +1,68 @@
+"""What the deploy step does on Dagster's host (no raylet), run there by tests/test_hosts.py:
+
+    python tests/hosts_deploy.py deploy HOME EXPORT VERSION   # publish EXPORT to S3, roll it out
+    python tests/hosts_deploy.py stop HOME                    # stop the fleet, list what is left
+
+The store (``PRODRL_S3_*``), the cluster (``PRODRL_SETTINGS_JSON``: cluster ray, the head's dashboard)
+and the deployment's key (``PRODRL_DEPLOY_API_KEY``) come from the environment, as in a run worker.
+The last line is JSON.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+PROMPTS = [[1, 5, 6, 7, 8], [1, 40, 41, 42, 9, 9]]
+
+
+def settings(home: str):
+    from prodrl_pipelines.config.settings import Settings
+
+    return Settings(home=home, deploy={
+        "target": "prodrl-serve", "target_port": 18000, "replicas": 2, "max_unavailable": 1, "probe_prompts": 2,
+        "max_tokens": 4, "export_scheme": "bf16", "replica_placement": "ray", "replica_spread": True})
+
+
+def deploy(home: str, export: str, version: str) -> dict:
+    import boto3
+
+    from prodrl_pipelines.config import environment
+    from prodrl_pipelines.deploy_targets import endpoint_file, make_target
+    from prodrl_pipelines.deploy_targets.ray_placement import local_raylet
+    from prodrl_pipelines.deploy_targets.rollout import roll_out
+    from prodrl_pipelines.loop.services import build_services, publish_export
+    from prodrl_pipelines.storage.locations import StoreLocation
+
+    s = settings(home)
+    loc = StoreLocation(**environment.read_store())
+    boto3.client("s3", endpoint_url=loc.s3_endpoint_url, region_name="us-east-1").create_bucket(Bucket=loc.s3_bucket)
+    publish_export(build_services(s, loc), Path(export).name, Path(export))
+    ro = roll_out(s, make_target(s), Path(export), version, PROMPTS, api_key=environment.deploy_api_key())
+    ep = endpoint_file(s.home_path).read()
+    return {"waves": ro.waves, "replicas": ep.replica_list(), "raylet_here": local_raylet("x:6379")}
+
+
+def stop(home: str) -> dict:
+    import ray
+
+    from prodrl_pipelines.deploy_targets import make_target
+    from prodrl_pipelines.deploy_targets.ray_placement import NAMESPACE
+    from prodrl_pipelines.deploy_targets.servers import ManagedServerTarget
+
+    target = make_target(settings(home))
+    assert isinstance(target, ManagedServerTarget)
+    target.stop()
+    from ray.util.placement_group import placement_group_table
+
+    target.ray_placement().connect()
+    pgs = [p["name"] for p in placement_group_table().values() if p["state"] != "REMOVED"]
+    actors = [n["name"] for n in ray.util.list_named_actors(all_namespaces=True) if n["namespace"] == NAMESPACE]
+    return {"placement_groups": pgs, "actors": actors}
+
+
+if __name__ == "__main__":
+    cmd, *args = sys.argv[1:]
+    out = {"deploy": deploy, "stop": stop}[cmd](*args)
+    print(json.dumps(out), flush=True)

@@ -1,0 +1,193 @@
+"""Several hosts on this machine (``cluster/hosts.py``), and the fleet deployed the way it is deployed.
+
+One set of five hosts for the module: h1 runs the deploy step as Dagster's run worker does, with no
+raylet (KubeRay, Slurm); h2 a Ray head, h3 a Ray worker; h4 the S3 endpoint; h5 the clients. The
+harness itself: a host sees only its own processes, files and name; a cut link, a partition between
+two hosts and a powered-off host are faults of the network and of hosts, made by pid and by link.
+Skipped with the reason where namespaces are refused (not root)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from prodrl_pipelines.cluster import hosts as simhosts
+
+pytestmark = [pytest.mark.skipif(bool(simhosts.unavailable()), reason=simhosts.unavailable() or "-"),
+              pytest.mark.long(seconds=240)]
+
+REPO = Path(__file__).resolve().parents[1]
+RAY = str(Path(sys.executable).with_name("ray"))
+KEY = "deploy-key-of-this-fleet"
+
+
+def _base_env() -> dict:
+    """This process's environment without what points at this machine's own services."""
+    drop = ("RAY_ADDRESS", "PRODRL_SETTINGS_JSON", "PRODRL_TEST_RAY_ROOT", "http_proxy", "https_proxy",
+            "HTTP_PROXY", "HTTPS_PROXY", "DAGSTER_HOME", "MLFLOW_TRACKING_URI",
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")  # the local test cluster's loopback-only switch
+    env = {k: v for k, v in os.environ.items() if k not in drop and not k.startswith("PRODRL_S3_")}
+    return {**env, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(REPO)}
+
+
+def _until(what: str, cond, timeout_s: float = 300.0, every_s: float = 0.3):
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        out = cond()
+        if out:
+            return out
+        time.sleep(every_s)
+    raise AssertionError(f"not within {timeout_s:.0f}s: {what}")
+
+
+def _http_code(host: simhosts.Host, url: str, *args: str, timeout_s: int = 3) -> str:
+    return host.run(["curl", "-s", "-m", str(timeout_s), "-o", "/dev/null", "-w", "%{http_code}", *args, url]).stdout
+
+
+@pytest.fixture(scope="module")
+def hosts(tmp_path_factory):
+    with simhosts.SimulatedHosts(5, tmp_path_factory.mktemp("hosts")) as hs:
+        yield hs
+
+
+def test_a_host_sees_its_own_processes_files_and_name(hosts):
+    h1, h2 = hosts[1], hosts[2]
+    assert h1.run(["hostname"]).stdout.strip() == "h1"
+    assert h1.run(["ps", "-e", "-o", "pid="]).stdout.split()[0] == "1"  # its own process table
+    (h1.tmp / "only-on-h1").write_text("x")
+    assert h1.run(["cat", "/tmp/only-on-h1"]).stdout == "x"
+    assert h2.run(["ls", "/tmp"]).stdout.split() == []  # not on h2's disk
+    sleeper = h2.popen(["sleep", "600"])
+    assert str(sleeper.pid) not in h1.run(["ps", "-e", "-o", "pid="]).stdout.split()
+    assert sleeper.pid in h2.pids()
+    sleeper.stop()
+    assert h2.run(["ip", "-4", "-o", "addr", "show", "eth0"]).stdout.split()[3] == f"{h2.address}/24"
+    # this machine's loopback services are not a host's: its 127.0.0.1 is its own
+    assert h1.run(["python3", "-c", "import socket; socket.create_connection(('127.0.0.1', 5432), 3)"]).returncode != 0
+
+
+def test_links_partitions_and_hosts_fail_as_a_network_does(hosts):
+    h3, h4, h5 = hosts[3], hosts[4], hosts[5]
+    server = h4.popen([sys.executable, "-m", "http.server", "8080", "--bind", h4.address])
+    url = f"http://{h4.address}:8080/"
+    try:
+        _until("h4's server answers h5", lambda: _http_code(h5, url) == "200", 120)
+        hosts.partition(h4, h5)
+        assert _http_code(h5, url) == "000"  # dropped: a timeout, not a refusal
+        assert _http_code(h3, url) == "200"  # only h4 <-> h5 is cut
+        hosts.heal(h4, h5)
+        assert _http_code(h5, url) == "200"
+        h4.cut()
+        assert _http_code(h5, url) == "000" and _http_code(h3, url) == "000"
+        assert server.poll() is None  # the host runs on behind its cut link
+        h4.restore()
+        assert _http_code(h5, url) == "200"
+        h4.power_off()
+        assert server.poll() is not None and h4.pids() == []  # every process of the host went with it
+        h4.boot()
+        assert h4.pids() and _http_code(h5, url) == "000"  # back, empty: nothing listens
+    finally:
+        server.kill()
+        h4.boot()
+
+
+def test_a_crashed_runs_leftovers_are_removed_by_their_names_only(hosts, tmp_path):
+    dead = subprocess.Popen(["true"])
+    dead.wait()  # a pid no process has now: the run that made these is gone
+    left = f"{simhosts.PREFIX_HEAD}{dead.pid}-beef-h1"
+    subprocess.run(["ip", "netns", "add", left], check=True)
+    stray = subprocess.Popen(["ip", "netns", "exec", left, "sleep", "600"], start_new_session=True)
+    try:
+        _until("the stray process is in the leftover namespace",
+               lambda: str(stray.pid) in subprocess.run(["ip", "netns", "pids", left], capture_output=True,
+                                                         text=True).stdout.split(), 60)
+        assert left in simhosts.clean_leftovers()
+        assert stray.wait(60) == -signal.SIGKILL
+        names = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+        assert left not in names
+        assert all(h.netns in names for h in hosts.hosts)  # a live run's hosts are not touched
+    finally:
+        if stray.poll() is None:
+            stray.kill()
+        subprocess.run(["ip", "netns", "del", left], capture_output=True)
+
+
+# ------------------------------------------------------------------ the fleet from a raylet-less host
+
+@pytest.fixture(scope="module")
+def ray_on_hosts(hosts):
+    """A Ray head on h2 and a worker on h3 (2 CPUs each), moto S3 on h4; their processes end with the hosts."""
+    h2, h3, h4 = hosts[2], hosts[3], hosts[4]
+    creds = {"AWS_ACCESS_KEY_ID": "testing", "AWS_SECRET_ACCESS_KEY": "testing", "AWS_DEFAULT_REGION": "us-east-1",
+             "AWS_EC2_METADATA_DISABLED": "true"}
+    node_env = {**_base_env(), **creds, "PRODRL_NODE_CACHE": "/tmp/node-exports"}
+    moto = str(Path(sys.executable).with_name("moto_server"))
+    procs = [h4.popen([moto, "-H", h4.address, "-p", "9000"], env=_base_env(), log=h4.tmp / "moto.log"),
+             h2.popen([RAY, "start", "--head", "--block", "--node-ip-address", h2.address, "--port", "6379",
+                       "--dashboard-host", h2.address, "--include-dashboard=true", "--num-cpus", "2",
+                       "--disable-usage-stats"], env=node_env, log=h2.tmp / "ray-head.log")]
+    dashboard = f"http://{h2.address}:8265"
+    _until("the Ray head's dashboard", lambda: _http_code(h3, f"{dashboard}/api/version") == "200", 300)
+    procs.append(h3.popen([RAY, "start", "--block", "--address", f"{h2.address}:6379", "--node-ip-address",
+                           h3.address, "--num-cpus", "2", "--disable-usage-stats"], env=node_env,
+                          log=h3.tmp / "ray-worker.log"))
+
+    def two_nodes():
+        out = h3.run(["curl", "-s", "-m", "5", f"{dashboard}/nodes?view=summary"]).stdout
+        try:
+            summary = json.loads(out).get("data", {}).get("summary", [])
+        except ValueError:
+            return False
+        return sum(n.get("raylet", {}).get("state") == "ALIVE" for n in summary) == 2
+
+    _until("both Ray nodes alive", two_nodes, 300)
+    _until("the S3 endpoint", lambda: _http_code(h3, f"http://{h4.address}:9000/") in ("200", "403", "404"), 120)
+    driver_env = {**_base_env(), **creds, "PRODRL_S3_BUCKET": "fleet", "PRODRL_S3_PREFIX": "prod",
+                  "PRODRL_S3_ENDPOINT_URL": f"http://{h4.address}:9000", "PRODRL_DEPLOY_API_KEY": KEY,
+                  "PRODRL_SETTINGS_JSON": json.dumps({"cluster": "ray", "cluster_address": dashboard})}
+    yield driver_env
+    for p in procs:
+        p.stop(grace_s=30)
+
+
+def _on_h1(hosts, env: dict, *args: str, timeout_s: float = 600) -> dict:
+    res = hosts[1].run([sys.executable, str(REPO / "tests" / "hosts_deploy.py"), *args], env=env, timeout=timeout_s)
+    if res.returncode != 0:
+        logs = sorted((hosts[2].tmp / "ray" / "session_latest" / "logs").glob("ray_client_server*.err"))
+        head = "\n".join(f"--- h2 {p.name} ---\n{p.read_text(errors='replace')[-2000:]}" for p in logs)
+        pytest.fail(f"{args} on h1 exited {res.returncode}:\n{res.stdout[-3000:]}\n{res.stderr[-5000:]}\n{head}")
+    return json.loads(res.stdout.strip().splitlines()[-1])
+
+
+def test_a_fleet_deployed_from_a_host_without_a_raylet_serves_from_the_ray_nodes_with_its_key(
+        hosts, ray_on_hosts, tiny_exports):
+    """The deploy step on h1 (no raylet; the export on its disk only, published to S3 on h4) places two
+    replicas on the Ray nodes through Ray Client; each node fetches the export from S3; a client on h5
+    is refused without the deployment's key and served with it; stopping the fleet from h1 leaves no
+    actor or placement group."""
+    h1, h5 = hosts[1], hosts[5]
+    export = h1.tmp / "exports" / "round-000001"
+    shutil.copytree(tiny_exports["bf16"], export)
+    inside = "/tmp/exports/round-000001"  # the same directory, as h1 sees it
+    out = _on_h1(hosts, ray_on_hosts, "deploy", "/tmp/home", inside, "v1")
+    assert out["raylet_here"] is False and out["waves"] == 2
+    urls = [r["url"] for r in out["replicas"]]
+    assert sorted(u.split("//")[1].split(":")[0] for u in urls) == sorted([hosts[2].address, hosts[3].address])
+    try:
+        for url in urls:
+            body = json.dumps({"model": "v1", "prompt": [1, 5, 6, 7], "max_tokens": 2})
+            assert _http_code(h5, f"{url}/v1/completions", "-H", "Content-Type: application/json", "-d", body,
+                              timeout_s=60) == "401"
+            assert _http_code(h5, f"{url}/v1/completions", "-H", "Content-Type: application/json", "-d", body,
+                              "-H", f"Authorization: Bearer {KEY}", timeout_s=120) == "200"
+    finally:
+        left = _on_h1(hosts, ray_on_hosts, "stop", "/tmp/home")
+    assert left == {"placement_groups": [], "actors": []}, left
