@@ -162,6 +162,10 @@ def canary_sensor(context: SensorEvaluationContext, settings: ProdRLSettings, st
             by = tags.get(canary.END_BY_TAG) or UNKNOWN_REVIEWER
             verdict.passed, verdict.ended_by = tags[canary.END_TAG] == "promote", f"ended early by {by}"
         elif (why := canary.paused(svc)) is not None:  # the recorder took a crashed canary off traffic
+            waited, grace = canary.paused_for_s(svc), float(svc.settings.deploy.canary_pause_grace_s)
+            if waited < grace:  # a restart is a blip: the recorder resumes a canary that answers again
+                return SkipReason(f"{rkey} canary: verdict waits, paused by the recorder {waited:.0f} s ago "
+                                  f"({why}); failed after {grace:.0f} s unless its server answers again")
             by = "recorder (canary paused)"
             verdict.passed, verdict.ended_by = False, f"paused by the recorder: {why}"
         if verdict.passed is None:

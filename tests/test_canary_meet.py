@@ -259,7 +259,12 @@ def test_canaries_through_the_daemon_fail_and_promote_on_scored_reward(tiny_poli
 # --- a canary the recorder paused (its server kept refusing connections) ----------------------------
 
 @pytest.mark.long(seconds=40)
-def test_a_canary_the_recorder_paused_is_failed_with_its_reason(fleet, pg_instance):
+def test_a_canary_the_recorder_paused_waits_its_grace_then_is_failed_with_its_reason(fleet, pg_instance):
+    """Paused by the recorder (its server refused connections): the verdict waits, with the reason, for
+    ``canary_pause_grace_s`` (a restarted server is resumed by the recorder and judged as before);
+    still paused after the grace, the canary is failed with that reason."""
+    from datetime import datetime, timedelta, timezone
+
     svc, res, rec, app = fleet
     _gate_passed(svc, R1)
     assert promotion.deploy(svc, R1).kind == "canary"
@@ -267,6 +272,20 @@ def test_a_canary_the_recorder_paused_is_failed_with_its_reason(fleet, pg_instan
     url = ep.read().canary["replicas"][0]["url"]
     assert canary.paused(svc) is None
     assert ep.pause_canary(url, R1, f"{url} could not be connected to 3 times in a row")  # what the recorder writes
+    skip = canary_sensor(build_sensor_context(instance=pg_instance, resources=res))
+    assert round_state(svc.ledger.decision(R1)) == CANARY, skip.skip_message  # a blip fails nothing
+    assert "verdict waits" in skip.skip_message and "could not be connected" in skip.skip_message
+    assert ep.resume_canary(url, R1) and canary.paused(svc) is None  # its server answered again
+    assert len(ep.read().canary["pauses"]) == 1 and not ep.resume_canary(url, R1)
+    assert ep.pause_canary(url, R1, f"{url} could not be connected to 3 times in a row")
+    grace = svc.settings.deploy.canary_pause_grace_s
+    long_ago = (datetime.now(timezone.utc) - timedelta(seconds=grace + 1)).isoformat()
+
+    def paused_long_ago(e):
+        e.canary["paused"]["at"] = long_ago
+        return e
+
+    ep.update(paused_long_ago)
     skip = canary_sensor(build_sensor_context(instance=pg_instance, resources=res))
     d = svc.ledger.decision(R1)
     assert round_state(d) != CANARY and d["canary"] == "failed" and d["deployed"] is False, skip.skip_message

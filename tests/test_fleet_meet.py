@@ -324,6 +324,21 @@ def test_episodes_stay_on_one_version_through_a_rolling_wave(fleet, tiny_exports
     assert whole == {old, new}, episodes  # both versions served whole episodes while the fleet was mixed
 
 
+def test_a_clients_policy_version_header_never_files_a_call_under_another_version(fleet):
+    """Following a deployment, the version that answered is what a call is filed under: a tenant
+    claiming the canary's (or any) version in ``X-Policy-Version`` is counted, not believed."""
+    s, target, recorder, client = fleet
+    live = _live(target)
+    before = client.get("/stats").json()["counters"].get("policy_version_header_ignored", 0)
+    for i, claim in enumerate(["can-1", "round-999999", live]):
+        r = client.post("/v1/completions", json={"model": "any", "prompt": PROMPTS[0], "max_tokens": 2},
+                        headers={"X-Trajectory-Id": f"claims-{i}", "X-Policy-Version": claim})
+        assert r.status_code == 200, r.text
+    assert _versions_by_episode(recorder, "claims-") == {f"claims-{i}": [live] for i in range(3)}
+    counters = client.get("/stats").json()["counters"]
+    assert counters.get("policy_version_header_ignored", 0) - before == 2, counters
+
+
 def _canary(s, target, export):
     """The canary ``can-1`` on half of the trajectories beside the fleet (started when none runs)."""
     ep = endpoint_file(s.home_path).read()
@@ -347,7 +362,7 @@ def test_an_episode_that_started_before_the_canary_stays_on_the_stable_version(f
 
 
 @pytest.mark.long(seconds=40)
-def test_a_crashed_canary_fails_no_call_and_is_paused_with_the_reason(fleet, tiny_exports):
+def test_a_crashed_canary_fails_no_call_is_paused_with_the_reason_and_resumed_when_back(fleet, tiny_exports):
     s, target, recorder, client = fleet
     stable = _live(target)
     server = _canary(s, target, tiny_exports["bf16"])
@@ -366,7 +381,20 @@ def test_a_crashed_canary_fails_no_call_and_is_paused_with_the_reason(fleet, tin
     stats = client.get("/stats").json()
     assert stats["counters"].get("canary_paused") == 1, stats["counters"]
     assert _versions_by_episode(recorder, "crash-")[inside[0]] == ["can-1", stable]
-    assert "taken off traffic" in target.stop_canary()
+    # its server comes back at the same address (as Ray's actor brings it back): the recorder resumes it
+    back = target.start(tiny_exports["bf16"], "can-1", server.port, slot=target.CANARY)
+    try:
+        deadline = time.monotonic() + 300
+        while endpoint_file(s.home_path).read().canary_paused() is not None:
+            assert time.monotonic() < deadline, "the canary that answers again was never resumed"
+            time.sleep(0.2)
+        assert client.get("/stats").json()["counters"].get("canary_resumed") == 1
+        assert len(endpoint_file(s.home_path).read().canary["pauses"]) == 1
+        fresh = [t for t in (f"back-{i}" for i in range(60)) if canary_share(t) < 0.5][:3]
+        assert [_call(client, t) for t in fresh] == ["can-1"] * 3
+    finally:
+        os.killpg(back.pid, signal.SIGKILL)
+    target.stop_canary()
     assert endpoint_file(s.home_path).read().canary is None and not pid_alive(server.pid)
 
 

@@ -146,3 +146,32 @@ def test_concurrent_locates_share_one_copy(published, downloads, tmp_path):
     got = Path(results[0])
     assert _files(got) == _files(export_dir)
     assert sorted(p.name for p in got.parent.iterdir()) == [f".{RKEY}.lock", RKEY]
+
+
+def test_a_killed_fetchs_leftover_goes_and_the_cache_keeps_the_newest_exports(published, tmp_path):
+    """A fetch killed half-way leaves ``.<name>.tmp-*``: the next fetch of that name removes it. After
+    each fetch a node keeps the ``KEEP`` most recent exports of the store (the new one always)."""
+    import os
+    import time
+
+    from prodrl_pipelines.deploy_targets import node_exports
+
+    settings, loc, export_dir = published
+    cache_root = tmp_path / "c"
+    store = loc.checkpoint_store(settings, "exports")
+    names = [f"round-00000{i}" for i in range(2, 2 + node_exports.KEEP + 1)]
+    for name in names:
+        store.publish(export_dir, name)
+    src = {**export_source(settings, export_dir, loc), "uri": ""}
+    cache = cache_dir(src, cache_root)
+    half = cache / f".{names[0]}.tmp-deadbeef"
+    half.mkdir(parents=True)
+    (half / "model.safetensors").write_bytes(b"half a file")
+    got = []
+    for i, name in enumerate(names):
+        got.append(locate(str(tmp_path / "elsewhere" / name), {**src, "name": name}, str(cache_root)))
+        os.utime(got[-1], (time.time() + i, time.time() + i))  # fetched in this order, whatever the clock
+    assert not half.exists()
+    kept = sorted(p.name for p in cache.iterdir() if not p.name.startswith("."))
+    assert kept == names[-node_exports.KEEP:], kept  # the oldest went
+    assert _files(Path(got[-1])) == _files(export_dir)

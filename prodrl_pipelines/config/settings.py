@@ -56,11 +56,20 @@ class DeploySettings(BaseModel):
     replica_cpus: float = Field(1.0, gt=0, description="replica_placement ray: CPUs each replica reserves")
     replica_gpus: float = Field(0.0, ge=0, description="replica_placement ray: GPUs each replica reserves")
     replica_spread: bool = Field(False, description="replica_placement ray: at most one replica per node")
+    drain_timeout_s: float = Field(300.0, gt=0, description=(
+        "a replaced server gets SIGTERM once no new call goes to it and finishes the calls it accepted "
+        "(long streams included) for up to this long before SIGKILL"))
+    export_fetch_timeout_s: float = Field(3600.0, gt=0, description=(
+        "replica_placement ray: how long a node may take to fetch the export from the store before its "
+        "server starts (a call of its own: large exports are not bound by the server's start)"))
     # a canary between "gate passed" (and review approved) and "live": this fraction of trajectories
     # (sticky per trajectory id) goes to the candidate until canary_min_trajectories of them are
     # rewarded, then its live reward is compared with the champion's on the same window (0: no canary)
     canary_fraction: float = Field(0.0, ge=0, lt=1)
     canary_min_trajectories: int = Field(64, ge=2)
+    canary_pause_grace_s: float = Field(600.0, ge=0, description=(
+        "a canary the recorder paused (its server refused connections) is failed only after this long "
+        "paused; one whose server answers again meanwhile is resumed (a restart is not a bad model)"))
     target_endpoint: str = Field("", description="vllm-reload, vllm-weight-transfer: a running dev-mode vLLM; "
                                                  "command: where it serves ({port} filled in)")
     # vllm-weight-transfer: where the server's workers reach this process (NCCL rank 0 of the transfer

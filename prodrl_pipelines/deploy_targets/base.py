@@ -106,6 +106,14 @@ class Endpoint:
         paused = (self.canary or {}).get("paused")
         return str(paused.get("reason", "paused")) if isinstance(paused, dict) else None
 
+    def canary_paused_at(self) -> datetime | None:
+        """When the running canary was paused (None: it is not)."""
+        paused = (self.canary or {}).get("paused")
+        try:
+            return datetime.fromisoformat(paused["at"]) if isinstance(paused, dict) else None
+        except (KeyError, TypeError, ValueError):
+            return datetime.fromtimestamp(0, timezone.utc)  # paused, time unknown: as long ago as can be
+
     def version_of(self, served_model_name: str | None) -> str | None:
         """The policy version a server answering as ``served_model_name`` serves (None: not listed)."""
         for r in self.replica_list() + list((self.canary or {}).get("replicas", [])):
@@ -163,6 +171,26 @@ class EndpointFile:
                     or url not in [r.get("url") for r in can.get("replicas", [])]:
                 return None
             can["paused"] = {"reason": reason, "url": url, "at": datetime.now(timezone.utc).isoformat()}
+            done.append(True)
+            return ep
+
+        self.update(change)
+        return bool(done)
+
+    def resume_canary(self, url: str, policy_version: str) -> bool:
+        """Put the paused canary serving ``policy_version`` at ``url`` back on traffic (its server
+        answers again: Ray or its actor restarted it); the pause is kept in ``canary["pauses"]``.
+        False when that canary is not listed paused."""
+        done = []
+
+        def change(ep):
+            can = ep.canary if ep is not None else None
+            paused = (can or {}).get("paused")
+            if not paused or can.get("policy_version") != policy_version \
+                    or url not in [r.get("url") for r in can.get("replicas", [])]:  # its URL may have moved
+                return None
+            can.setdefault("pauses", []).append({**paused, "resumed_at": datetime.now(timezone.utc).isoformat()})
+            can["paused"] = None
             done.append(True)
             return ep
 

@@ -5,6 +5,8 @@ exports store: a JSON-able dict for S3, None for local files. ``locate(export_di
 returns ``export_dir`` when it holds the export, else a verified copy fetched from the store into the
 node's cache (``PRODRL_NODE_CACHE``, default ``~/.cache/prodrl/node-exports``). Credentials never
 travel in the source: the node's boto3 default chain (environment, profile, role) supplies them.
+A fetch killed half-way leaves a temporary directory that the next fetch of that name removes; after
+each fetch the cache keeps the ``KEEP`` most recent exports of that store.
 """
 
 from __future__ import annotations
@@ -25,6 +27,7 @@ from prodrl_pipelines.storage.locations import StoreLocation
 from prodrl_pipelines.storage.s3 import S3BlobStoreError
 
 KIND = "exports"
+KEEP = 3  # exports a node keeps per store: the live one, the one before it (rollback), one more
 
 
 def export_source(settings: Any, export_dir: str | Path, store: StoreLocation | None = None) -> dict | None:
@@ -82,6 +85,28 @@ def _locked(path: Path):
             fcntl.flock(f, fcntl.LOCK_UN)
 
 
+def prune(cache: Path, keep: int, current: str) -> list[str]:
+    """Delete all but the ``keep`` most recently fetched exports of one store's cache (``current``
+    always stays; one being fetched or read under its lock is skipped). The names deleted. A server
+    still running from a deleted copy keeps its open files; started again, it fetches the copy again."""
+    copies = sorted((p for p in cache.iterdir() if p.is_dir() and not p.name.startswith(".") and p.name != current),
+                    key=lambda p: p.stat().st_mtime, reverse=True)
+    gone = []
+    for old in copies[max(0, keep - 1):]:
+        lock = cache / f".{old.name}.lock"
+        with open(lock, "a") as f:
+            try:
+                fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            except BlockingIOError:
+                continue  # fetched or verified right now by another replica
+            try:
+                shutil.rmtree(old, ignore_errors=True)
+                gone.append(old.name)
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
+    return gone
+
+
 def locate(export_dir: str, source: dict | None, cache_root: str | None = None) -> str:
     """``export_dir`` when it holds the export, else a verified copy from ``source``'s store (see module doc).
 
@@ -110,6 +135,8 @@ def locate(export_dir: str, source: dict | None, cache_root: str | None = None) 
     cache = cache_dir(source, cache_root)
     final = cache / name
     with _locked(cache / f".{name}.lock"):
+        for left in cache.glob(f".{name}.tmp-*"):  # a fetch killed half-way (none runs: the lock is ours)
+            shutil.rmtree(left, ignore_errors=True)
         try:
             if (final / MANIFEST_NAME).is_file() and json.loads((final / MANIFEST_NAME).read_text()) == manifest:
                 verify_directory(final, manifest, sha256=True)
@@ -117,7 +144,9 @@ def locate(export_dir: str, source: dict | None, cache_root: str | None = None) 
         except (ValueError, CheckpointIntegrityError):
             shutil.rmtree(final, ignore_errors=True)  # damaged on this disk (bit rot, a hand edit): fetch again
         try:
-            return str(store.fetch(name, cache))  # temp dir, verified, renamed into place
+            got = str(store.fetch(name, cache))  # temp dir, verified, renamed into place
+            prune(cache, keep=KEEP, current=name)
+            return got
         except CheckpointIntegrityError as e:
             raise DeployError(f"export {name} fetched from {uri} on node {socket.gethostname()} does not match "
                               f"its manifest: {e}") from None

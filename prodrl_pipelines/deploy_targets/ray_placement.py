@@ -55,11 +55,18 @@ def local_raylet(gcs: str) -> bool:
     """Whether a raylet of the cluster whose GCS is ``gcs`` runs on this host (in its process table).
     A plain driver needs one: without it ``ray.init(address=GCS)`` waits for a raylet forever."""
     port = gcs.rsplit(":", 1)[-1]
+    try:
+        here = os.readlink("/proc/self/ns/net")
+    except OSError:
+        here = None
     for pid in os.listdir("/proc"):
         if not pid.isdigit():
             continue
         try:
             args = open(f"/proc/{pid}/cmdline", "rb").read().decode(errors="replace").split("\0")
+            # a process table may show other hosts' processes (a parent PID namespace): same network only
+            if here is not None and args and args[0].endswith("/raylet") and os.readlink(f"/proc/{pid}/ns/net") != here:
+                continue
         except OSError:
             continue
         if args and args[0].endswith("/raylet") and any(
@@ -116,10 +123,12 @@ class RayPlacement:
     blue/green port, ``prefix`` telling deployments apart on a shared cluster)."""
 
     def __init__(self, cluster_address: str, prefix: str, cpus: float = 1.0, gpus: float = 0.0,
-                 ready_timeout_s: float = 120.0, runtime_env: dict | None = None) -> None:
+                 ready_timeout_s: float = 120.0, runtime_env: dict | None = None,
+                 fetch_timeout_s: float = 3600.0) -> None:
         self.cluster_address, self.prefix = cluster_address, prefix
         self.runtime_env = runtime_env or {}  # as the jobs get it: credentials, caches
         self.cpus, self.gpus, self.ready_timeout_s = cpus, gpus, ready_timeout_s
+        self.fetch_timeout_s = fetch_timeout_s
         self.address = ""
 
     def connect(self) -> None:
@@ -165,6 +174,8 @@ class RayPlacement:
                 scheduling_strategy=PlacementGroupSchedulingStrategy(pg, placement_group_bundle_index=0)).remote(name)
             start_s = max(self.ready_timeout_s, ACTOR_START_S)
             at = ray.get(actor.where.remote(preferred_port), timeout=start_s)
+            if source:  # fetched from the store before the start, under a budget sized for a download
+                ray.get(actor.fetch.remote(export, source), timeout=self.fetch_timeout_s)
             pid = ray.get(actor.start.remote(command(at["port"], at["host"]), env, log, at["port"], version, export,
                                              source), timeout=start_s)
         except BaseException as e:  # the actor, its group and its marks go; a Ray error is a failed start
@@ -294,7 +305,8 @@ def placement_for(target) -> RayPlacement:
                           "(the Ray dashboard URL)")
     d = target.deploy
     return RayPlacement(cluster.cluster_address, prefix_of(target), d.replica_cpus, d.replica_gpus,
-                        ready_timeout_s=min(float(d.health_timeout_s), 300.0), runtime_env=cluster.runtime_env())
+                        ready_timeout_s=min(float(d.health_timeout_s), 300.0), runtime_env=cluster.runtime_env(),
+                        fetch_timeout_s=float(d.export_fetch_timeout_s))
 
 
 def start_replica(target, export_dir, policy_version: str, port: int, slot, log: str,

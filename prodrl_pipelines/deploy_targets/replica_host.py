@@ -134,6 +134,7 @@ class ReplicaHost:
         self.restarts = 0
         self.error = ""
         self.spawner = _Spawner()
+        self.verified: dict[str, str] = {}  # export -> this node's copy, verified by ``fetch`` in this life
         ctx = ray.get_runtime_context()
         self.node = ctx.get_node_id()
         self.host = ray.util.get_node_ip_address()
@@ -153,6 +154,16 @@ class ReplicaHost:
 
     def is_live(self) -> bool:
         return kv_get(slot_key(self.name)) == self.name
+
+    def fetch(self, export: str, source: dict | None) -> str:
+        """This node's verified copy of ``export`` (the path itself when the node sees it, else fetched
+        from ``source``'s store): its own call, so a large export gets its own time budget before the
+        server starts, and the start after it finds the copy verified."""
+        from prodrl_pipelines.deploy_targets.node_exports import locate
+
+        found = locate(export, source)
+        self.verified[export] = found
+        return found
 
     def start(self, cmd: list[str], env: dict, log: str, port: int, version: str = "", export: str = "",
               source: dict | None = None) -> int:
@@ -174,7 +185,9 @@ class ReplicaHost:
         if spec.get("source"):  # the node's own copy of the export: the shared path, else fetched
             from prodrl_pipelines.deploy_targets.node_exports import locate
 
-            found = locate(export, spec["source"])
+            found = self.verified.get(export, "")
+            if not (found and os.path.isdir(found)):
+                found = locate(export, spec["source"])
             spec = {**spec, "cmd": [found if a == export else a for a in spec["cmd"]]}
             export = found
         port = free_port(self.host, int(spec["port"]))

@@ -59,14 +59,15 @@ def record_alive(raw: dict) -> bool:
     return pid_alive(int(raw["pid"]))
 
 
-def stop_record(raw: dict) -> None:
-    """Drain and stop the server a record names (a Ray actor: its server, then the actor itself)."""
+def stop_record(raw: dict, grace_s: float = 20.0) -> None:
+    """Drain and stop the server a record names (a Ray actor: its server, then the actor itself):
+    SIGTERM, SIGKILL after ``grace_s``."""
     if raw.get("actor"):
         from prodrl_pipelines.deploy_targets import ray_placement
 
-        ray_placement.stop(raw["actor"], raw.get("ray_address", ""))
+        ray_placement.stop(raw["actor"], raw.get("ray_address", ""), grace_s=grace_s)
     else:
-        stop_process_group(int(raw["pid"]))
+        stop_process_group(int(raw["pid"]), grace_s=grace_s)
 
 
 def stop_recorded(state_dir: Path) -> list[str]:

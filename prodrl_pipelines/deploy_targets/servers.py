@@ -247,8 +247,8 @@ class ManagedServerTarget(FleetCanary):
         old = [s["previous"] for s in slots if s["previous"] and not same_server(s["previous"], s)]
         if old:
             time.sleep(DRAIN_S)
-            for o in old:  # SIGTERM: the server finishes the requests it accepted, then exits
-                stop_record(o)
+            for o in old:  # SIGTERM: the server finishes the requests it accepted (long streams too), then exits
+                stop_record(o, grace_s=float(self.deploy.drain_timeout_s))
 
     def rollback(self, switch: Switch) -> str:
         """Stop the switch's new servers. A commit that failed half-way made some of them current:

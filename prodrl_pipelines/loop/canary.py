@@ -136,11 +136,23 @@ def judge(svc: Services, rkey: str) -> CanaryVerdict:
 
 def paused(svc: Services) -> str | None:
     """Why the recorder took the running canary off traffic (its server kept refusing connections),
-    else None: such a canary can no longer be judged on live reward, so it is failed with that reason."""
+    else None. Its verdict waits ``deploy.canary_pause_grace_s`` (the recorder resumes a canary whose
+    server answers again); still paused after that, it is failed with this reason."""
     from prodrl_pipelines.deploy_targets.base import endpoint_file
 
     ep = endpoint_file(svc.settings.home_path).read()
     return ep.canary_paused() if ep is not None else None
+
+
+def paused_for_s(svc: Services) -> float:
+    """Seconds since the recorder paused the running canary (0 when it is not paused)."""
+    from datetime import datetime, timezone
+
+    from prodrl_pipelines.deploy_targets.base import endpoint_file
+
+    ep = endpoint_file(svc.settings.home_path).read()
+    at = ep.canary_paused_at() if ep is not None else None
+    return max(0.0, (datetime.now(timezone.utc) - at).total_seconds()) if at is not None else 0.0
 
 
 def running_canary(svc: Services) -> str | None:

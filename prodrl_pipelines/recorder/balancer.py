@@ -23,7 +23,8 @@ to any healthy one (a canary's trajectories fall back to the stable replicas: no
 so nothing is recorded twice). When every candidate is out they are tried anyway (one that is back
 answers). A canary that cannot be connected to ``refusals_to_pause`` times in a row (calls and health
 checks) is paused in the endpoint file with the reason (``EndpointFile.pause_canary``): no traffic
-goes to it any more, and whoever judges the canary reads ``Endpoint.canary_paused()``. The file is
+goes to it any more, and whoever judges the canary reads ``Endpoint.canary_paused()``; once its
+server answers ``/health`` again (Ray restarted it) the recorder's health loop resumes it. The file is
 written by a thread of its own: its lock may be held for a while by a deploy, and the recorder's event
 loop never waits on it (the balancer sends the canary nothing from the moment it decides).
 
@@ -180,6 +181,20 @@ class Balancer:
             with self._lock:
                 self._pausing.discard((choice.url, choice.policy_version))
                 self.paused.append(f"{choice.url}: pause not written ({type(e).__name__}: {e})")
+
+    def paused_canary(self, endpoint) -> list[Choice]:
+        """The replicas of a canary the endpoint file lists as paused (the health loop checks them)."""
+        canary = endpoint.canary or {}
+        if not canary.get("paused"):
+            return []
+        return [Choice(r["url"], r["served_model_name"], r["policy_version"], True) for r in canary.get("replicas", [])]
+
+    def resumed(self, choice: Choice) -> None:
+        """The canary at ``choice`` answers again and was resumed in the endpoint file: back in rotation."""
+        with self._lock:
+            self._pausing.discard((choice.url, choice.policy_version))
+            self._refusals.pop(choice.url, None)
+            self._down_until.pop(choice.url, None)
 
     def settle(self, timeout_s: float | None = None) -> None:
         """Wait for the pauses decided so far to be written (tests, shutdown)."""

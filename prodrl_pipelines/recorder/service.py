@@ -23,10 +23,10 @@ Clients talk to the recorder exactly as to vLLM (``POST /v1/completions``,
    ``--tokenizer``, the served model's tokenizer; without it they stay ``token_id:<id>``);
 3. records one ``CALL_SCHEMA`` row per call: the exact prompt and output ids, processed logprobs, the
    top-K head (``support_complete`` from the head, see ``head_support_complete``), the sampling
-   params, prompt/output text, and the policy version (``X-Policy-Version`` header, else
-   ``--policy-version``, else the version that served the answer: with ``--follow``, the
-   deployment endpoint file's version when the answer comes from the model it serves now, else the
-   answer's served model name, never the client's). Rows are fsynced to the write-ahead log
+   params, prompt/output text, and the policy version: with ``--follow``, the version that served
+   the answer (the deployment endpoint file's version for the model that answered, else the answer's
+   served model name; a client's ``X-Policy-Version`` never overrides it), otherwise the
+   ``X-Policy-Version`` header, else ``--policy-version``, else the answer's served model name). Rows are fsynced to the write-ahead log
    before the client gets its answer (for a stream: before the final ``data: [DONE]``, preceded by
    an SSE comment ``: prodrl trajectory_id=... call_index=...``).
 
@@ -229,6 +229,18 @@ class Recorder(UpstreamCalls):
         version = ep.version_of(answered_model) if ep is not None else None
         return version or str(answered_model or "unknown")
 
+    def filed_version(self, header: str | None, answered_model: str | None) -> str:
+        """The version a call is filed under. Following a deployment, the recorder knows which version
+        answered: that one, whatever a client's ``X-Policy-Version`` says (a tenant cannot file calls
+        under the canary or the live version; a header that disagrees is counted). Otherwise the
+        header, else ``--policy-version``, else the answer's served model name."""
+        if self.deployment is not None:
+            served = self.version_of(answered_model)
+            if header is not None and header != served:
+                self.stats.inc("policy_version_header_ignored")
+            return served
+        return header or self.cfg.policy_version or self.version_of(answered_model)
+
     async def health_loop(self, interval_s: float = 1.0) -> None:
         """Check every replica's ``/health``: a failing one is taken out, a healthy one brought back."""
         while True:
@@ -253,7 +265,25 @@ class Recorder(UpstreamCalls):
                             self.balancer.mark_down(c.url)
                         elif self.balancer.refused(c, refused):  # not listening: counts toward a pause
                             self.stats.inc("canary_paused")
+                await self._resume_answering_canary(ep)
             await asyncio.sleep(interval_s)
+
+    async def _resume_answering_canary(self, ep) -> None:
+        """A paused canary whose server answers ``/health`` again (restarted by Ray or its actor) goes
+        back on traffic: a restart is an infrastructure blip, not a verdict on the model."""
+        files = self.balancer.endpoints
+        for c in self.balancer.paused_canary(ep) if files is not None else []:
+            try:
+                async with self.http.get(c.url.rstrip("/") + "/health", timeout=aiohttp.ClientTimeout(total=2.0)) as r:
+                    if r.status != 200:
+                        continue
+            except (asyncio.TimeoutError, aiohttp.ClientError):
+                continue
+            # the file's lock may be held by a deploy: written off the event loop
+            if await asyncio.to_thread(files.resume_canary, c.url, c.policy_version):
+                self.balancer.resumed(c)
+                self.stats.inc("canary_resumed")
+            return
 
     async def stop(self) -> None:
         if self._froze:
@@ -330,7 +360,7 @@ class Recorder(UpstreamCalls):
         routing, routing_start = self._routing(choice, up, len(prompt_ids), len(ids))
         return {
             "task_id": task_id,
-            "policy_version": policy_version or self.cfg.policy_version or self.version_of(data.get("model")),
+            "policy_version": self.filed_version(policy_version, data.get("model")),
             "prompt_token_ids": [int(t) for t in prompt_ids],
             "output_token_ids": ids,
             "output_logprobs": lps,
