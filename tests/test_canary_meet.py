@@ -265,24 +265,28 @@ def test_a_canary_the_recorder_paused_waits_its_grace_then_is_failed_with_its_re
     still paused after the grace, the canary is failed with that reason."""
     from datetime import datetime, timedelta, timezone
 
+    from prodrl_pipelines.deploy_targets import make_target
+
     svc, res, rec, app = fleet
     _gate_passed(svc, R1)
     assert promotion.deploy(svc, R1).kind == "canary"
     ep = endpoint_file(svc.settings.home_path)
     url = ep.read().canary["replicas"][0]["url"]
     assert canary.paused(svc) is None
-    assert ep.pause_canary(url, R1, f"{url} could not be connected to 3 times in a row")  # what the recorder writes
+    # its server dies (else the recorder's health loop resumes the canary at once, as it should)
+    os.killpg(make_target(svc.settings).canary().pid, signal.SIGKILL)
+    reason = f"{url} could not be connected to 3 times in a row"
+    ep.pause_canary(url, R1, reason)  # what the recorder writes (unless it already has)
     skip = canary_sensor(build_sensor_context(instance=pg_instance, resources=res))
     assert round_state(svc.ledger.decision(R1)) == CANARY, skip.skip_message  # a blip fails nothing
     assert "verdict waits" in skip.skip_message and "could not be connected" in skip.skip_message
-    assert ep.resume_canary(url, R1) and canary.paused(svc) is None  # its server answered again
-    assert len(ep.read().canary["pauses"]) == 1 and not ep.resume_canary(url, R1)
-    assert ep.pause_canary(url, R1, f"{url} could not be connected to 3 times in a row")
+    assert ep.resume_canary(url, R1)  # as when its server answers again
+    assert len(ep.read().canary["pauses"]) == 1
     grace = svc.settings.deploy.canary_pause_grace_s
     long_ago = (datetime.now(timezone.utc) - timedelta(seconds=grace + 1)).isoformat()
 
-    def paused_long_ago(e):
-        e.canary["paused"]["at"] = long_ago
+    def paused_long_ago(e):  # paused again (the recorder may have done so already), longer than the grace
+        e.canary["paused"] = {"reason": reason, "url": url, "at": long_ago}
         return e
 
     ep.update(paused_long_ago)

@@ -26,6 +26,7 @@ pytestmark = [pytest.mark.skipif(bool(simhosts.unavailable()), reason=simhosts.u
 
 REPO = Path(__file__).resolve().parents[1]
 RAY = str(Path(sys.executable).with_name("ray"))
+PRODRL = str(Path(sys.executable).with_name("prodrl"))
 KEY = "deploy-key-of-this-fleet"
 
 
@@ -81,12 +82,14 @@ def test_links_partitions_and_hosts_fail_as_a_network_does(hosts):
     try:
         _until("h4's server answers h5", lambda: _http_code(h5, url) == "200", 120)
         hosts.partition(h4, h5)
-        assert _http_code(h5, url) == "000"  # dropped: a timeout, not a refusal
+        dropped = h5.run(["curl", "-s", "-m", "3", "-o", "/dev/null", url])
+        assert dropped.returncode == 28, dropped  # curl's "timed out": packets dropped, nothing refused
         assert _http_code(h3, url) == "200"  # only h4 <-> h5 is cut
         hosts.heal(h4, h5)
         assert _http_code(h5, url) == "200"
         h4.cut()
-        assert _http_code(h5, url) == "000" and _http_code(h3, url) == "000"
+        assert h5.run(["curl", "-s", "-m", "3", "-o", "/dev/null", url]).returncode == 28
+        assert _http_code(h3, url) == "000"
         assert server.poll() is None  # the host runs on behind its cut link
         h4.restore()
         assert _http_code(h5, url) == "200"
@@ -191,3 +194,94 @@ def test_a_fleet_deployed_from_a_host_without_a_raylet_serves_from_the_ray_nodes
     finally:
         left = _on_h1(hosts, ray_on_hosts, "stop", "/tmp/home")
     assert left == {"placement_groups": [], "actors": []}, left
+
+
+# ------------------------------------------------------------------ faults under recorder traffic
+
+@pytest.fixture(scope="module")
+def served_on_hosts(hosts, tiny_exports):
+    """``prodrl serve`` of the tiny export on h2 and h3 (each its own copy, on its own disk), and the
+    recorder on h1 following an endpoint file that lists both; the clients' host is h5."""
+    h1, h2, h3 = hosts[1], hosts[2], hosts[3]
+    procs = []
+    for h in (h2, h3):
+        shutil.copytree(tiny_exports["bf16"], h.tmp / "export", dirs_exist_ok=True)
+        procs.append(h.popen([PRODRL, "serve", "/tmp/export", "--host", h.address,
+                              "--port", "8000", "--served-model-name", "v1"], env=_base_env(), log=h.tmp / "serve.log"))
+    from prodrl_pipelines.deploy_targets.base import Endpoint, EndpointFile
+
+    urls = [f"http://{h.address}:8000" for h in (h2, h3)]
+    (h1.tmp / "deployment").mkdir(exist_ok=True)
+    EndpointFile(h1.tmp / "deployment" / "endpoint.json").write(Endpoint(
+        urls[0], "v1", "v1", replicas=[{"url": u, "served_model_name": "v1", "policy_version": "v1"} for u in urls]))
+    env = {**_base_env(), "PRODRL_RECORDER_TOKEN": "tok"}
+    procs.append(h1.popen([PRODRL, "record", "--follow",
+                           "/tmp/deployment/endpoint.json", "--store", "/tmp/store", "--host", h1.address, "--port",
+                           "9100", "--upstream-timeout", "120"], env=env, log=h1.tmp / "record.log"))
+    for u in urls:
+        _until(f"{u} serves", lambda u=u: _http_code(hosts[5], f"{u}/health") == "200", 300)
+    _until("the recorder answers", lambda: _http_code(hosts[5], f"http://{h1.address}:9100/health", "-H",
+                                                      "Authorization: Bearer tok") == "200", 300)
+    yield f"http://{h1.address}:9100", urls, procs[-1]
+    for p in procs:
+        p.stop(grace_s=60)
+
+
+def test_a_partition_between_the_recorder_and_a_replica_fails_only_calls_in_flight_and_loses_no_record(
+        hosts, served_on_hosts):
+    """Three clients on h5 call through the recorder on h1 while h1 <-> h3 is partitioned (packets
+    dropped: connections time out, nothing is refused) and then healed. The recorder's health check
+    takes h3 out (``replicas_down``) and new calls go to h2; a call whose connection to h3 timed out is
+    sent to h2 (nothing was sent); at most the calls in flight to h3 when it was cut fail (one per
+    client); after the heal h3 is back in rotation; every acknowledged call is in the store once."""
+    from prodrl_pipelines.storage.blobstore import LocalBlobStore
+    from prodrl_pipelines.trajectories.store import TrajectoryStore
+
+    h1, h3, h5 = hosts[1], hosts[3], hosts[5]
+    recorder, urls, recorder_proc = served_on_hosts
+    out = h5.tmp / "traffic"
+    out.mkdir()
+    progress = out / "progress"
+    traffic = h5.popen([sys.executable, str(REPO / "tests" / "hosts_traffic.py"), recorder, "tok", "/tmp/traffic", "3"],
+                       env=_base_env(), log=h5.tmp / "traffic.log")
+
+    def answered() -> int:
+        try:
+            return int(progress.read_text() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    def stats() -> dict:
+        res = h5.run(["curl", "-s", "-m", "10", "-H", "Authorization: Bearer tok", f"{recorder}/stats"])
+        try:
+            return json.loads(res.stdout)
+        except ValueError:
+            return {}
+
+    try:
+        _until("calls answered before the partition", lambda: answered() >= 20, 300)
+        hosts.partition(h1, h3)
+        _until("the recorder takes h3 out", lambda: urls[1] in stats().get("replicas_down", []), 300)
+        cut_at = answered()
+        _until("calls answered during the partition", lambda: answered() >= cut_at + 30, 600)
+        hosts.heal(h1, h3)
+        _until("h3 back in rotation", lambda: urls[1] not in stats().get("replicas_down", [urls[1]]), 300)
+        healed_at = answered()
+        _until("calls answered after the heal", lambda: answered() >= healed_at + 30, 600)
+    finally:
+        (out / "stop").write_text("")
+        traffic.wait(600)
+        hosts.heal(h1, h3)
+    result = json.loads((out / "result.json").read_text())
+    counters = stats().get("counters", {})
+    seen = {k: counters.get(k, 0) for k in ("replica_health_failures", "upstream_connect_timeouts",
+                                            "upstream_replica_refused", "upstream_retries", "upstream_timeouts")}
+    print(f"partition h1<->h3: {len(result['acked'])} calls answered, {len(result['failed'])} failed; {seen}")
+    assert seen["replica_health_failures"] >= 1  # the recorder saw h3 go
+    assert len(result["failed"]) <= 3, result["failed"]  # one call in flight per client at most
+    recorder_proc.stop(grace_s=120)  # SIGTERM: the recorder flushes what it acknowledged
+    calls = TrajectoryStore(LocalBlobStore(h1.tmp / "store")).read_calls(dedupe=False,
+                                                                         columns=["trajectory_id", "call_index"])
+    stored = list(zip(calls.column("trajectory_id").to_pylist(), calls.column("call_index").to_pylist()))
+    assert len(stored) == len(set(stored))  # nothing twice
+    assert {(t, i) for t, i, _, _ in result["acked"]} <= set(stored)  # every acknowledged call stored

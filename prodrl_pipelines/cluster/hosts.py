@@ -16,7 +16,8 @@ Faults are made by the network and by hosts, never by process name:
 
 - ``host.cut()`` / ``host.restore()``: the host's link goes down on the switch (packets to and from it
   are dropped, so calls time out as on a real partition) and comes back;
-- ``hosts.partition(a, b)`` / ``hosts.heal(a, b)``: only traffic between two hosts is dropped;
+- ``hosts.partition(a, b)`` / ``hosts.heal(a, b)``: only traffic between two hosts is dropped
+  (``tc`` filters on both hosts' links: silently, so connections time out);
 - ``host.power_off()``: the link drops and the host's init is killed (SIGKILL, by pid): the kernel
   ends every process of its PID namespace; ``host.boot()`` starts it again, empty, at its address.
 
@@ -70,6 +71,26 @@ def _ip(*args: str, check: bool = True) -> subprocess.CompletedProcess:
     return res
 
 
+def _tc(host: "Host", *args: str, check: bool = True) -> subprocess.CompletedProcess:
+    """``tc`` in the host's network namespace."""
+    res = subprocess.run(["ip", "netns", "exec", host.netns, "tc", *args], capture_output=True, text=True)
+    if check and res.returncode != 0:
+        raise RuntimeError(f"`tc {' '.join(args)}` on {host.name} failed ({res.returncode}): {res.stderr.strip()}")
+    return res
+
+
+def _drop_class(host: "Host") -> None:
+    """The host's ``eth0`` sends through an ``htb`` root: class 1:10 (the default) passes everything,
+    class 1:20 ends in a ``pfifo`` of length 0, which drops what it is given; a partition's ``u32``
+    filter steers one destination there. (Classes and a queue, not a ``drop`` action: kernels without
+    the tc action modules still have these.)"""
+    for args in (("qdisc", "add", "dev", "eth0", "root", "handle", "1:", "htb", "default", "10", "r2q", "100000"),
+                 ("class", "add", "dev", "eth0", "parent", "1:", "classid", "1:10", "htb", "rate", "100gbit"),
+                 ("class", "add", "dev", "eth0", "parent", "1:", "classid", "1:20", "htb", "rate", "100gbit"),
+                 ("qdisc", "add", "dev", "eth0", "parent", "1:20", "handle", "20:", "pfifo", "limit", "0")):
+        _tc(host, *args)
+
+
 def _children(pid: int) -> list[int]:
     try:
         return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
@@ -94,7 +115,7 @@ def unavailable() -> str:
 
     if os.geteuid() != 0:
         return "simulated hosts need root (network and PID namespaces)"
-    missing = [t for t in ("ip", "unshare", "nsenter", "mount") if shutil.which(t) is None]
+    missing = [t for t in ("ip", "tc", "unshare", "nsenter", "mount") if shutil.which(t) is None]
     if missing:
         return f"simulated hosts need {', '.join(missing)} (iproute2, util-linux)"
     name = f"{PREFIX_HEAD}probe-{os.getpid()}"
@@ -291,6 +312,7 @@ class SimulatedHosts:
                 _ip("-n", h.netns, "link", "set", "lo", "up")
                 _ip("-n", h.netns, "addr", "add", f"{h.address}/24", "dev", "eth0")
                 _ip("-n", h.netns, "link", "set", "eth0", "up")
+                _drop_class(h)
                 h.boot()
         except BaseException:
             self.stop()
@@ -304,13 +326,16 @@ class SimulatedHosts:
                            "init": h.init.pid if h.init else None} for h in self.hosts]}
 
     def partition(self, a: Host, b: Host) -> None:
-        """Drop the traffic between hosts ``a`` and ``b`` only (each blackholes the other's address)."""
-        _ip("-n", a.netns, "route", "replace", "blackhole", f"{b.address}/32")
-        _ip("-n", b.netns, "route", "replace", "blackhole", f"{a.address}/32")
+        """Drop the traffic between hosts ``a`` and ``b`` only: each host's link drops what it sends to
+        the other (a ``tc`` filter on ``eth0`` into the dropping class, ``_drop_class``), silently, as a
+        network does (a blackhole route would fail the sender at once, which no partition does)."""
+        for src, dst in ((a, b), (b, a)):
+            _tc(src, "filter", "replace", "dev", "eth0", "parent", "1:", "protocol", "ip", "pref", str(dst.index),
+                "u32", "match", "ip", "dst", f"{dst.address}/32", "flowid", "1:20")
 
     def heal(self, a: Host, b: Host) -> None:
-        _ip("-n", a.netns, "route", "del", "blackhole", f"{b.address}/32", check=False)
-        _ip("-n", b.netns, "route", "del", "blackhole", f"{a.address}/32", check=False)
+        for src, dst in ((a, b), (b, a)):
+            _tc(src, "filter", "del", "dev", "eth0", "parent", "1:", "pref", str(dst.index), check=False)
 
     def stop(self) -> None:
         """Every host powered off (its processes killed by pid), then this run's namespaces removed."""

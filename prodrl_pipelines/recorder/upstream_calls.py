@@ -46,8 +46,8 @@ class UpstreamCalls:
 
         With ``--follow`` the replica is the balancer's pick for ``trajectory_id`` (least requests in
         flight among the healthy replicas of its group, the canary's or the stable one), and the body
-        names the model that replica serves. A replica that refuses the connection is taken out and
-        the call goes to the next one; a connection closed before any answer came back (a keep-alive
+        names the model that replica serves. A replica that refuses the connection, or does not accept
+        it within the connect timeout (a partition), is taken out and the call goes to the next one; a connection closed before any answer came back (a keep-alive
         connection the upstream was closing, a replica draining or killed) is retried on each other
         replica once (once in all with one replica): several replicas can die together (a node).
         Safe for the records: nothing is recorded before an answer. ``avoid``: replicas not to pick
@@ -81,12 +81,15 @@ class UpstreamCalls:
             try:
                 resp = await self.http.post(choice.url.rstrip("/") + "/" + path, data=dumps(up),
                                             headers=_JSON, **kw)
-            except aiohttp.ClientConnectorError as exc:
+            except (aiohttp.ClientConnectorError, aiohttp.ConnectionTimeoutError) as exc:
+                # refused, or no connection within the connect timeout (a partition drops packets):
+                # nothing was sent, so the call goes to another replica
                 self.balancer.finished(choice)
                 if self.balancer.refused(choice, exc):
                     self.stats.inc("canary_paused")
                 refused.add(choice.url)
-                self.stats.inc("upstream_replica_refused")
+                self.stats.inc("upstream_replica_refused" if isinstance(exc, aiohttp.ClientConnectorError)
+                               else "upstream_connect_timeouts")
                 continue
             except _RESET_ERRORS:
                 self.balancer.finished(choice)

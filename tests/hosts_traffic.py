@@ -1,0 +1,56 @@
+"""Steady client traffic through a recorder, run on a client host by tests/test_hosts.py:
+
+    python tests/hosts_traffic.py URL TOKEN OUT_DIR [WORKERS]
+
+Each worker makes calls one after another (trajectory ``w<i>-<n>``, 2 calls each) until ``OUT_DIR/stop``
+exists; ``OUT_DIR/progress`` counts the answered calls as they come, and at the end ``OUT_DIR/result.json``
+holds every acknowledged call (trajectory id, call index, the version that answered) and every failure.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+import threading
+import time
+from pathlib import Path
+
+import httpx
+
+
+def main(url: str, token: str, out: str, workers: int = 3) -> None:
+    out_dir = Path(out)
+    acked, failed, lock = [], [], threading.Lock()
+
+    def worker(i: int) -> None:
+        n = 0
+        with httpx.Client(base_url=url, headers={"Authorization": f"Bearer {token}"}, timeout=300) as h:
+            while not (out_dir / "stop").exists():
+                tid = f"w{i}-{n}"
+                for k in range(2):
+                    try:
+                        r = h.post("/v1/completions", json={"model": "any", "prompt": [1, 5, 6, 7, 8][: 3 + k],
+                                                            "max_tokens": 3}, headers={"X-Trajectory-Id": tid})
+                        if r.status_code == 200:
+                            with lock:
+                                acked.append([tid, int(r.headers["x-call-index"]), r.json()["model"], time.time()])
+                        else:
+                            with lock:
+                                failed.append([tid, r.status_code, r.text[:300], time.time()])
+                    except httpx.HTTPError as e:
+                        with lock:
+                            failed.append([tid, 0, f"{type(e).__name__}: {e}", time.time()])
+                with lock:
+                    (out_dir / "progress").write_text(str(len(acked)))
+                n += 1
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(workers)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    (out_dir / "result.json").write_text(json.dumps({"acked": acked, "failed": failed}))
+
+
+if __name__ == "__main__":
+    main(sys.argv[1], sys.argv[2], sys.argv[3], *(int(a) for a in sys.argv[4:5]))
