@@ -136,6 +136,8 @@ def test_the_bench_runs_at_smoke_size(path: Path):
     tail = f"\n--- stdout ---\n{res.stdout[-3000:]}\n--- stderr ---\n{res.stderr[-3000:]}"
     assert res.returncode == 0, f"{path.name} --smoke exited {res.returncode} after {time.monotonic() - t0:.0f} s{tail}"
     last = lines[-1] if lines else ""
+    if last.startswith("skipped: simulated hosts"):  # bench/hosts.py where namespaces are refused (not root)
+        pytest.skip(last)
     if last.startswith("skipped:"):
         from vllm_support import vllm_python
 

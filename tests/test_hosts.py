@@ -242,7 +242,7 @@ def test_a_partition_between_the_recorder_and_a_replica_fails_only_calls_in_flig
     out = h5.tmp / "traffic"
     out.mkdir()
     progress = out / "progress"
-    traffic = h5.popen([sys.executable, str(REPO / "tests" / "hosts_traffic.py"), recorder, "tok", "/tmp/traffic", "3"],
+    traffic = h5.popen([sys.executable, "-m", "prodrl_pipelines.cluster.traffic", recorder, "tok", "/tmp/traffic", "3"],
                        env=_base_env(), log=h5.tmp / "traffic.log")
 
     def answered() -> int:

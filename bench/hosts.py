@@ -1,0 +1,178 @@
+"""Faults of several hosts under recorder traffic, on simulated hosts (``cluster/hosts.py``; root).
+
+    python bench/hosts.py [--hosts 5] [--fault-s 30]
+
+h1 runs the recorder, following an endpoint file of two replicas, its store on S3 and its WAL on
+its own disk; h2 and h3 a ``prodrl serve`` replica each (a tiny lab policy); h4 the S3 endpoint
+(moto); h5 three clients calling back to back (``cluster/traffic.py``). Each fault runs under that
+traffic for ``--fault-s`` seconds, then is undone, and the traffic goes on until it has answered as
+many calls again:
+
+- **partition**: the traffic between h1 and h3 is dropped (packets vanish: connections time out),
+  then healed;
+- **host loss**: h3 is powered off (its link drops, its processes die with it), then booted empty and
+  its server started again;
+- **s3 outage**: h4's link is cut (the recorder keeps answering: rows wait in its WAL), then restored.
+
+``failed``: calls the clients saw fail during the fault's traffic; ``lost``: its acknowledged calls
+that are not in the store once the recorder has stopped (SIGTERM: it flushes). Not measured yet,
+printed as ``not-run``: a round from a raylet-less Dagster, a Ray-placed redeploy under a cut link,
+a PostgreSQL restart. Last line:
+
+``hosts: hosts=N; round from raylet-less dagster=X; redeploy failed=X capacity=Y; partition failed=X lost=Z; host loss failed=X lost=Z; pg restart lost=Z; s3 outage lost=Z``
+
+Smoke size (``--smoke``, bench/_smoke.py): 3 s faults, 10 calls before and after each.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from _smoke import parse_args  # noqa: E402
+
+from prodrl_pipelines.cluster import hosts as simhosts  # noqa: E402
+
+PRODRL = str(Path(sys.executable).with_name("prodrl"))
+MOTO = str(Path(sys.executable).with_name("moto_server"))
+CREDS = {"AWS_ACCESS_KEY_ID": "bench", "AWS_SECRET_ACCESS_KEY": "bench", "AWS_DEFAULT_REGION": "us-east-1",
+         "AWS_EC2_METADATA_DISABLED": "true"}
+TOKEN = "bench-token"
+
+
+def env() -> dict:
+    import os
+
+    drop = ("RAY_ADDRESS", "PRODRL_SETTINGS_JSON", "http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY",
+            "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER")
+    return {**{k: v for k, v in os.environ.items() if k not in drop}, **CREDS}
+
+
+def until(what: str, cond, timeout_s: float = 600.0) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        if time.monotonic() > deadline:
+            raise SystemExit(f"hosts bench: not within {timeout_s:.0f}s: {what}")
+        time.sleep(0.2)
+
+
+def answers(host: simhosts.Host, url: str, *headers: str) -> bool:
+    args = [a for h in headers for a in ("-H", h)]
+    return host.run(["curl", "-s", "-m", "3", "-o", "/dev/null", "-w", "%{http_code}", *args, url]).stdout == "200"
+
+
+class Traffic:
+    """Clients on ``host`` through the recorder; ``answered()`` so far; ``stop()`` -> the result file."""
+
+    def __init__(self, host: simhosts.Host, recorder: str, name: str) -> None:
+        self.dir_in, self.dir_out = f"/tmp/{name}", host.tmp / name
+        self.dir_out.mkdir()
+        self.proc = host.popen([sys.executable, "-m", "prodrl_pipelines.cluster.traffic", recorder, TOKEN,
+                                self.dir_in, "3"], env=env(), log=host.tmp / f"{name}.log")
+
+    def answered(self) -> int:
+        try:
+            return int((self.dir_out / "progress").read_text() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    def stop(self) -> dict:
+        (self.dir_out / "stop").write_text("")
+        self.proc.wait(900)
+        return json.loads((self.dir_out / "result.json").read_text())
+
+
+def under_traffic(hs, recorder: str, name: str, calls: int, fault, undo, fault_s: float) -> tuple[Traffic, dict]:
+    t = Traffic(hs[5], recorder, name)
+    until(f"{name}: calls before the fault", lambda: t.answered() >= calls)
+    fault()
+    time.sleep(fault_s)  # the fault's length is the bench's parameter, not a wait for an event
+    undo()
+    again = t.answered()
+    until(f"{name}: calls after the fault", lambda: t.answered() >= again + calls)
+    return t, t.stop()
+
+
+def main(argv: list[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--hosts", type=int, default=5)
+    ap.add_argument("--fault-s", type=float, default=30.0, help="how long each fault lasts")
+    ap.add_argument("--calls", type=int, default=60, help="calls answered before each fault, and again after it")
+    a = parse_args(ap, argv, fault_s=3.0, calls=10)
+    if a.hosts < 5:
+        ap.error("--hosts: at least 5 (recorder, two replicas, S3, clients)")
+    why = simhosts.unavailable()
+    if why:
+        print(f"skipped: simulated hosts unavailable: {why}")
+        return 0
+    from prodrl_pipelines.deploy_targets.base import Endpoint, EndpointFile
+    from prodrl_pipelines.lab.warmstart import build_base_policy
+    from prodrl_pipelines.quant.export import export_policy
+
+    work = Path(tempfile.mkdtemp(prefix="bench-hosts-"))
+    export = work / "export"
+    export_policy(build_base_policy(work / "base", size="tiny", sft_steps=5, progress=False), export, "bf16")
+    out: dict[str, str] = {"round from raylet-less dagster": "not-run", "redeploy failed": "not-run capacity=not-run",
+                           "pg restart lost": "not-run"}
+    with simhosts.SimulatedHosts(a.hosts, work / "hosts") as hs:
+        h1, h2, h3, h4, h5 = hs[1], hs[2], hs[3], hs[4], hs[5]
+        s3 = f"http://{h4.address}:9000"
+        h4.popen([MOTO, "-H", h4.address, "-p", "9000"], env=env(), log=h4.tmp / "moto.log")
+        until("the S3 endpoint", lambda: h5.run(["curl", "-s", "-m", "3", "-o", "/dev/null", s3]).returncode == 0)
+        h5.run([sys.executable, "-c", "import boto3, sys; boto3.client('s3', endpoint_url=sys.argv[1], "
+                "region_name='us-east-1').create_bucket(Bucket='trajectories')", s3], env=env(), check=True)
+
+        def serve(h: simhosts.Host) -> None:
+            shutil.copytree(export, h.tmp / "export", dirs_exist_ok=True)
+            h.popen([PRODRL, "serve", "/tmp/export", "--host", h.address, "--port", "8000", "--served-model-name",
+                     "v1"], env=env(), log=h.tmp / "serve.log")
+            until(f"the replica on {h.name}", lambda: answers(h5, f"http://{h.address}:8000/health"))
+
+        for h in (h2, h3):
+            serve(h)
+        urls = [f"http://{h.address}:8000" for h in (h2, h3)]
+        (h1.tmp / "deployment").mkdir()
+        EndpointFile(h1.tmp / "deployment" / "endpoint.json").write(Endpoint(
+            urls[0], "v1", "v1", replicas=[{"url": u, "served_model_name": "v1", "policy_version": "v1"} for u in urls]))
+        recorder_proc = h1.popen([PRODRL, "record", "--follow", "/tmp/deployment/endpoint.json", "--s3-bucket",
+                                  "trajectories", "--s3-endpoint-url", s3, "--wal-dir", "/tmp/wal", "--host", h1.address,
+                                  "--port", "9100", "--upstream-timeout", "30"],
+                                 env={**env(), "PRODRL_RECORDER_TOKEN": TOKEN}, log=h1.tmp / "record.log")
+        recorder = f"http://{h1.address}:9100"
+        until("the recorder", lambda: answers(h5, f"{recorder}/health", f"Authorization: Bearer {TOKEN}"))
+
+        results = {}
+        _, results["partition"] = under_traffic(hs, recorder, "partition", a.calls, lambda: hs.partition(h1, h3),
+                                                lambda: hs.heal(h1, h3), a.fault_s)
+        _, results["host loss"] = under_traffic(hs, recorder, "host_loss", a.calls, h3.power_off,
+                                                lambda: (h3.boot(), serve(h3)), a.fault_s)
+        _, results["s3 outage"] = under_traffic(hs, recorder, "s3_outage", a.calls, h4.cut, h4.restore, a.fault_s)
+        recorder_proc.stop(grace_s=300)  # SIGTERM: what it acknowledged is flushed to the store
+        for name, res in results.items():
+            d = name.replace(" ", "_")
+            check = h5.run([sys.executable, "-m", "prodrl_pipelines.cluster.traffic", "stored", f"/tmp/{d}/result.json",
+                            "--s3-bucket", "trajectories", "--s3-endpoint-url", s3], env=env(), timeout=600, check=True)
+            kept = json.loads(check.stdout.strip().splitlines()[-1])
+            print(f"{name}: {len(res['acked'])} calls answered, {len(res['failed'])} failed "
+                  f"({[f[2][:80] for f in res['failed'][:3]]}); acknowledged {kept['acked']}, lost {kept['lost']}, "
+                  f"stored twice {kept['twice']}", flush=True)
+            failed = f"failed={len(res['failed'])} " if name != "s3 outage" else ""
+            out[f"{name} " + ("failed" if failed else "lost")] = (f"{len(res['failed'])} lost={kept['lost']}"
+                                                                  if failed else str(kept["lost"]))
+    shutil.rmtree(work, ignore_errors=True)
+    print(f"hosts: hosts={a.hosts}; round from raylet-less dagster={out['round from raylet-less dagster']}; "
+          f"redeploy failed={out['redeploy failed']}; partition failed={out['partition failed']}; "
+          f"host loss failed={out['host loss failed']}; pg restart lost={out['pg restart lost']}; "
+          f"s3 outage lost={out['s3 outage lost']}")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
