@@ -15,9 +15,16 @@ many calls again:
 - **s3 outage**: h4's link is cut (the recorder keeps answering: rows wait in its WAL), then restored.
 
 ``failed``: calls the clients saw fail during the fault's traffic; ``lost``: its acknowledged calls
-that are not in the store once the recorder has stopped (SIGTERM: it flushes). Not measured yet,
-printed as ``not-run``: a round from a raylet-less Dagster, a Ray-placed redeploy under a cut link,
-a PostgreSQL restart. Last line:
+that are not in the store once the recorder has stopped (SIGTERM: it flushes).
+
+- **redeploy**: a Ray head on h2 and a worker on h3; h1 (no raylet) deploys a Ray-placed fleet of two
+  replicas through Ray Client (``cluster/fleet_driver.py``, the export fetched from S3 by the nodes),
+  then rolls it v1 -> v2 under traffic through a recorder on h1 following its endpoint file:
+  ``failed``, and ``capacity`` (answered calls per second during the rollout over the
+  ``--fault-s`` steady seconds before it).
+
+Not measured yet, printed as ``not-run``: a round from a raylet-less Dagster, a PostgreSQL restart.
+Last line:
 
 ``hosts: hosts=N; round from raylet-less dagster=X; redeploy failed=X capacity=Y; partition failed=X lost=Z; host loss failed=X lost=Z; pg restart lost=Z; s3 outage lost=Z``
 
@@ -89,7 +96,22 @@ class Traffic:
         return json.loads((self.dir_out / "result.json").read_text())
 
 
-def under_traffic(hs, recorder: str, name: str, calls: int, fault, undo, fault_s: float) -> tuple[Traffic, dict]:
+SEEN = ("replica_health_failures", "upstream_connect_timeouts", "upstream_replica_refused", "upstream_retries",
+        "upstream_timeouts")
+
+
+def counters(host: simhosts.Host, recorder: str) -> dict:
+    res = host.run(["curl", "-s", "-m", "10", "-H", f"Authorization: Bearer {TOKEN}", f"{recorder}/stats"])
+    try:
+        c = json.loads(res.stdout).get("counters", {})
+    except ValueError:
+        return {}
+    return {k: c.get(k, 0) for k in SEEN}
+
+
+def under_traffic(hs, recorder: str, name: str, calls: int, fault, undo, fault_s: float) -> tuple[dict, dict]:
+    """The traffic's result and what the recorder counted meanwhile (``SEEN``)."""
+    before = counters(hs[5], recorder)
     t = Traffic(hs[5], recorder, name)
     until(f"{name}: calls before the fault", lambda: t.answered() >= calls)
     fault()
@@ -97,7 +119,51 @@ def under_traffic(hs, recorder: str, name: str, calls: int, fault, undo, fault_s
     undo()
     again = t.answered()
     until(f"{name}: calls after the fault", lambda: t.answered() >= again + calls)
-    return t, t.stop()
+    res = t.stop()
+    after = counters(hs[5], recorder)
+    return res, {k: after.get(k, 0) - before.get(k, 0) for k in SEEN if after.get(k, 0) - before.get(k, 0)}
+
+
+def redeploy(hs, export: Path, s3: str, steady_s: float, calls: int) -> str:
+    """A Ray-placed fleet (head on h2, worker on h3) rolled out v1 -> v2 from h1, which runs no raylet,
+    under traffic through a recorder on h1 that follows its endpoint file: ``failed=X capacity=Y``
+    (capacity: answered calls per second during the rollout over the ``steady_s`` just before it)."""
+    h1, h2, h3, h5 = hs[1], hs[2], hs[3], hs[5]
+    dashboard, _ = simhosts.start_ray(h2, [h3], {**env(), "PRODRL_NODE_CACHE": "/tmp/node-exports"})
+    driver = {**env(), "PRODRL_S3_BUCKET": "exports", "PRODRL_S3_ENDPOINT_URL": s3,
+              "PRODRL_SETTINGS_JSON": json.dumps({"cluster": "ray", "cluster_address": dashboard})}
+
+    def fleet(*args: str) -> dict:
+        res = h1.run([sys.executable, "-m", "prodrl_pipelines.cluster.fleet_driver", *args], env=driver, timeout=900)
+        if res.returncode != 0:
+            raise SystemExit(f"hosts bench: fleet {args} failed:\n{res.stdout[-2000:]}\n{res.stderr[-4000:]}")
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    for n in (1, 2):
+        shutil.copytree(export, h1.tmp / "exports" / f"round-00000{n}")
+    fleet("deploy", "/tmp/home", "/tmp/exports/round-000001", "v1")
+    rec = h1.popen([PRODRL, "record", "--follow", "/tmp/home/deployment/endpoint.json", "--store", "/tmp/store2",
+                    "--host", h1.address, "--port", "9101", "--upstream-timeout", "30"],
+                   env={**env(), "PRODRL_RECORDER_TOKEN": TOKEN}, log=h1.tmp / "record2.log")
+    recorder = f"http://{h1.address}:9101"
+    until("the fleet's recorder", lambda: answers(h5, f"{recorder}/health", f"Authorization: Bearer {TOKEN}"))
+    t = Traffic(h5, recorder, "redeploy")
+    try:
+        until("calls before the redeploy", lambda: t.answered() >= calls)
+        n0, t0 = t.answered(), time.monotonic()
+        time.sleep(steady_s)  # the steady window the rollout is compared with (a length, not an event)
+        steady = (t.answered() - n0) / (time.monotonic() - t0)
+        n1, t1 = t.answered(), time.monotonic()
+        fleet("deploy", "/tmp/home", "/tmp/exports/round-000002", "v2")
+        during = (t.answered() - n1) / (time.monotonic() - t1)
+    finally:
+        res = t.stop()
+        rec.stop()
+        fleet("stop", "/tmp/home")
+    versions = sorted({v for _, _, v, _ in res["acked"]})
+    print(f"redeploy: {len(res['acked'])} calls answered ({versions}), {len(res['failed'])} failed; "
+          f"{steady:.1f} calls/s steady, {during:.1f} during the rollout", flush=True)
+    return f"{len(res['failed'])} capacity={during / steady:.2f}" if steady > 0 else f"{len(res['failed'])} capacity=0"
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -119,8 +185,7 @@ def main(argv: list[str] | None = None) -> int:
     work = Path(tempfile.mkdtemp(prefix="bench-hosts-"))
     export = work / "export"
     export_policy(build_base_policy(work / "base", size="tiny", sft_steps=5, progress=False), export, "bf16")
-    out: dict[str, str] = {"round from raylet-less dagster": "not-run", "redeploy failed": "not-run capacity=not-run",
-                           "pg restart lost": "not-run"}
+    out: dict[str, str] = {"round from raylet-less dagster": "not-run", "pg restart lost": "not-run"}
     with simhosts.SimulatedHosts(a.hosts, work / "hosts") as hs:
         h1, h2, h3, h4, h5 = hs[1], hs[2], hs[3], hs[4], hs[5]
         s3 = f"http://{h4.address}:9000"
@@ -129,10 +194,12 @@ def main(argv: list[str] | None = None) -> int:
         h5.run([sys.executable, "-c", "import boto3, sys; boto3.client('s3', endpoint_url=sys.argv[1], "
                 "region_name='us-east-1').create_bucket(Bucket='trajectories')", s3], env=env(), check=True)
 
+        servers = []
+
         def serve(h: simhosts.Host) -> None:
             shutil.copytree(export, h.tmp / "export", dirs_exist_ok=True)
-            h.popen([PRODRL, "serve", "/tmp/export", "--host", h.address, "--port", "8000", "--served-model-name",
-                     "v1"], env=env(), log=h.tmp / "serve.log")
+            servers.append(h.popen([PRODRL, "serve", "/tmp/export", "--host", h.address, "--port", "8000",
+                                    "--served-model-name", "v1"], env=env(), log=h.tmp / "serve.log"))
             until(f"the replica on {h.name}", lambda: answers(h5, f"http://{h.address}:8000/health"))
 
         for h in (h2, h3):
@@ -148,12 +215,12 @@ def main(argv: list[str] | None = None) -> int:
         recorder = f"http://{h1.address}:9100"
         until("the recorder", lambda: answers(h5, f"{recorder}/health", f"Authorization: Bearer {TOKEN}"))
 
-        results = {}
-        _, results["partition"] = under_traffic(hs, recorder, "partition", a.calls, lambda: hs.partition(h1, h3),
-                                                lambda: hs.heal(h1, h3), a.fault_s)
-        _, results["host loss"] = under_traffic(hs, recorder, "host_loss", a.calls, h3.power_off,
-                                                lambda: (h3.boot(), serve(h3)), a.fault_s)
-        _, results["s3 outage"] = under_traffic(hs, recorder, "s3_outage", a.calls, h4.cut, h4.restore, a.fault_s)
+        results, seen = {}, {}
+        for name, fault, undo in (("partition", lambda: hs.partition(h1, h3), lambda: hs.heal(h1, h3)),
+                                  ("host loss", h3.power_off, lambda: (h3.boot(), serve(h3))),
+                                  ("s3 outage", h4.cut, h4.restore)):
+            results[name], seen[name] = under_traffic(hs, recorder, name.replace(" ", "_"), a.calls, fault, undo,
+                                                      a.fault_s)
         recorder_proc.stop(grace_s=300)  # SIGTERM: what it acknowledged is flushed to the store
         for name, res in results.items():
             d = name.replace(" ", "_")
@@ -162,10 +229,13 @@ def main(argv: list[str] | None = None) -> int:
             kept = json.loads(check.stdout.strip().splitlines()[-1])
             print(f"{name}: {len(res['acked'])} calls answered, {len(res['failed'])} failed "
                   f"({[f[2][:80] for f in res['failed'][:3]]}); acknowledged {kept['acked']}, lost {kept['lost']}, "
-                  f"stored twice {kept['twice']}", flush=True)
+                  f"stored twice {kept['twice']}; recorder: {seen[name]}", flush=True)
             failed = f"failed={len(res['failed'])} " if name != "s3 outage" else ""
             out[f"{name} " + ("failed" if failed else "lost")] = (f"{len(res['failed'])} lost={kept['lost']}"
                                                                   if failed else str(kept["lost"]))
+        for p in servers:
+            p.stop()
+        out["redeploy failed"] = redeploy(hs, export, s3, a.fault_s, a.calls)
     shutil.rmtree(work, ignore_errors=True)
     print(f"hosts: hosts={a.hosts}; round from raylet-less dagster={out['round from raylet-less dagster']}; "
           f"redeploy failed={out['redeploy failed']}; partition failed={out['partition failed']}; "

@@ -25,7 +25,6 @@ pytestmark = [pytest.mark.skipif(bool(simhosts.unavailable()), reason=simhosts.u
               pytest.mark.long(seconds=240)]
 
 REPO = Path(__file__).resolve().parents[1]
-RAY = str(Path(sys.executable).with_name("ray"))
 PRODRL = str(Path(sys.executable).with_name("prodrl"))
 KEY = "deploy-key-of-this-fleet"
 
@@ -133,25 +132,9 @@ def ray_on_hosts(hosts):
              "AWS_EC2_METADATA_DISABLED": "true"}
     node_env = {**_base_env(), **creds, "PRODRL_NODE_CACHE": "/tmp/node-exports"}
     moto = str(Path(sys.executable).with_name("moto_server"))
-    procs = [h4.popen([moto, "-H", h4.address, "-p", "9000"], env=_base_env(), log=h4.tmp / "moto.log"),
-             h2.popen([RAY, "start", "--head", "--block", "--node-ip-address", h2.address, "--port", "6379",
-                       "--dashboard-host", h2.address, "--include-dashboard=true", "--num-cpus", "2",
-                       "--disable-usage-stats"], env=node_env, log=h2.tmp / "ray-head.log")]
-    dashboard = f"http://{h2.address}:8265"
-    _until("the Ray head's dashboard", lambda: _http_code(h3, f"{dashboard}/api/version") == "200", 300)
-    procs.append(h3.popen([RAY, "start", "--block", "--address", f"{h2.address}:6379", "--node-ip-address",
-                           h3.address, "--num-cpus", "2", "--disable-usage-stats"], env=node_env,
-                          log=h3.tmp / "ray-worker.log"))
-
-    def two_nodes():
-        out = h3.run(["curl", "-s", "-m", "5", f"{dashboard}/nodes?view=summary"]).stdout
-        try:
-            summary = json.loads(out).get("data", {}).get("summary", [])
-        except ValueError:
-            return False
-        return sum(n.get("raylet", {}).get("state") == "ALIVE" for n in summary) == 2
-
-    _until("both Ray nodes alive", two_nodes, 300)
+    procs = [h4.popen([moto, "-H", h4.address, "-p", "9000"], env=_base_env(), log=h4.tmp / "moto.log")]
+    dashboard, ray_procs = simhosts.start_ray(h2, [h3], node_env)
+    procs += ray_procs
     _until("the S3 endpoint", lambda: _http_code(h3, f"http://{h4.address}:9000/") in ("200", "403", "404"), 120)
     driver_env = {**_base_env(), **creds, "PRODRL_S3_BUCKET": "fleet", "PRODRL_S3_PREFIX": "prod",
                   "PRODRL_S3_ENDPOINT_URL": f"http://{h4.address}:9000", "PRODRL_DEPLOY_API_KEY": KEY,
@@ -162,7 +145,8 @@ def ray_on_hosts(hosts):
 
 
 def _on_h1(hosts, env: dict, *args: str, timeout_s: float = 600) -> dict:
-    res = hosts[1].run([sys.executable, str(REPO / "tests" / "hosts_deploy.py"), *args], env=env, timeout=timeout_s)
+    res = hosts[1].run([sys.executable, "-m", "prodrl_pipelines.cluster.fleet_driver", *args], env=env,
+                       timeout=timeout_s)
     if res.returncode != 0:
         logs = sorted((hosts[2].tmp / "ray" / "session_latest" / "logs").glob("ray_client_server*.err"))
         head = "\n".join(f"--- h2 {p.name} ---\n{p.read_text(errors='replace')[-2000:]}" for p in logs)

@@ -1,7 +1,8 @@
-"""What the deploy step does on Dagster's host (no raylet), run there by tests/test_hosts.py:
+"""What the deploy step does on Dagster's host (no raylet), run there by tests/test_hosts.py and
+bench/hosts.py on the simulated hosts (``cluster/hosts.py``):
 
-    python tests/hosts_deploy.py deploy HOME EXPORT VERSION   # publish EXPORT to S3, roll it out
-    python tests/hosts_deploy.py stop HOME                    # stop the fleet, list what is left
+    python -m prodrl_pipelines.cluster.fleet_driver deploy HOME EXPORT VERSION   # publish EXPORT to S3, roll it out
+    python -m prodrl_pipelines.cluster.fleet_driver stop HOME                    # stop the fleet, list what is left
 
 The store (``PRODRL_S3_*``), the cluster (``PRODRL_SETTINGS_JSON``: cluster ray, the head's dashboard)
 and the deployment's key (``PRODRL_DEPLOY_API_KEY``) come from the environment, as in a run worker.
@@ -41,7 +42,8 @@ def deploy(home: str, export: str, version: str) -> dict:
     publish_export(build_services(s, loc), Path(export).name, Path(export))
     ro = roll_out(s, make_target(s), Path(export), version, PROMPTS, api_key=environment.deploy_api_key())
     ep = endpoint_file(s.home_path).read()
-    return {"waves": ro.waves, "replicas": ep.replica_list(), "raylet_here": local_raylet("x:6379")}
+    return {"waves": ro.waves, "replicas": ep.replica_list(), "raylet_here": local_raylet("x:6379"),
+            "seconds": ro.seconds}
 
 
 def stop(home: str) -> dict:
