@@ -46,6 +46,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _smoke import parse_args  # noqa: E402
 
 from prodrl_pipelines.cluster import hosts as simhosts  # noqa: E402
+from prodrl_pipelines.cluster.host_services import start_ray  # noqa: E402
 
 PRODRL = str(Path(sys.executable).with_name("prodrl"))
 MOTO = str(Path(sys.executable).with_name("moto_server"))
@@ -129,7 +130,7 @@ def redeploy(hs, export: Path, s3: str, steady_s: float, calls: int) -> str:
     under traffic through a recorder on h1 that follows its endpoint file: ``failed=X capacity=Y``
     (capacity: answered calls per second during the rollout over the ``steady_s`` just before it)."""
     h1, h2, h3, h5 = hs[1], hs[2], hs[3], hs[5]
-    dashboard, _ = simhosts.start_ray(h2, [h3], {**env(), "PRODRL_NODE_CACHE": "/tmp/node-exports"})
+    dashboard, _ = start_ray(h2, [h3], {**env(), "PRODRL_NODE_CACHE": "/tmp/node-exports"})
     driver = {**env(), "PRODRL_S3_BUCKET": "exports", "PRODRL_S3_ENDPOINT_URL": s3,
               "PRODRL_SETTINGS_JSON": json.dumps({"cluster": "ray", "cluster_address": dashboard})}
 

@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 
 from prodrl_pipelines.cluster import hosts as simhosts
+from prodrl_pipelines.cluster.host_services import start_ray
 
 pytestmark = [pytest.mark.skipif(bool(simhosts.unavailable()), reason=simhosts.unavailable() or "-"),
               pytest.mark.long(seconds=240)]
@@ -133,7 +134,7 @@ def ray_on_hosts(hosts):
     node_env = {**_base_env(), **creds, "PRODRL_NODE_CACHE": "/tmp/node-exports"}
     moto = str(Path(sys.executable).with_name("moto_server"))
     procs = [h4.popen([moto, "-H", h4.address, "-p", "9000"], env=_base_env(), log=h4.tmp / "moto.log")]
-    dashboard, ray_procs = simhosts.start_ray(h2, [h3], node_env)
+    dashboard, ray_procs = start_ray(h2, [h3], node_env)
     procs += ray_procs
     _until("the S3 endpoint", lambda: _http_code(h3, f"http://{h4.address}:9000/") in ("200", "403", "404"), 120)
     driver_env = {**_base_env(), **creds, "PRODRL_S3_BUCKET": "fleet", "PRODRL_S3_PREFIX": "prod",

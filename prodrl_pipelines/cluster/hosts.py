@@ -203,7 +203,7 @@ class Host:
     def up(self) -> bool:
         return self.init is not None and self.init.poll() is None
 
-    def boot(self, timeout_s: float = 120.0) -> "Host":
+    def boot(self) -> "Host":
         """Start the host's init (an empty host: no process of an earlier boot survives) and its link."""
         if self.up:
             return self
@@ -212,9 +212,8 @@ class Host:
             ["ip", "netns", "exec", self.netns, "unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
              "--uts", sys.executable, "-c", INIT, str(self.tmp), self.name],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
-        deadline = time.monotonic() + timeout_s
         line = self.init.stdout.readline()  # "up" once mounted and named; "" when it died
-        if line.strip() != "up" or time.monotonic() > deadline:
+        if line.strip() != "up":
             err = self.init.stderr.read() if self.init.poll() is not None else ""
             self.power_off()
             raise RuntimeError(f"host {self.name} did not come up: {err.strip()[-2000:]}")
@@ -352,42 +351,6 @@ class SimulatedHosts:
 
     def __exit__(self, *exc) -> None:
         self.stop()
-
-
-def start_ray(head: Host, workers: list[Host], env: dict, cpus: int = 2, timeout_s: float = 300.0) -> tuple[str, list]:
-    """A Ray head on ``head`` and a worker on each of ``workers`` (``ray start --block``, ``cpus`` CPUs
-    each, ``env`` their environment: the node's own); returns the dashboard URL and the processes,
-    once every node is alive (asked from ``head``). The processes end with their hosts."""
-    import shutil as _shutil
-
-    ray = _shutil.which("ray", path=str(Path(sys.executable).parent)) or "ray"
-    procs = [head.popen([ray, "start", "--head", "--block", "--node-ip-address", head.address, "--port", "6379",
-                         "--dashboard-host", head.address, "--include-dashboard=true", "--num-cpus", str(cpus),
-                         "--disable-usage-stats"], env=env, log=head.tmp / "ray-head.log")]
-    dashboard = f"http://{head.address}:8265"
-
-    def alive() -> int:
-        out = head.run(["curl", "-s", "-m", "5", f"{dashboard}/nodes?view=summary"]).stdout
-        try:
-            summary = json.loads(out).get("data", {}).get("summary", [])
-        except ValueError:
-            return 0
-        return sum(n.get("raylet", {}).get("state") == "ALIVE" for n in summary)
-
-    deadline = time.monotonic() + timeout_s
-    while alive() < 1:
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"the Ray head on {head.name} did not come up (log: {head.tmp / 'ray-head.log'})")
-        time.sleep(0.3)
-    for w in workers:
-        procs.append(w.popen([ray, "start", "--block", "--address", f"{head.address}:6379", "--node-ip-address",
-                              w.address, "--num-cpus", str(cpus), "--disable-usage-stats"], env=env,
-                             log=w.tmp / "ray-worker.log"))
-    while alive() < 1 + len(workers):
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{1 + len(workers)} Ray nodes not alive within {timeout_s:.0f}s")
-        time.sleep(0.3)
-    return dashboard, procs
 
 
 def clean_leftovers() -> list[str]:
