@@ -44,12 +44,17 @@ PREFIX_HEAD = "prh-"
 SUBNET = "10.213.0"  # /24; host i is .<10+i>, so a run of up to 200 hosts fits
 FIRST = 10
 
-# pid 1 of a host: mounts its own /tmp and /dev/shm, names the host, says so on stdout, then reaps
-# orphans (a PID namespace's init adopts them) until the host is killed
+# pid 1 of a host: mounts its own /tmp (with the shared software under /tmp bound back in at the same
+# paths) and /dev/shm, names the host, says so on stdout, then reaps orphans (a PID namespace's init
+# adopts them) until the host is killed
 INIT = r"""
-import os, signal, socket, subprocess, sys
-tmp, name = sys.argv[1], sys.argv[2]
-subprocess.run(["mount", "--bind", tmp, "/tmp"], check=True)
+import json, os, signal, socket, subprocess, sys
+tmp, name, shared = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+for path in shared:
+    inside = os.path.join(tmp, os.path.relpath(path, "/tmp"))
+    os.makedirs(inside, exist_ok=True)
+    subprocess.run(["mount", "--bind", path, inside], check=True)
+subprocess.run(["mount", "--rbind", tmp, "/tmp"], check=True)
 subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8g", "tmpfs", "/dev/shm"], check=True)
 socket.sethostname(name)
 signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
@@ -106,6 +111,18 @@ def _alive(pid: int) -> bool:
     except PermissionError:
         return True
     return True
+
+
+def software_under_tmp() -> list[str]:
+    """What every host runs from (this interpreter's environment, this package's checkout) where it
+    lies under /tmp (a clone there, as CI may make): a host's own /tmp would hide it, so its init binds
+    it back at the same path, as an image's software is on every machine."""
+    import prodrl_pipelines
+
+    paths = {Path(sys.prefix), Path(sys.base_prefix), Path(prodrl_pipelines.__file__).resolve().parents[1],
+             Path(sys.executable).resolve().parent}
+    under = sorted(str(p.resolve()) for p in paths if Path("/tmp") in p.resolve().parents)
+    return [p for p in under if not any(p != q and p.startswith(q + "/") for q in under)]  # outermost only
 
 
 def unavailable() -> str:
@@ -210,7 +227,7 @@ class Host:
         self.tmp.mkdir(parents=True, exist_ok=True)
         self.init = subprocess.Popen(
             ["ip", "netns", "exec", self.netns, "unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
-             "--uts", sys.executable, "-c", INIT, str(self.tmp), self.name],
+             "--uts", sys.executable, "-c", INIT, str(self.tmp), self.name, json.dumps(software_under_tmp())],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         line = self.init.stdout.readline()  # "up" once mounted and named; "" when it died
         if line.strip() != "up":
