@@ -9,8 +9,11 @@ reaper started with ``unshare --pid --fork --kill-child --mount-proc --uts``. Th
 host's own ``/tmp`` (``ROOT/h<i>/tmp`` seen from outside) and ``/dev/shm``, and names the host: a
 process on it sees only its host's processes, files in ``/tmp`` and address. The other ends of the
 hosts' links sit on a bridge in a switch namespace of their own (``<prefix>-sw``), so nothing of the
-test network is reachable from this machine's own namespaces, and this machine's loopback services
-are not reachable from a host: what the hosts share is what they serve to each other.
+test network is reachable from this machine's own namespaces (a packet sent to a host's address from
+there leaves by this machine's default route: run clients on a host), and this machine's loopback
+services are not reachable from a host: what the hosts share is what they serve to each other. The
+software they run (this interpreter's environment, this checkout) is the machine's, as an image's is
+on every machine: where it lies under /tmp, each host's init binds it back into its own /tmp.
 
 Faults are made by the network and by hosts, never by process name:
 
