@@ -143,3 +143,15 @@ def watch_endpoint(home: Path, also: Callable[[], None] | None = None, every_s: 
     finally:
         stop.set()
         w.join()
+
+
+def until(what: str, cond, timeout_s: float = 180.0, every_s: float = 0.2):
+    """Poll ``cond()`` until it is truthy (returned) or ``timeout_s`` passes (AssertionError naming ``what``):
+    the state a test needs, under a ceiling a fast machine never reaches."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        out = cond()
+        if out:
+            return out
+        time.sleep(every_s)
+    raise AssertionError(f"not within {timeout_s:.0f}s: {what}")

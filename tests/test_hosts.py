@@ -14,13 +14,13 @@ import shutil
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from prodrl_pipelines.cluster import hosts as simhosts
 from prodrl_pipelines.cluster.host_services import start_ray
+from tests.helpers import until
 
 pytestmark = [pytest.mark.skipif(bool(simhosts.unavailable()), reason=simhosts.unavailable() or "-"),
               pytest.mark.long(seconds=240)]
@@ -39,14 +39,6 @@ def _base_env() -> dict:
     return {**env, "RAY_USAGE_STATS_ENABLED": "0", "PYTHONPATH": str(REPO)}
 
 
-def _until(what: str, cond, timeout_s: float = 300.0, every_s: float = 0.3):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        out = cond()
-        if out:
-            return out
-        time.sleep(every_s)
-    raise AssertionError(f"not within {timeout_s:.0f}s: {what}")
 
 
 def _http_code(host: simhosts.Host, url: str, *args: str, timeout_s: int = 3) -> str:
@@ -80,7 +72,7 @@ def test_links_partitions_and_hosts_fail_as_a_network_does(hosts):
     server = h4.popen([sys.executable, "-m", "http.server", "8080", "--bind", h4.address])
     url = f"http://{h4.address}:8080/"
     try:
-        _until("h4's server answers h5", lambda: _http_code(h5, url) == "200", 120)
+        until("h4's server answers h5", lambda: _http_code(h5, url) == "200", 120)
         hosts.partition(h4, h5)
         dropped = h5.run(["curl", "-s", "-m", "3", "-o", "/dev/null", url])
         assert dropped.returncode == 28, dropped  # curl's "timed out": packets dropped, nothing refused
@@ -109,7 +101,7 @@ def test_a_crashed_runs_leftovers_are_removed_by_their_names_only(hosts, tmp_pat
     subprocess.run(["ip", "netns", "add", left], check=True)
     stray = subprocess.Popen(["ip", "netns", "exec", left, "sleep", "600"], start_new_session=True)
     try:
-        _until("the stray process is in the leftover namespace",
+        until("the stray process is in the leftover namespace",
                lambda: str(stray.pid) in subprocess.run(["ip", "netns", "pids", left], capture_output=True,
                                                          text=True).stdout.split(), 60)
         assert left in simhosts.clean_leftovers()
@@ -136,7 +128,7 @@ def ray_on_hosts(hosts):
     procs = [h4.popen([moto, "-H", h4.address, "-p", "9000"], env=_base_env(), log=h4.tmp / "moto.log")]
     dashboard, ray_procs = start_ray(h2, [h3], node_env)
     procs += ray_procs
-    _until("the S3 endpoint", lambda: _http_code(h3, f"http://{h4.address}:9000/") in ("200", "403", "404"), 120)
+    until("the S3 endpoint", lambda: _http_code(h3, f"http://{h4.address}:9000/") in ("200", "403", "404"), 120)
     driver_env = {**_base_env(), **creds, "PRODRL_S3_BUCKET": "fleet", "PRODRL_S3_PREFIX": "prod",
                   "PRODRL_S3_ENDPOINT_URL": f"http://{h4.address}:9000", "PRODRL_DEPLOY_API_KEY": KEY,
                   "PRODRL_SETTINGS_JSON": json.dumps({"cluster": "ray", "cluster_address": dashboard})}
@@ -204,8 +196,8 @@ def served_on_hosts(hosts, tiny_exports):
                            "/tmp/deployment/endpoint.json", "--store", "/tmp/store", "--host", h1.address, "--port",
                            "9100", "--upstream-timeout", "120"], env=env, log=h1.tmp / "record.log"))
     for u in urls:
-        _until(f"{u} serves", lambda u=u: _http_code(hosts[5], f"{u}/health") == "200", 300)
-    _until("the recorder answers", lambda: _http_code(hosts[5], f"http://{h1.address}:9100/health", "-H",
+        until(f"{u} serves", lambda u=u: _http_code(hosts[5], f"{u}/health") == "200", 300)
+    until("the recorder answers", lambda: _http_code(hosts[5], f"http://{h1.address}:9100/health", "-H",
                                                       "Authorization: Bearer tok") == "200", 300)
     yield f"http://{h1.address}:9100", urls, procs[-1]
     for p in procs:
@@ -244,15 +236,15 @@ def test_a_partition_between_the_recorder_and_a_replica_fails_only_calls_in_flig
             return {}
 
     try:
-        _until("calls answered before the partition", lambda: answered() >= 20, 300)
+        until("calls answered before the partition", lambda: answered() >= 20, 300)
         hosts.partition(h1, h3)
-        _until("the recorder takes h3 out", lambda: urls[1] in stats().get("replicas_down", []), 300)
+        until("the recorder takes h3 out", lambda: urls[1] in stats().get("replicas_down", []), 300)
         cut_at = answered()
-        _until("calls answered during the partition", lambda: answered() >= cut_at + 30, 600)
+        until("calls answered during the partition", lambda: answered() >= cut_at + 30, 600)
         hosts.heal(h1, h3)
-        _until("h3 back in rotation", lambda: urls[1] not in stats().get("replicas_down", [urls[1]]), 300)
+        until("h3 back in rotation", lambda: urls[1] not in stats().get("replicas_down", [urls[1]]), 300)
         healed_at = answered()
-        _until("calls answered after the heal", lambda: answered() >= healed_at + 30, 600)
+        until("calls answered after the heal", lambda: answered() >= healed_at + 30, 600)
     finally:
         (out / "stop").write_text("")
         traffic.wait(600)

@@ -21,7 +21,7 @@ from prodrl_pipelines.deploy_targets.server_records import pid_alive
 from prodrl_pipelines.deploy_targets.servers import ProdrlServeTarget
 from prodrl_pipelines.engines.server import BackgroundServer
 from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
-from tests.helpers import watch_endpoint
+from tests.helpers import until, watch_endpoint
 from tests.test_fleet import PROMPTS, Traffic
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -78,14 +78,6 @@ def _actor_pid(cluster, name: str) -> int:
     return int(a.pid)
 
 
-def _until(what, cond, timeout_s: float = 180.0, every_s: float = 0.2):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        out = cond()
-        if out:
-            return out
-        time.sleep(every_s)
-    raise AssertionError(f"not within {timeout_s:.0f}s: {what}")
 
 
 def _serving(target, slot: int, version: str):
@@ -188,7 +180,7 @@ def test_a_ray_fleet_through_updates_canaries_and_the_failures_a_cluster_has(ray
 
             # 5. replica 0's server SIGKILLed: its actor brings it back at v2, same URL, new pid
             os.kill(now[0].pid, 9)
-            back = _until("replica 0 back", lambda: (r := _serving(target, 0, "v2")) and r.pid != now[0].pid and r)
+            back = until("replica 0 back", lambda: (r := _serving(target, 0, "v2")) and r.pid != now[0].pid and r)
             assert back.actor == now[0].actor and back.url == now[0].url
             seen_pids.add(back.pid)
 
@@ -199,10 +191,10 @@ def test_a_ray_fleet_through_updates_canaries_and_the_failures_a_cluster_has(ray
 
             squat = socket.socket()
             squat.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-            _until("the old port freed", lambda: _bind(squat, old1.port), timeout_s=120, every_s=0.02)
+            until("the old port freed", lambda: _bind(squat, old1.port), timeout_s=120, every_s=0.02)
             squat.listen()
             try:
-                moved = _until("replica 1 moved", lambda: (r := _serving(target, 1, "v2")) and r.port != old1.port
+                moved = until("replica 1 moved", lambda: (r := _serving(target, 1, "v2")) and r.port != old1.port
                                and r)
             finally:
                 squat.close()
@@ -212,7 +204,7 @@ def test_a_ray_fleet_through_updates_canaries_and_the_failures_a_cluster_has(ray
             # 7. the worker node goes away: its replicas come back at v2 (the last on a new node)
             gone = ray_cluster.remove_node()
             added = ray_cluster.add_node()
-            final = [_until(f"replica {i} back after the node died", lambda i=i: _serving(target, i, "v2"),
+            final = [until(f"replica {i} back after the node died", lambda i=i: _serving(target, i, "v2"),
                             timeout_s=240) for i in range(3)]
             assert gone not in {r.node for r in final} and {r.node for r in final} <= nodes - {gone} | {added}
             seen_pids |= {r.pid for r in final}

@@ -43,6 +43,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from prodrl_pipelines.deploy_targets.server_records import pid_alive
+
 PREFIX_HEAD = "prh-"
 SUBNET = "10.213.0"  # /24; host i is .<10+i>, so a run of up to 200 hosts fits
 FIRST = 10
@@ -104,16 +106,6 @@ def _children(pid: int) -> list[int]:
         return [int(p) for p in Path(f"/proc/{pid}/task/{pid}/children").read_text().split()]
     except OSError:
         return []
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True
-    return True
 
 
 def software_under_tmp() -> list[str]:
@@ -286,7 +278,7 @@ class Host:
             self.init.kill()  # unshare --kill-child: its child, pid 1 of the host, gets SIGKILL too
             self.init.wait(timeout_s)
         deadline = time.monotonic() + timeout_s
-        while (left := [p for p in self.pids() if _alive(p)]) and time.monotonic() < deadline:
+        while (left := [p for p in self.pids() if pid_alive(p)]) and time.monotonic() < deadline:
             time.sleep(0.05)
         for pid in left:  # the kernel ends a PID namespace with its init; this only guards the wait
             try:
@@ -381,7 +373,7 @@ def clean_leftovers() -> list[str]:
     removed = []
     for name in names:
         parts = name[len(PREFIX_HEAD):].split("-")
-        if not parts[0].isdigit() or _alive(int(parts[0])):
+        if not parts[0].isdigit() or pid_alive(int(parts[0])):
             continue  # a running run's, or not of this form (a probe of a live process)
         for pid in (int(p) for p in _ip("netns", "pids", name, check=False).stdout.split()):
             try:
