@@ -90,7 +90,17 @@ class MakeUp:
             time.sleep(1)
         logs = {n: (self.home / "logs" / f"{n}.log").read_text(errors="replace")[-3000:]
                 for n in ("daemon", "webserver", "serve", "record") if (self.home / "logs" / f"{n}.log").exists()}
-        pytest.fail(f"timed out waiting for {what}; make up: {self.log.read_text()[-3000:]}; logs: {logs}")
+        pytest.fail(f"timed out waiting for {what}; make up: {self.log.read_text()[-3000:]}; logs: {logs}; "
+                    f"recorder: {self._recorder_stats()}")
+
+    def _recorder_stats(self):
+        """The recorder's counters (flushes, errors, calls) for a failure's message, if it answers."""
+        try:
+            token = (self.home / "recorder_token").read_text().strip()
+            url = self.current_state()["urls"]["recorder"].removesuffix("/v1") + "/stats"
+            return httpx.get(url, headers={"Authorization": f"Bearer {token}"}, timeout=30).json()
+        except Exception as exc:  # noqa: BLE001 - only for the message
+            return repr(exc)
 
     def current_state(self) -> dict:
         return json.loads((self.home / "stack.json").read_text())

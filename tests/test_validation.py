@@ -434,6 +434,10 @@ def test_count_eligible_cheap_rules(store):
     store.write_rewards([make_reward("bad"), make_reward("topbad"), make_reward("unrewarded", math.nan)])
     assert count_eligible(store, "v1", ORDER, 0, VOCAB) == 4  # a, b, c, topbad
     assert count_eligible(store, "v1", ORDER, 1, VOCAB) == 5  # + stale
+    # the report says where the others stop: recorded in the window (a, b, c, unrewarded, bad, topbad),
+    # rewarded (the NaN reward is none)
+    rep = count_eligible(store, "v1", ORDER, 0, VOCAB, report=True)
+    assert (rep.eligible, rep.recorded, rep.rewarded) == (4, 6, 5), rep
     res = select_round_dataset(store, "r1", "v1", ORDER, 0, 1, VOCAB)
     assert res.n_eligible == 3
     assert count_eligible(store, "v1", ORDER, 0, VOCAB) == 2  # ledger: a, bad, topbad, unrewarded consumed

@@ -35,12 +35,16 @@ def next_round_decision(svc: Services, existing_rounds: list[str], in_flight: bo
                       f"`prodrl review reject {mv} --reason ...`)")
     need = svc.settings.recipe.trajectories_per_round
     scored = bool(svc.settings.rewards.scorers)  # a grader or judge rewards stored traffic itself
-    n = count_eligible(svc.store, live.policy_version, svc.ledger.version_order(),
-                       svc.settings.recipe.max_policy_lag, vocab_size(live.checkpoint_dir), needs_reward=not scored)
+    tick = count_eligible(svc.store, live.policy_version, svc.ledger.version_order(),
+                          svc.settings.recipe.max_policy_lag, vocab_size(live.checkpoint_dir),
+                          needs_reward=not scored, report=True)
+    n = tick.eligible
     if n < need:
         what = "recorded trajectories (scored by " + ", ".join(svc.settings.rewards.scorers) + ")" if scored \
             else "rewarded trajectories"
+        # what the store holds says where traffic stops: not recorded, not rewarded, or not eligible
+        seen = f"; the store holds {tick.recorded} trajectories of the window, {tick.rewarded} rewarded"
         return None, (f"{n}/{need} eligible {what} from {live.policy_version}: send {need - n} more "
-                      f"{what.split(' (')[0]} through the recorder")
+                      f"{what.split(' (')[0]} through the recorder{seen}")
     nxt = round_key((round_index(latest) if latest else 0) + 1)
     return nxt, f"{n} eligible trajectories >= S*B = {need}"

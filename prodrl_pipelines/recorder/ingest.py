@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import logging
 import queue
 import threading
 import time
@@ -55,6 +56,8 @@ from prodrl_pipelines.trajectories.store import CALLS as CALLS_T
 from prodrl_pipelines.trajectories.store import RETRACTIONS as RETRACTIONS_T
 from prodrl_pipelines.trajectories.store import REWARDS as REWARDS_T
 from prodrl_pipelines.trajectories.store import SchemaMismatchError, TrajectoryStore, name_problem, to_table, uuid7
+
+log = logging.getLogger(__name__)
 
 __all__ = ["Ingestor", "Attempt", "SKIPPED_PREFIX", "REJECTED_PREFIX"]
 
@@ -354,13 +357,17 @@ class Ingestor:
             item = self._flushq.get()
             if item is None:
                 return
-            delay = 0.05
+            delay, failures = 0.05, 0
             while True:
                 try:
                     self._flush_sealed(item)
                     break
-                except Exception:
+                except Exception as exc:  # noqa: BLE001 - retried until it lands; said in the log
                     self.stats.inc("flush_errors")
+                    failures += 1
+                    if failures in (1, 10) or failures % 100 == 0:  # the first, then now and then
+                        log.warning("flush of %d WAL entries failed (attempt %d, retrying): %s: %s",
+                                    len(item.entries), failures, type(exc).__name__, exc)
                     time.sleep(delay)
                     delay = min(delay * 2, 5.0)
             for ev in item.done:

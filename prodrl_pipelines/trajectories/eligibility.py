@@ -77,6 +77,8 @@ class TickReport:
     commits_read: int
     files_read: int
     tracked: int
+    recorded: int = 0  # trajectories whose calls are all under the window's versions
+    rewarded: int = 0  # ... of those with a finite reward
 
 
 def bad_call_rows(calls: pa.Table, vocab_size: int) -> list[int]:
@@ -306,11 +308,15 @@ class EligibilityTracker:
         if why is not None:
             cursor, trajs, since = self._rebuild(win)
         inside = set(win.versions)
-        n = 0
+        n = recorded = rewarded = 0
         for tr in trajs.values():
             rows = tr.live_rows()
-            if (rows and not tr.used and all(r[2] in inside and not r[3] for r in rows)
-                    and (not needs_reward or (tr.reward is not None and np.isfinite(tr.reward)))):
+            if not rows or not all(r[2] in inside for r in rows):
+                continue
+            recorded += 1
+            has_reward = tr.reward is not None and bool(np.isfinite(tr.reward))
+            rewarded += has_reward
+            if not tr.used and not any(r[3] for r in rows) and (not needs_reward or has_reward):
                 idx = {r[0] for r in rows}
                 n += min(idx) == 0 and max(idx) == len(idx) - 1
         meta_now = {"vocab_size": self.vocab_size, "window": win.versions, "predecessor": win.predecessor,
@@ -318,5 +324,5 @@ class EligibilityTracker:
         if why is not None or commits_read or meta_now != meta:  # else: nothing to write
             self._save(meta_now, trajs)
         if report:
-            return TickReport(n, why, commits_read, files_read, len(trajs))
+            return TickReport(n, why, commits_read, files_read, len(trajs), recorded, rewarded)
         return n

@@ -232,7 +232,8 @@ def count_eligible(
     max_policy_lag: int,
     vocab_size: int,
     needs_reward: bool = True,
-) -> int:
+    report: bool = False,
+):
     """Cheap upper bound of ``select_round_dataset``'s ``n_eligible``, for a sensor.
 
     Incremental (``eligibility.EligibilityTracker``): reads only the commits since the last count
@@ -240,8 +241,9 @@ def count_eligible(
     one, those in any round's ledger, and those failing the simple rules (call indices, empty
     generation, length mismatch, output token range, non-finite output logprob). Skips the prompt
     and top-K checks and duplicate conflicts, so it may count a few that selection then quarantines.
+    ``report=True``: the tick's ``TickReport`` (with how many were recorded and rewarded) instead.
     """
     from prodrl_pipelines.trajectories.eligibility import EligibilityTracker
 
     return EligibilityTracker(store, vocab_size).count(live_version, version_order, max_policy_lag,
-                                                       needs_reward=needs_reward)
+                                                       needs_reward=needs_reward, report=report)
