@@ -235,6 +235,7 @@ class Reply:
     message: dict
     finish_reason: str
     parsed: bool
+    dropped_calls: int = 0  # sampled calls left out of the message (``parallel_tool_calls: false``)
 
 
 def _message(content: str | None, reasoning: str | None = None, calls: list | None = None) -> dict:
@@ -257,14 +258,15 @@ def reply_message(plan: ToolPlan, text: str, finish_reason: str, opening: str = 
     parsed = fmt.parse(opening + text)
     calls = [{"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function", "function": dict(c["function"])}
              for c in parsed.get("tool_calls") or []]
+    dropped = 0
     if not plan.parallel:
-        calls = calls[:1]
+        calls, dropped = calls[:1], max(0, len(calls) - 1)
     finish = finish_reason
     if calls and plan.choice in (AUTO, REQUIRED) and finish_reason == "stop":
         finish = "tool_calls"
     reasoning = parsed.get("reasoning_content")
     msg = _message(parsed.get("content"), reasoning, calls)
-    return Reply(msg, finish, bool(calls) or reasoning is not None or msg["content"] != text)
+    return Reply(msg, finish, bool(calls) or reasoning is not None or msg["content"] != text, dropped)
 
 
 def stream_delta(message: dict) -> dict:

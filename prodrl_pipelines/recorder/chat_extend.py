@@ -42,6 +42,9 @@ class Turn:
     output_ids: list[int]  # as sampled (the stop token included when the model stopped)
     stopped: bool  # the last output id is the stop token that ended the turn
     reply: dict  # the assistant message the client got
+    # the reply left sampled tool calls out (``parallel_tool_calls: false``): its output ids hold calls
+    # that never ran, so the next call is rendered from the messages, as the client sent them
+    truncated: bool = False
 
 
 @dataclass
@@ -139,6 +142,9 @@ class ChatExtender:
             if not echoes(messages[n], turn.reply):
                 reason = "reply_not_echoed"
                 continue
+            if turn.truncated:
+                reason = "reply_truncated"
+                continue
             bridge = self._bridge(turn, messages[n + 1:], plan_tools_result)
             if bridge is None:
                 reason = "bridge_mismatch"
@@ -167,9 +173,10 @@ class ChatExtender:
         opening = forced_opening(tools, self.tok, full)
         return text + opening, opening
 
-    def remember(self, tid: str, plan: Plan, output_ids: list[int], stopped: bool, reply: dict) -> None:
+    def remember(self, tid: str, plan: Plan, output_ids: list[int], stopped: bool, reply: dict,
+                 truncated: bool = False) -> None:
         turns = self.sessions.pop(tid, [])
-        turn = Turn(plan.messages, plan.tools, plan.prompt_ids, output_ids, stopped, reply)
+        turn = Turn(plan.messages, plan.tools, plan.prompt_ids, output_ids, stopped, reply, truncated)
         self.sessions[tid] = (turns + [turn])[-2:]  # the turn before: a client's retry of the last call
         while len(self.sessions) > MAX_SESSIONS:
             self.sessions.popitem(last=False)
@@ -244,7 +251,7 @@ def chat_chunks(answer: dict, include_usage: bool) -> list[dict]:
 
 
 async def serve_extended(rec, ext: ChatExtender, body: dict, caller, pv: str | None, task_id: str | None, ask,
-                         shape=None):
+                         shape=None, request=None):
     """One chat call of a session through ``ext``: rendered here, sent as a completion of token ids,
     recorded, answered as chat (streamed as chunks when asked); ``shape``: a Responses call
     (``ResponsesShape``), answered as a Response (or its events)."""
@@ -295,11 +302,14 @@ async def serve_extended(rec, ext: ChatExtender, body: dict, caller, pv: str | N
     except (ValueError, *UPSTREAM_SHAPE_ERRORS) as exc:
         return err(f"the upstream server's answer is malformed ({type(exc).__name__}: {exc})", 502, stats,
                    "upstream_bad_answers", headers)
+    if request is not None and await request.is_disconnected():  # its retry is the call, not this
+        stats.count("client_disconnected", tenant=caller.tenant.name)
+        return err("the client disconnected before the answer", 499, headers=headers)
     try:
         index = await rec.commit(caller.tid, row, reason, caller.attempt, caller.tenant.name)
     except Exception as exc:  # the WAL failed: the client must not believe the call was recorded
         return err(f"the call could not be recorded durably: {exc}", 503, stats, "commit_failures", headers)
-    ext.remember(caller.tid, plan, ids, stopped, reply.message)
+    ext.remember(caller.tid, plan, ids, stopped, reply.message, truncated=reply.dropped_calls > 0)
     headers.update({"X-Call-Index": str(index), "X-Prodrl-Recorded": "true" if row is not None else "false"})
     if shape is not None and body.get("stream"):
         return Response(responses_stream(shape, answer), media_type="text/event-stream", headers=headers)
@@ -310,6 +320,29 @@ async def serve_extended(rec, ext: ChatExtender, body: dict, caller, pv: str | N
         usage = bool((body.get("stream_options") or {}).get("include_usage"))
         return Response(chat_stream(answer, usage), media_type="text/event-stream", headers=headers)
     return Response(dumps(answer), media_type="application/json", headers=headers)
+
+
+# request fields that change how the prompt is rendered, which the extend path does not render with:
+# such a call takes the plain path (the upstream renders it as asked)
+RENDERING_FIELDS = ("chat_template", "chat_template_kwargs", "reasoning_effort", "continue_final_message",
+                    "add_generation_prompt", "documents", "mm_processor_kwargs")
+
+
+def extend_refusal(body: dict) -> str | None:
+    """Why a chat call cannot take the extend path (the counted reason), None when it can: a call the
+    plain path would not record as trainable (greedy, a penalty, a constraint or a structured output,
+    which the completion the extend path sends would drop) keeps the plain path's rules, and so does
+    one that asks for its own rendering."""
+    from prodrl_pipelines.recorder.requests import unrecordable_reason
+
+    if (body.get("n") or 1) != 1:
+        return "n"
+    if unrecordable_reason(body, "chat") is not None:
+        return "unrecordable"
+    for name in RENDERING_FIELDS:
+        if body.get("add_generation_prompt") is False if name == "add_generation_prompt" else body.get(name):
+            return name
+    return None
 
 
 def extender_of(rec) -> ChatExtender | None:

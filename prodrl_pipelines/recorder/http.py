@@ -19,7 +19,7 @@ from starlette.routing import Route
 from prodrl_pipelines.engines.openai_protocol import ProtocolError, error_body
 from prodrl_pipelines.config.preflight import redact
 from prodrl_pipelines.recorder.answers import Rewriter
-from prodrl_pipelines.recorder.chat_extend import extender_of, serve_extended
+from prodrl_pipelines.recorder.chat_extend import extend_refusal, extender_of, serve_extended
 from prodrl_pipelines.recorder.calls import (
     SESSION_PARAM,
     UPSTREAM_SHAPE_ERRORS,
@@ -80,10 +80,10 @@ async def _proxy(request: Request, kind: str) -> Response:
     ask = client_ask(body, kind)
     if kind == "chat" and rec.cfg.chat_history == "extend" and source != "none":
         ext = extender_of(rec)
-        why = "no_tokenizer" if ext is None else "n" if (body.get("n") or 1) != 1 else None
+        why = "no_tokenizer" if ext is None else extend_refusal(body)
         if why is None:
             try:
-                return await serve_extended(rec, ext, body, caller, pv, task_id, ask, shape)
+                return await serve_extended(rec, ext, body, caller, pv, task_id, ask, shape, request)
             except ProtocolError as exc:
                 return err(str(exc), exc.status, stats, "bad_requests")
         stats.inc(f"extend_skipped.{why}")
