@@ -76,6 +76,14 @@ CASES = {
                        "call 0 output_logprobs[1]=None"),
     "top_lp_inf": (lambda c, r: _set2(c[2], "top_logprobs", 2, 1, -math.inf), "non_finite_logprob",
                    "call 2 top_logprobs[2][1]=-inf"),
+    "greedy": (lambda c, r: c[1].update(temperature=0.0), "bad_sampling",
+               "call 1 temperature=0.0 top_p=1.0 is not a sampled distribution"),
+    "temperature_null": (lambda c, r: c[2].update(temperature=None), "bad_sampling",
+                         "call 2 temperature=None top_p=1.0 is not a sampled distribution"),
+    "temperature_nan": (lambda c, r: c[0].update(temperature=math.nan), "bad_sampling",
+                        "call 0 temperature=nan top_p=1.0 is not a sampled distribution"),
+    "top_p_zero": (lambda c, r: c[1].update(top_p=0.0), "bad_sampling",
+                   "call 1 temperature=1.0 top_p=0.0 is not a sampled distribution"),
     "length_mismatch": (lambda c, r: c[1].update(output_logprobs=c[1]["output_logprobs"][:3]), "length_mismatch",
                         "call 1 output_token_ids has 4 tokens but output_logprobs has 3"),
     "logprobs_null": (lambda c, r: c[1].update(output_logprobs=None), "length_mismatch",
@@ -236,6 +244,8 @@ def _reference_code(calls: list[dict], reward, vocab, known) -> str | None:
                                                             + [x for r in (c["top_token_ids"] or []) for x in (r or [])]))),
         ("non_finite_logprob", lambda c: not all(map(fin, (c["output_logprobs"] or [])
                                                      + [x for r in (c["top_logprobs"] or []) for x in (r or [])]))),
+        ("bad_sampling", lambda c: not (fin(c["temperature"]) and c["temperature"] >= 1e-5)
+         or (c["top_p"] is not None and not (math.isfinite(c["top_p"]) and 0 < c["top_p"] <= 1))),
         ("top_k_shape", lambda c: _bad_top(c)),
     ]
     for code, bad in checks:
@@ -263,7 +273,7 @@ def _bad_top(c) -> bool:
 
 
 def _corrupt(rng: random.Random, call: dict) -> None:
-    kind = rng.randrange(9)
+    kind = rng.randrange(10)
     n = len(call["output_token_ids"])
     if kind == 0:
         _set(call, "output_token_ids", rng.randrange(n), rng.choice([VOCAB, -3]))
@@ -281,8 +291,10 @@ def _corrupt(rng: random.Random, call: dict) -> None:
         call["call_index"] += 5
     elif kind == 7:
         call.update(output_token_ids=[], output_logprobs=[], top_token_ids=[], top_logprobs=[])
-    else:
+    elif kind == 8:
         _set2(call, "top_token_ids", rng.randrange(n), 0, 10**5)
+    else:
+        call.update(rng.choice([{"temperature": 0.0}, {"temperature": None}, {"top_p": 0.0}, {"top_p": 1.5}]))
 
 
 def test_vectorised_rules_match_reference_on_random_data():

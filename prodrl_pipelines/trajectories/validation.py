@@ -19,6 +19,8 @@ empty_prompt                prompt_token_ids null or empty (the first output tok
 length_mismatch             len(output_logprobs) != len(output_token_ids)
 token_id_out_of_range       a prompt, output or top-K token id null or outside [0, vocab_size)
 non_finite_logprob          an output or top-K logprob null, NaN or +-inf
+bad_sampling                temperature null, non-finite or below 1e-5 (greedy: the trainer divides
+                            logits by it), or top_p outside (0, 1]
 top_k_shape                 top_token_ids / top_logprobs row count != number of output tokens, or
                             a row shorter than K (K = longest row of that call, per column), K = 0,
                             or K differs between top_token_ids and top_logprobs
@@ -56,6 +58,7 @@ from prodrl_pipelines.trajectories.validation_rules import (
     policy_version_rule,
     reward_rules,
     routing_rule,
+    sampling_rule,
     token_id_rule,
     top_k_shape_rule,
     trajectory_rewards,
@@ -71,6 +74,7 @@ REASONS: tuple[str, ...] = (
     "length_mismatch",
     "token_id_out_of_range",
     "non_finite_logprob",
+    "bad_sampling",
     "top_k_shape",
     "bad_routing",
     "missing_reward",
@@ -211,6 +215,7 @@ def _rules_in_order(rows: CallRows, rewards: TrajectoryRewards, vocab_size: int,
         *length_rules(rows, check_prompt),
         token_id_rule(rows, vocab_size, check_top, check_prompt),
         logprob_rule(rows, check_top),
+        sampling_rule(rows),
     ]
     if check_top:
         rules.append(top_k_shape_rule(rows))

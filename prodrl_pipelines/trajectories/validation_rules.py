@@ -312,6 +312,30 @@ def logprob_rule(rows: CallRows, check_top: bool) -> Rule:
     return _first_flagged("non_finite_logprob", rows, checks)
 
 
+GREEDY_EPS = 1e-5  # the recorder's: a temperature below it is greedy decoding, not a sample
+
+
+def sampling_rule(rows: CallRows) -> Rule:
+    """bad_sampling: a temperature null, non-finite or below ``GREEDY_EPS`` (the trainer divides the
+    logits by it), or a top_p outside (0, 1]: no sampled distribution to correct towards."""
+    t = pc.fill_null(pc.cast(rows.col("temperature"), pa.float64()), np.nan).to_numpy(zero_copy_only=False)
+    with np.errstate(invalid="ignore"):
+        bad = ~np.isfinite(t) | (t < GREEDY_EPS)
+    if "top_p" in rows.calls.column_names:
+        tp = pc.cast(rows.col("top_p"), pa.float64())
+        v = pc.fill_null(tp, 1.0).to_numpy(zero_copy_only=False)
+        with np.errstate(invalid="ignore"):
+            bad |= ~np.isfinite(v) | (v <= 0) | (v > 1)
+
+    def describe(row: int) -> str:
+        temp, top_p = rows.col("temperature")[row].as_py(), None
+        if "top_p" in rows.calls.column_names:
+            top_p = rows.col("top_p")[row].as_py()
+        return f"call {rows.ci[row]} temperature={temp!r} top_p={top_p!r} is not a sampled distribution"
+
+    return "bad_sampling", bad, describe
+
+
 def _list_check(rows: CallRows, name: str, find_bad: Callable[[pa.Array], np.ndarray]) -> _Check:
     """Per row: the first flagged value of a list column."""
     flat = rows.flat(name)
