@@ -306,6 +306,69 @@ def test_a_served_suite_feeds_the_gate_the_monitors_and_the_slices(tiny_policy_d
     assert gate.heldout_verdict(svc, res).passed
 
 
+# tasks reported in the reverse order when the served name ends in 1 (completion order differs between
+# runs); a task's reward is its own (i/3), whatever the policy says
+REVERSING = textwrap.dedent('''
+    import json, os
+    from openai import OpenAI
+
+    env = os.environ
+    client = OpenAI(base_url=env["PRODRL_BASE_URL"], api_key=env["PRODRL_API_KEY"])
+    lines = []
+    for i in range(int(env["PRODRL_NUM_TASKS"])):
+        r = client.chat.completions.create(
+            model=env["PRODRL_MODEL"], messages=[{"role": "user", "content": f"{i} + {i} ="}],
+            max_tokens=int(env["PRODRL_MAX_TOKENS"]), seed=int(env["PRODRL_SEED"]) + i)
+        lines.append(json.dumps({"task_id": f"t{i}", "reward": i / 3, "outputs": [r.choices[0].message.content],
+                                 "tags": [f"half:{i // 2}"]}))
+    for line in (lines[::-1] if env["PRODRL_MODEL"].endswith("1") else lines):
+        print(line)
+''')
+
+
+def test_a_harness_reporting_in_another_order_is_paired_by_task(tiny_policy_dir, tmp_path, monkeypatch):
+    """The candidate's harness run reports its tasks in reverse: the gate and the slices pair each task
+    with itself (every difference 0), and live is not evaluated again for an order."""
+    import shutil
+
+    from prodrl_pipelines.loop import bootstrap, evaluate, gate
+    from prodrl_pipelines.loop.services import services_from_env
+
+    (tmp_path / "reversing.py").write_text(REVERSING)
+    suite = f"command:{sys.executable} {tmp_path / 'reversing.py'}"
+    monkeypatch.delenv("MLFLOW_TRACKING_URI", raising=False)
+    svc = services_from_env({"home": str(tmp_path / "home"), "base_model": str(tiny_policy_dir), "eval_suite": suite,
+                             "heldout_size": 4, "max_tokens": 4, "export_scheme": "bf16",
+                             "monitors_slices_min_tasks": 2}, check=True)
+    bootstrap.bootstrap(svc)
+    assert svc.ledger.eval("round-000000")["task_ids"] == ["t0", "t1", "t2", "t3"]
+    exports = svc.settings.exports_root
+    shutil.copytree(exports / "round-000000", exports / "round-000001")  # a candidate with the live weights
+    res = evaluate.evaluate(svc, "round-000001")
+    assert res["candidate"]["task_ids"] == ["t3", "t2", "t1", "t0"]  # as the harness reported them
+    assert res["live"]["task_ids"] == res["candidate"]["task_ids"]
+    assert res["live"]["rewards"] == res["candidate"]["rewards"] == [1.0, 2 / 3, 1 / 3, 0.0]
+    verdict = gate.heldout_verdict(svc, res)
+    assert (verdict.mean_diff, verdict.diff_lower, verdict.diff_upper) == (0.0, 0.0, 0.0), verdict
+    slices = next(m for m in res["monitors"] if m["name"] == "slices")
+    assert "half:0: +0.000 [+0.000, +0.000]" in slices["detail"] and "half:1: +0.000" in slices["detail"], slices
+    # the stored live evaluation is the bootstrap's: not run again because the order differed
+    assert svc.ledger.eval("round-000000")["task_ids"] == ["t0", "t1", "t2", "t3"]
+
+
+def test_evaluations_of_other_task_sets_are_refused_naming_the_difference():
+    from prodrl_pipelines.evaluation.statistics import UnpairedEvaluations, paired_on
+
+    ev = {"policy_version": "round-000002", "task_ids": ["a", "b", "c"], "rewards": [1, 2, 3],
+          "facts": [{"x": 1}, {"x": 2}, {"x": 3}], "mean": 2.0}
+    assert paired_on(ev, ["c", "a", "b"]) == {**ev, "task_ids": ["c", "a", "b"], "rewards": [3, 1, 2],
+                                                "facts": [{"x": 3}, {"x": 1}, {"x": 2}]}
+    with pytest.raises(UnpairedEvaluations, match=r"round-000002 ran other tasks .* missing \['d'\], extra \['c'\]"):
+        paired_on(ev, ["a", "b", "d"])
+    with pytest.raises(UnpairedEvaluations, match="missing"):
+        paired_on(ev, ["a", "b"])
+
+
 def test_live_monitoring_plays_a_served_suite_against_the_deployment_itself(tiny_policy_dir, harness):
     """Through an endpoint (``eval_live_endpoint``, the deployment's endpoint file) the harness talks
     to the deployment: a real ``prodrl serve`` process here, serving the live version's name."""

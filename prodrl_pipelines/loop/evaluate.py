@@ -34,11 +34,24 @@ def reference_version(svc: Services) -> str:
 def version_eval(svc: Services, policy_version: str, task_ids: list | None = None) -> dict:
     """A deployed version's recorded held-out evaluation with per-episode facts, on ``task_ids``;
     evaluated (and recorded) again when it is missing, predates the facts or ran other tasks."""
+    from prodrl_pipelines.evaluation.statistics import same_tasks
+
     ev = svc.ledger.eval(policy_version)
-    if ev is None or "facts" not in ev or (task_ids is not None and ev["task_ids"] != task_ids):
+    if ev is None or "facts" not in ev or (task_ids is not None and not same_tasks(ev, task_ids)):
         ev = evaluate_export(svc, ensure_local(svc, "exports", policy_version), policy_version)
         svc.ledger.record_eval(policy_version, ev)
-    return ev
+    return ev if task_ids is None else _paired(ev, task_ids)
+
+
+def _paired(ev: dict, task_ids: list) -> dict:
+    """``ev`` keyed by task to ``task_ids`` (``paired_on``), or a RoundError saying what differs."""
+    from prodrl_pipelines.evaluation.statistics import UnpairedEvaluations, paired_on
+
+    try:
+        return paired_on(ev, task_ids)
+    except UnpairedEvaluations as e:
+        raise RoundError(f"{e}; the suite must play the same held-out tasks for every policy (a served "
+                         "harness: the same task ids for the same seed and size)") from None
 
 
 def kl_to_reference(svc: Services, calls: list, reference_export: Path) -> dict:
@@ -59,12 +72,14 @@ def kl_to_reference(svc: Services, calls: list, reference_export: Path) -> dict:
 
 
 def evaluate(svc: Services, rkey: str) -> dict:
-    """The candidate and the live policy on the same held-out tasks. Once the gate has decided, the
+    """The candidate and the live policy on the same held-out tasks, paired by task id. Once the gate has decided, the
     recorded evaluation is returned as it is (``reproduced``): a later live policy never re-judges it."""
     if svc.ledger.decision(rkey) is not None:
         if svc.blobs.exists(keys.heldout(rkey)):
             return {**upstream_json(svc, keys.heldout(rkey)), "reproduced": True}
         refuse_if_decided(svc, rkey, "heldout_eval")  # decided before any evaluation (e.g. at export)
+    from prodrl_pipelines.evaluation.statistics import same_tasks
+
     live = svc.live()
     export_dir = ensure_local(svc, "exports", rkey)
     cand, smoke_error = None, ""
@@ -76,9 +91,11 @@ def evaluate(svc: Services, rkey: str) -> dict:
         smoke_error = f"{type(e).__name__}: {e}"
     live_eval = svc.ledger.eval(live.policy_version)
     if (live_eval is None or "facts" not in live_eval
-            or (cand is not None and live_eval["task_ids"] != cand["task_ids"])):
+            or (cand is not None and not same_tasks(live_eval, cand["task_ids"]))):
         live_eval = evaluate_export(svc, Path(live.export_dir), live.policy_version)
         svc.ledger.record_eval(live.policy_version, live_eval)
+    if cand is not None:  # paired by task, not by the order a harness reported them in
+        live_eval = _paired(live_eval, cand["task_ids"])
     monitors, cumulative, ref = [], [], None
     if cand is not None:
         mon = svc.settings.monitors

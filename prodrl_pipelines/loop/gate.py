@@ -102,7 +102,11 @@ def decide(
 # --- the round's step --------------------------------------------------------------------------
 def heldout_verdict(svc: Services, ev: dict, nonfinite: dict | None = None) -> GateDecision:
     """The gate's paired test on a recorded evaluation (``nonfinite``: the export's bad tensors)."""
+    from prodrl_pipelines.evaluation.statistics import paired_on
+
     s, cand, live = svc.settings, ev["candidate"], ev["live"]
+    if cand:  # by task id: an evaluation stored before they were paired so may hold another order
+        live = paired_on(live, cand["task_ids"])
     return decide(
         np.asarray(cand["rewards"]) if cand else np.asarray([]),
         np.asarray(live["rewards"]) if cand else np.asarray([]),
