@@ -200,11 +200,17 @@ def test_the_verifiers_reward_source_scores_recorded_trajectories_by_task(tmp_pa
     store, calls = stored(tmp_path, {"a": ("q0", ["4"]), "b": ("q1", ["8"]), "c": ("q1", [" 7 "]),
                                      "d": ("nope", ["4"])})
     plan = RewardPlan(RewardSettings(sources=("verifiers",), verifiers_taskset=tiny_taskset))
-    assert plan.current_version("verifiers") == "verifiers:tiny-qa@0.4.0"
+    version = plan.current_version("verifiers")
+    assert version.startswith("verifiers:tiny-qa@0.4.0+"), version  # the library and the taskset's code
     rep = score_missing(store, plan, calls)["verifiers"]
     assert (rep.scored, rep.failed) == (3, 1) and "'nope' is not a task of taskset 'tiny-qa'" in rep.first_error
     got = {r["trajectory_id"]: r["reward"] for r in store.read_rewards(latest=False).to_pylist()}
     assert got == {"a": 1.0, "b": 0.0, "c": 1.0}  # the taskset's rule: the stripped reply equals the answer
+    # the taskset's package edited (its rubric): a new version, so rescore grades again
+    init = tmp_path / "vfpkg" / "tiny_qa" / "__init__.py"
+    init.write_text(init.read_text() + "\n# rubric edited\n")
+    assert RewardPlan(RewardSettings(sources=("verifiers",), verifiers_taskset=tiny_taskset)
+                      ).current_version("verifiers") != version
 
 
 # ------------------------------------------------------------------------------------------- inspect-ai

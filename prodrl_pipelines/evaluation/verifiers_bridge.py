@@ -4,7 +4,7 @@ nothing of prodrl_pipelines: only the standard library, ``verifiers.v1`` and ``o
 
     python verifiers_bridge.py suite TASKSET   # the first PRODRL_NUM_TASKS tasks against PRODRL_BASE_URL
     python verifiers_bridge.py score TASKSET   # trajectories (JSON lines on stdin) scored, one reward each
-    python verifiers_bridge.py version         # the verifiers version (the reward source's version)
+    python verifiers_bridge.py version [TASKSET]  # the verifiers version (+ the taskset's code hash)
 
 ``TASKSET`` is a verifiers taskset id (its module must be importable, as ``vf-eval`` needs it).
 Both modes score through the taskset's own ``Task.score`` on a ``vf.Trace`` of the conversation:
@@ -126,11 +126,43 @@ def score(taskset_id: str) -> int:
     return 0
 
 
+def taskset_code_hash(taskset_id: str) -> str:
+    """A hash of the files of the package the taskset was loaded from (its rubric, prompts and data):
+    an edit there is a new scorer version. Empty when its module cannot be told."""
+    import hashlib
+    import importlib
+    from pathlib import Path
+
+    vf = _vf()
+    taskset = vf.load_taskset(vf.TasksetConfig(id=taskset_id))
+    names = [type(taskset).__module__, *(type(t).__module__ for t in list(taskset)[:1]),
+             taskset_id.replace("-", "_")]
+    files = []
+    for name in dict.fromkeys(n.split(".")[0] for n in names):
+        if name in ("verifiers", "builtins"):
+            continue
+        try:
+            mod = importlib.import_module(name)
+        except ImportError:
+            continue
+        file = getattr(mod, "__file__", None)
+        if file:
+            p = Path(file)
+            files += sorted(f for f in p.parent.rglob("*") if f.is_file() and "__pycache__" not in f.parts) \
+                if p.name == "__init__.py" else [p]
+    h = hashlib.sha256()
+    for f in files:
+        h.update(f"\0{f.name}\0".encode())
+        h.update(f.read_bytes())
+    return h.hexdigest()[:12] if files else ""
+
+
 def main(argv: list[str]) -> int:
     if argv[:1] == ["version"]:
         import verifiers
 
-        print(verifiers.__version__)
+        code = taskset_code_hash(argv[1]) if len(argv) > 1 else ""
+        print(verifiers.__version__ + (f"+{code}" if code else ""))
         return 0
     if len(argv) != 2 or argv[0] not in ("suite", "score"):
         print(__doc__, file=sys.stderr)

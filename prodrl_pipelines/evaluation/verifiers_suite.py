@@ -11,7 +11,6 @@ there (installed into that environment, or on ``PYTHONPATH``).
 
 from __future__ import annotations
 
-import functools
 import subprocess
 from pathlib import Path
 
@@ -30,9 +29,11 @@ def verifiers_python() -> str:
     return py
 
 
-@functools.lru_cache(maxsize=4)
-def verifiers_version(py: str) -> str:
-    out = subprocess.run([py, str(BRIDGE), "version"], capture_output=True, text=True, timeout=120)
+def verifiers_version(py: str, taskset: str = "") -> str:
+    """The verifiers version, + a hash of ``taskset``'s package when one is named (its rubric's code).
+    Asked each time a source is built, not cached: the package may have been edited since."""
+    out = subprocess.run([py, str(BRIDGE), "version", *([taskset] if taskset else [])], capture_output=True,
+                         text=True, timeout=120)
     if out.returncode != 0:
         raise SuiteError(f"{py}: verifiers does not import: {out.stderr.strip().splitlines()[-1:]}")
     return out.stdout.strip()
@@ -55,6 +56,6 @@ def verifiers_reward_source(settings):
 
     taskset = settings.verifiers_taskset.strip()
     argv = bridge_argv("score", taskset)
-    src = CommandSource(settings, argv=argv, version=f"verifiers:{taskset}@{verifiers_version(argv[0])}")
+    src = CommandSource(settings, argv=argv, version=f"verifiers:{taskset}@{verifiers_version(argv[0], taskset)}")
     src.name = "verifiers"
     return src

@@ -5,10 +5,12 @@
   [rendered prompt per call], "metadata"}``, and it prints one ``{"trajectory_id": ..., "reward":
   <number or null>}`` line per trajectory it scored (``"error"`` optional). A trajectory it skips or
   answers null for stays unscored (pending), and one it fails on reports its error; neither is a 0.
-  Version: ``command@<hash of the command line>`` (a new command line, new reward rows beside the old).
+  Version: ``command@<hash of the command line and of the files it names>`` (a script and the modules
+  it imports from beside it, a rubric file: ``code_version.files_hash``); a new command line or an
+  edited script gives new reward rows beside the old.
 - ``verifiers`` (``rewards_verifiers_taskset``): this source with the verifiers bridge as its
   command, run by the verifiers environment's Python; version ``verifiers:<taskset>@<verifiers
-  version>`` (``verifiers_suite``).
+  version>+<hash of the taskset's package>`` (``verifiers_suite``).
 """
 
 from __future__ import annotations
@@ -17,6 +19,7 @@ import json
 import shlex
 from typing import Sequence
 
+from prodrl_pipelines.rewards.code_version import files_hash
 from prodrl_pipelines.rewards.outcome import Outcome, checked, short_hash
 from prodrl_pipelines.rewards.view import TrajectoryView
 
@@ -49,7 +52,8 @@ class CommandSource:
                 raise ValueError("rewards_command: source 'command' needs the command line to run")
             argv = shlex.split(settings.command)
         self.argv = list(argv)
-        self.version = version or f"command@{short_hash(shlex.join(self.argv))}"
+        # the command line and the files it names (the script, its rubric): an edit is a new version
+        self.version = version or f"command@{short_hash(shlex.join(self.argv), files_hash(self.argv))}"
 
     def score(self, views: Sequence[TrajectoryView], progress=None) -> list[Outcome]:
         from prodrl_pipelines.evaluation.command_suite import run_command
