@@ -37,12 +37,14 @@ M, OR, HE = "merged", "output_rewritten", "history_edited"
 # how call k+1 joins call k in each SDK's episode (call 0: the first add call; 1: the answer after its
 # result; 2: the second question's call; 3: its answer), with the recorder re-rendering (the default)
 # or extending; docs/agents.md explains each split
+# (1 -> 2 without echoed reasoning: the answer's content keeps the newlines after </think>, which merge with the
+# newline that opens its turn in the next prompt)
 JOINS = {
-    ("openai-agents-chat", "rerender"): [OR, M, OR],  # reasoning not echoed: the call is re-rendered without it
+    ("openai-agents-chat", "rerender"): [OR, HE, OR],  # reasoning not echoed: the call is re-rendered without it
     ("openai-agents-chat-replay", "rerender"): [M, HE, M],  # echoed; the next question drops it (the template)
-    ("openai-agents-responses", "rerender"): [OR, M, OR],  # no reasoning item comes back to echo
+    ("openai-agents-responses", "rerender"): [OR, HE, OR],  # no reasoning item comes back to echo
     ("pydantic-ai", "rerender"): [M, HE, M],
-    ("langgraph", "rerender"): [OR, M, OR],
+    ("langgraph", "rerender"): [OR, HE, OR],
     ("openai-agents-chat", "extend"): [M, M, M],
     ("openai-agents-chat-replay", "extend"): [M, M, M],
     ("openai-agents-responses", "extend"): [M, M, M],

@@ -35,15 +35,16 @@ def tok():
 
 def test_the_qwen3_parser_splits_reasoning_content_and_re_serialised_calls():
     assert parse_qwen3(COMPACT) == {
-        "role": "assistant", "content": None, "reasoning_content": "19-3",
+        "role": "assistant", "content": None, "reasoning_content": "\n19-3\n",
         "tool_calls": [{"id": "call_0", "type": "function",
                         "function": {"name": "answer", "arguments": '{"value": 16}'}}]}
-    # no reasoning, text before the call kept as content
-    assert parse_qwen3('so <tool_call>{"name": "f", "arguments": {}}</tool_call>')["content"] == "so"
+    # no </think>: the text before the call is reasoning, as vLLM's qwen3 parser has it
+    no_think = parse_qwen3('so <tool_call>{"name": "f", "arguments": {}}</tool_call>')
+    assert no_think["content"] is None and no_think["reasoning_content"] == "so " and len(no_think["tool_calls"]) == 1
     # a broken call stays text, as vLLM's hermes parser leaves it
     broken = '<think>\nx\n</think>\n\n<tool_call>\n{"name": "answer", "arguments": {"value": 1}\n</tool_call>'
     msg = parse_qwen3(broken)
-    assert "tool_calls" not in msg and msg["content"].startswith("<tool_call>") and msg["reasoning_content"] == "x"
+    assert "tool_calls" not in msg and msg["content"].startswith("\n\n<tool_call>") and msg["reasoning_content"] == "\nx\n"
     assert parse_plain("19") == {"role": "assistant", "content": "19"}
     with pytest.raises(ValueError, match="unknown reply parser 'hermes'.*none, qwen3"):
         get_reply_parser("hermes")
@@ -59,6 +60,7 @@ def test_the_verifier_reads_the_tool_call_and_judges_against_the_models_own_answ
     two = SPACED + "\n" + SPACED.split("\n\n", 1)[1]
     assert at.parse_answer(two) is None  # one call per answer
     assert at.parse_answer(SPACED.replace("19", '"19"')) is None and at.parse_answer(SPACED.replace("19", "true")) is None
+    assert at.parse_answer(SPACED.replace('{"value": 19}', "[19]")) is None  # a call whose arguments are no object
 
 
 def test_the_environment_answers_a_call_with_its_result_and_the_next_operation():
@@ -203,13 +205,15 @@ def test_agent_loop_demonstrations_follow_an_sdk_loop_under_three_client_histori
         seen.setdefault(_client_of(msgs), msgs)
     assert set(seen) == set(at.CLIENT_HISTORIES)
     msgs = seen["echo"]
-    # per question: the call, the tool's result, the answer in text
+    # per question: the call, the tool's result, the answer in text (after an empty think block, as Qwen3's)
     assert [m["role"] for m in msgs] == ["user", "assistant", "tool", "assistant"] * 2
     assert msgs[1]["content"] == ('<think>\n12+7\n</think>\n\n<tool_call>\n{"name": "add", "arguments": '
                                   '{"a": 12, "b": 7}}\n</tool_call>')
     assert parse_qwen3(msgs[1]["content"])["tool_calls"][0]["function"] == {"name": "add", "arguments": '{"a": 12, "b": 7}'}
-    assert (msgs[2]["content"], msgs[3]["content"], msgs[4]["content"]) == ("19", "19", "then -3")
-    assert '{"a": 19, "b": -3}' in msgs[5]["content"] and msgs[6]["content"] == msgs[7]["content"] == "16"
+    assert (msgs[2]["content"], msgs[3]["content"], msgs[4]["content"]) == ("19", "<think>\n\n</think>\n\n19", "then -3")
+    assert parse_qwen3(msgs[3]["content"])["content"] == "\n\n19"  # the answer is content, not reasoning
+    assert '{"a": 19, "b": -3}' in msgs[5]["content"] and msgs[6]["content"] == "16"
+    assert msgs[7]["content"] == "<think>\n\n</think>\n\n16"
 
     enc = _CallEncoder(tok, env)
 

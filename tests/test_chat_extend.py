@@ -99,7 +99,8 @@ def test_extend_keeps_every_prompt_an_extension_where_rerendering_breaks_it(scri
     # the client sees the same conversation either way: a call, the answer, a call, the answer
     for seen in (seen_r, seen_e):
         assert [bool(m.get("tool_calls")) for m in seen] == [True, False, True]
-        assert seen[1]["content"] == "16" and seen[0]["tool_calls"][0]["function"]["name"] == "add"
+        # the newlines after </think> stay content, as vLLM's qwen3 parser leaves them
+        assert seen[1]["content"] == "\n\n16" and seen[0]["tool_calls"][0]["function"]["name"] == "add"
     assert len(rows_r) == len(rows_e) == 3 and {r["trajectory_id"] for r in rows_e} == {"agent-1"}
     # re-rendered, the history holds what the client echoed (no reasoning, as the openai client's message
     # model keeps it): neither later call extends the one before
@@ -173,7 +174,7 @@ def test_a_responses_session_is_extended_too(scripted, model_dir, tmp_path):
         items += [o.model_dump(exclude_none=True) for o in first.output]
         items.append({"type": "function_call_output", "call_id": calls[0].call_id, "output": "9"})
         second = client.responses.create(model="v0", input=items, tools=[tool])
-        assert second.output_text == "16" and second.status == "completed"
+        assert second.output_text == "\n\n16" and second.status == "completed"
         stats = _stats(srv.url)
         rows = _rows(app)
     assert stats["extend_bridged"] == 1 and stats["extend_rendered.first_call"] == 1

@@ -195,7 +195,8 @@ def test_the_reply_becomes_the_assistant_message():
     auto = reply_message(_plan(), CALLS, "stop")
     msg = auto.message
     assert auto.finish_reason == "tool_calls" and auto.parsed
-    assert msg["content"] is None and msg["reasoning"] == msg["reasoning_content"] == "12+7"
+    # vLLM's qwen3 parser keeps the newlines around </think> (the template strips them)
+    assert msg["content"] is None and msg["reasoning"] == msg["reasoning_content"] == "\n12+7\n"
     assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in msg["tool_calls"]] == \
         [("add", {"a": 19}), ("mul", {"a": 2})]
     ids = [c["id"] for c in msg["tool_calls"]]
@@ -219,14 +220,19 @@ def test_the_reply_becomes_the_assistant_message():
 
     none = reply_message(_plan("none"), CALLS, "stop")  # reasoning parsed, calls left in the content
     assert none.finish_reason == "stop" and "tool_calls" not in none.message
-    assert none.message["reasoning"] == "12+7" and none.message["content"].startswith("<tool_call>")
+    assert none.message["reasoning"] == "\n12+7\n" and none.message["content"].startswith("\n\n<tool_call>")
 
     text = reply_message(_plan(), ANSWER, "stop")
-    assert (text.message["content"], text.message["reasoning"], text.finish_reason) == ("16", "19-3", "stop")
+    assert (text.message["content"], text.message["reasoning"], text.finish_reason) == ("\n\n16", "\n19-3\n", "stop")
     raw = reply_message(plan_tools({}, None), CALLS, "stop")  # no parser: the text as it was sampled
     assert raw.message["content"] == CALLS and raw.message["reasoning"] is None and not raw.parsed
-    plain = reply_message(_plan(), "16", "stop")
-    assert plain.message["content"] == "16" and not plain.parsed
+    # no </think> (cut mid-thought, or the template opened <think>): all reasoning, as vLLM's qwen3 parser
+    cut = reply_message(_plan(), "12+", "length")
+    assert cut.message["content"] is None and cut.message["reasoning"] == "12+" and cut.parsed
+    # enable_thinking false: vLLM parses no reasoning
+    plain = reply_message(_plan(), "16", "stop", thinking=False)
+    assert plain.message["content"] == "16" and plain.message["reasoning"] is None and not plain.parsed
+    assert reply_message(_plan("none"), ANSWER, "stop", thinking=False).message["content"] == ANSWER
 
 
 def test_forced_openings_end_on_a_pre_tokenizer_boundary(engine):
@@ -259,7 +265,7 @@ def test_a_streamed_tool_call_is_the_non_streamed_message(scripted):
         final = s.get_final_completion()
     want = full.choices[0]
     assert want.finish_reason == "tool_calls" and want.message.content is None
-    assert want.message.model_extra["reasoning"] == "12+7"
+    assert want.message.model_extra["reasoning"] == "\n12+7\n"
     deltas = [c.choices[0] for c in chunks if c.choices]
     assert sum((d.model_extra["token_ids"] for d in deltas[1:]), []) == want.model_extra["token_ids"]
     assert len(deltas) == len(want.model_extra["token_ids"]) + 1  # one chunk per token after the role chunk
@@ -267,18 +273,24 @@ def test_a_streamed_tool_call_is_the_non_streamed_message(scripted):
     last = deltas[-1]
     assert [(t.index, t.id.startswith("chatcmpl-tool-"), t.function.name) for t in last.delta.tool_calls] == \
         [(0, True, "add"), (1, True, "mul")]
-    assert last.finish_reason == "tool_calls" and last.delta.model_extra["reasoning"] == "12+7"
+    assert last.finish_reason == "tool_calls" and last.delta.model_extra["reasoning"] == "\n12+7\n"
     got = final.choices[0]
     assert got.finish_reason == want.finish_reason and (got.message.content or None) == want.message.content
     assert [(t.function.name, t.function.arguments) for t in got.message.tool_calls] == \
         [(t.function.name, t.function.arguments) for t in want.message.tool_calls]
-    assert got.message.model_extra.get("reasoning") == "12+7"
-    # a reply with nothing parsed (cut before </think>) still streams token by token
-    text = _chat(scripted.url, {"messages": USER, "max_tokens": 5, "stream": True, "tools": [ADD],
-                                "tool_choice": "none"})
-    contents = [json.loads(line[6:])["choices"][0]["delta"].get("content") for line in text.text.splitlines()
-                if line.startswith("data: {") and '"delta"' in line]
-    assert len([c for c in contents[1:] if c]) > 1
+    assert got.message.model_extra.get("reasoning") == "\n12+7\n"
+    # a reply with nothing parsed (enable_thinking false: no reasoning parsed) still streams token by token
+    body = {"messages": USER, "max_tokens": 5, "stream": True, "tools": [ADD], "tool_choice": "none"}
+    text = _chat(scripted.url, {**body, "chat_template_kwargs": {"enable_thinking": False}})
+    deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in text.text.splitlines()
+              if line.startswith("data: {") and '"delta"' in line]
+    assert len([d for d in deltas[1:] if d.get("content")]) > 1
+    # thinking on, the same reply cut before </think> is reasoning (vLLM's qwen3 parser), whole with the last token
+    text = _chat(scripted.url, body)
+    deltas = [json.loads(line[6:])["choices"][0]["delta"] for line in text.text.splitlines()
+              if line.startswith("data: {") and '"delta"' in line]
+    assert [bool(d.get("reasoning")) for d in deltas[1:]] == [False] * (len(deltas) - 2) + [True]
+    assert not any(d.get("content") for d in deltas[1:])
 
 
 def test_a_required_call_is_opened_in_the_prompt_and_parses(scripted, plain, engine, model_dir):
@@ -330,12 +342,12 @@ def test_a_tool_using_conversation_is_one_recorded_trajectory(scripted, tmp_path
         messages += [{"role": "tool", "tool_call_id": t.id, "content": "ok"} for t in msg.tool_calls]
         stream = client.chat.completions.create(model="v0", messages=messages, tools=[ADD, MUL], max_tokens=30,
                                                 stream=True)
-        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "16"
+        assert "".join(c.choices[0].delta.content or "" for c in stream if c.choices) == "\n\n16"
         forced = client.chat.completions.create(model="v0", messages=USER, tools=[ADD, MUL], max_tokens=40,
                                                 tool_choice="required")
         assert forced.choices[0].message.tool_calls[0].function.name == "add"
         no_tools = client.chat.completions.create(model="v0", messages=USER, max_tokens=140)  # reasoning parsed
-        assert no_tools.choices[0].message.content.startswith("<tool_call>")
+        assert no_tools.choices[0].message.content.startswith("\n\n<tool_call>")
         stats = httpx.get(srv.url + "/stats", headers={"Authorization": f"Bearer {TOKEN}"}).json()["counters"]
         assert app.state.recorder.ingestor.flush(30)
         rows = sorted(app.state.recorder.store.read_calls().to_pylist(), key=lambda r: r["call_index"])

@@ -75,7 +75,8 @@ async def chat_completions(request: Request) -> Response:
     tstr = token_formatter(state, bool(req.return_tokens_as_token_ids))
     choices = [finish_choice(state, plan, r, req.skip_special_tokens, req.include_stop_str_in_output)
                for r in results[0]]
-    replies = [reply_message(tools, c.text, c.finish_reason, opening) for c in choices]
+    thinking = bool((req.chat_template_kwargs or {}).get("enable_thinking", True))  # as vLLM's qwen3 parser reads it
+    replies = [reply_message(tools, c.text, c.finish_reason, opening, thinking) for c in choices]
     model = state.info.name
     if req.stream:
         return StreamingResponse(whole_stream(_chat_stream(state, req, plan, choices, replies, rid, created, model,

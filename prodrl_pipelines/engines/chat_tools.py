@@ -246,16 +246,17 @@ def _message(content: str | None, reasoning: str | None = None, calls: list | No
     return msg
 
 
-def reply_message(plan: ToolPlan, text: str, finish_reason: str, opening: str = "") -> Reply:
+def reply_message(plan: ToolPlan, text: str, finish_reason: str, opening: str = "", thinking: bool = True) -> Reply:
     """The assistant message of a choice whose sampled text is ``text`` (after ``opening``, the forced
-    start of a call that was the end of the prompt)."""
+    start of a call that was the end of the prompt). ``thinking``: the request's
+    ``chat_template_kwargs.enable_thinking`` (vLLM parses no reasoning when it is false)."""
     fmt = plan.fmt
     if fmt is None:
         return Reply(_message(text), finish_reason, False)
     if plan.choice == NONE:  # vLLM: the reasoning parser only
-        reasoning, rest = fmt.reasoning(text)
-        return Reply(_message(rest, reasoning), finish_reason, reasoning is not None)
-    parsed = fmt.parse(opening + text)
+        reasoning, rest = fmt.reasoning(text, thinking=thinking)
+        return Reply(_message(rest, reasoning), finish_reason, reasoning is not None or rest != text)
+    parsed = fmt.parse(opening + text, thinking=thinking)
     calls = [{"id": f"chatcmpl-tool-{uuid.uuid4().hex}", "type": "function", "function": dict(c["function"])}
              for c in parsed.get("tool_calls") or []]
     dropped = 0

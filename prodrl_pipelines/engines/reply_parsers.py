@@ -23,8 +23,10 @@ __all__ = ["REPLY_PARSERS", "TOOL_FORMATS", "ToolFormat", "get_reply_parser", "p
 
 ReplyParser = Callable[[str], dict]
 
-THINK_OPEN, THINK_CLOSE = "<think>", "</think>"
-_TOOL_CALL = re.compile(r"<tool_call>\s*(.*?)\s*</tool_call>", re.DOTALL)
+THINK_OPEN, THINK_CLOSE, CALL_OPEN = "<think>", "</think>", "<tool_call>"
+_REASONING_MARKUP = re.compile(r"(<think>|</think>|<tool_call>)")
+# vLLM's hermes parser: the last block may be unclosed (a reply cut right after the JSON)
+_TOOL_CALL = re.compile(r"<tool_call>(.*?)</tool_call>|<tool_call>(.*)", re.DOTALL)
 
 
 def parse_plain(text: str) -> dict:
@@ -32,43 +34,61 @@ def parse_plain(text: str) -> dict:
     return {"role": "assistant", "content": text}
 
 
-def _tool_call(body: str, index: int) -> dict | None:
+def _tool_call(body: str | None, index: int) -> dict | None:
     try:
         obj = json.loads(body)
-    except ValueError:
+    except (TypeError, ValueError):
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or not isinstance(obj.get("arguments"), dict):
+    # vLLM takes any JSON value as the arguments; a missing one, or a name that is not a string, fails the parse
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or "arguments" not in obj:
         return None
     # the server re-serialises the arguments with its own formatting (json.dumps defaults)
     return {"id": f"call_{index}", "type": "function",
             "function": {"name": obj["name"], "arguments": json.dumps(obj["arguments"], ensure_ascii=False)}}
 
 
-def split_qwen3_reasoning(text: str) -> tuple[str | None, str]:
-    """(reasoning, the rest): Qwen3's reasoning parser alone (what a server does when it parses no
-    tool calls, e.g. ``tool_choice: none``); reasoning is None without ``</think>``."""
-    if THINK_CLOSE not in text:
+def split_qwen3_reasoning(text: str, thinking: bool = True) -> tuple[str | None, str | None]:
+    """(reasoning, the rest): vLLM 0.32's qwen3 reasoning parser alone (what a server does when it
+    parses no tool calls, e.g. ``tool_choice: none``).
+
+    The reply is reasoning up to the first ``</think>`` (dropped) or ``<tool_call>`` (kept, the start
+    of the rest): a reply with neither, cut mid-thought or one whose prompt opened ``<think>``, is all
+    reasoning. ``<think>`` is dropped while in reasoning, and so is every later ``</think>``. Nothing is
+    stripped; an empty part is None. ``thinking=False`` (the request's ``chat_template_kwargs``
+    ``enable_thinking: false``): no reasoning, the text as it is."""
+    if not thinking:
         return None, text
-    head, rest = text.split(THINK_CLOSE, 1)
-    return head.split(THINK_OPEN, 1)[-1].strip("\n"), rest.lstrip("\n")
+    reasoning: list[str] = []
+    rest: list[str] = []
+    in_reasoning = True
+    for piece in _REASONING_MARKUP.split(text):
+        if piece == THINK_CLOSE:
+            in_reasoning = False
+        elif not (piece == THINK_OPEN and in_reasoning):
+            if piece == CALL_OPEN:
+                in_reasoning = False
+            (reasoning if in_reasoning else rest).append(piece)
+    return "".join(reasoning) or None, "".join(rest) or None
 
 
-def parse_qwen3(text: str) -> dict:
+def parse_qwen3(text: str, thinking: bool = True) -> dict:
     """Qwen3-style reasoning (``<think>...</think>`` before the answer) and Hermes-style tool calls
-    (``<tool_call>{"name": ..., "arguments": {...}}</tool_call>``).
+    (``<tool_call>{"name": ..., "arguments": ...}</tool_call>``), as vLLM 0.32's qwen3 reasoning
+    parser and hermes tool-call parser split a whole reply.
 
-    Reasoning is what precedes ``</think>`` (without ``<think>`` and surrounding newlines). Tool
-    calls are parsed only when every ``<tool_call>`` block holds a valid call; otherwise, as vLLM's
-    parser does, the text stays content and ``tool_calls`` is absent. ``content`` is what is left
-    before the first call, stripped (None when empty and there are calls).
+    Reasoning as ``split_qwen3_reasoning`` has it. Tool calls are parsed from the rest only when every
+    ``<tool_call>`` block holds a valid call; otherwise, as vLLM's parser does, the rest stays content
+    and ``tool_calls`` is absent. With calls, ``content`` is what precedes the first one (None when
+    blank); text after the calls is dropped.
     """
-    reasoning, rest = split_qwen3_reasoning(text)
+    reasoning, rest = split_qwen3_reasoning(text, thinking)
     msg: dict = {"role": "assistant"}
-    blocks = list(_TOOL_CALL.finditer(rest))
-    calls = [_tool_call(m.group(1), i) for i, m in enumerate(blocks)]
-    if blocks and all(c is not None for c in calls):
-        content = rest[: blocks[0].start()].strip()
-        msg["content"] = content or None
+    calls = None
+    if rest is not None and CALL_OPEN in rest:
+        calls = [_tool_call(m.group(1) or m.group(2), i) for i, m in enumerate(_TOOL_CALL.finditer(rest))]
+    if calls and all(c is not None for c in calls):
+        head = rest[: rest.index(CALL_OPEN)]
+        msg["content"] = head if head.strip() else None
         msg["tool_calls"] = calls
     else:
         msg["content"] = rest
@@ -93,8 +113,8 @@ class ToolFormat:
     letting the model write the rest) and the vLLM flags of the same parsers."""
 
     name: str
-    parse: ReplyParser  # reasoning and tool calls
-    reasoning: Callable[[str], tuple[str | None, str]]  # reasoning alone: (reasoning or None, the rest)
+    parse: Callable[..., dict]  # reasoning and tool calls; ``thinking=False``: no reasoning
+    reasoning: Callable[..., tuple[str | None, str | None]]  # reasoning alone: (reasoning, the rest), None: empty
     call_start: str  # what opens a call block
     call_end: str  # what closes it
     vllm_args: tuple[str, ...]

@@ -32,9 +32,6 @@ Known differences from vLLM (documented, deliberate or not yet needed):
   non-text message parts. A forced tool choice opens the call in the prompt instead of guided
   decoding (``chat_tools``). ``temperature < 1e-5`` (vLLM: greedy) is served as top-k 1 at
   temperature 1, so its processed logprobs are 0 for the argmax.
-* ``--reply-parser qwen3`` reads a reply with no ``</think>`` as content (text before a ``<tool_call>``
-  included); vLLM 0.32's qwen3 reasoning parser, thinking on, reads it as reasoning (empty content).
-  Replies that open with a think block, as Qwen3's do, parse the same.
 * Stop strings are applied after generation (same tokens and text as vLLM's incremental check).
 * Sampling defaults (temperature/top_p/top_k) come from ``generation_config.json`` when present, as
   vLLM's default ``--generation-config auto``; ``--generation-config vllm`` ignores them.

@@ -190,7 +190,8 @@ class InspectRewardSource:
         if sample is None:
             return Outcome(None, f"task_id {view.task_id!r} is not a sample of inspect task {self.spec!r}")
         inp = [ChatMessageUser(content=sample.input)] if isinstance(sample.input, str) else list(sample.input)
-        texts = [parse_qwen3(o).get("content") or "" for o in view.outputs]
+        # an output without </think> is graded as the answer (vLLM's parser would make it all reasoning)
+        texts = [parse_qwen3(o, thinking="</think>" in o).get("content") or "" for o in view.outputs]
         model = f"openai-api/{PROVIDER}/{view.metadata.get('policy_version') or 'recorded'}"
         state = TaskState(model=ModelName(model), sample_id=sample.id, epoch=1, input=sample.input,
                           messages=inp + [ChatMessageAssistant(content=t) for t in texts],

@@ -29,7 +29,7 @@ one function tool ``add(a, b)``; each user turn is a call, the tool's result and
     user:      12+7
     assistant: <think>\n12+7\n</think>\n\n<tool_call>\n{"name": "add", "arguments": {"a": 12, "b": 7}}\n</tool_call>
     tool:      19
-    assistant: 19
+    assistant: <think>\n\n</think>\n\n19
     user:      then -3
     assistant: <think>\n19-3\n</think>\n\n<tool_call>\n...{"a": 19, "b": -3}}\n</tool_call>
     ...
@@ -59,6 +59,7 @@ ANSWER_TOOL = {"type": "function", "function": {
     "name": TOOL_NAME, "description": "Submit the running value.",
     "parameters": {"type": "object", "properties": {"value": {"type": "integer"}}, "required": ["value"]}}}
 TOOL_RESULT = "ok"
+EMPTY_THINK = "<think>\n\n</think>\n\n"
 COMPACT_NOISE = 0.3  # the demo demonstrator's share of compactly written calls
 MIN_MAX_TOKENS = 40  # the longest reference reply is ~26 tokens with <|im_end|> (measured); margin for split numbers
 # the agent loop's tool (the demonstrations' definition; an SDK's own ``add(a, b)`` renders the same line)
@@ -86,7 +87,8 @@ def parse_answer(text: str) -> int | None:
     calls = parse_qwen3(text).get("tool_calls") or []
     if len(calls) != 1 or calls[0]["function"]["name"] != TOOL_NAME:
         return None
-    value = json.loads(calls[0]["function"]["arguments"]).get("value")
+    args = json.loads(calls[0]["function"]["arguments"])  # any JSON value, as vLLM's parser takes it
+    value = args.get("value") if isinstance(args, dict) else None
     return value if isinstance(value, int) and not isinstance(value, bool) else None
 
 
@@ -184,7 +186,8 @@ def agent_loop_messages(task: ArithmeticTask, rng: random.Random, answer_noise: 
             compact = compact_noise > 0 and rng.random() < compact_noise
             msgs.append({"role": "assistant", "content": agent_call_text(prev, op, x, compact=compact), **mark})
             msgs.append({"role": "tool", "content": str(result)})
-            msgs.append({"role": "assistant", "content": str(value), **mark})
+            # an empty think block, as Qwen3 answers: a reply without one is all reasoning to vLLM's qwen3 parser
+            msgs.append({"role": "assistant", "content": EMPTY_THINK + str(value), **mark})
         prev = value
     return msgs
 

@@ -90,7 +90,9 @@ _QWEN3_STYLE_BODY = (
     "{%- endif -%}"
     "{{- '<|im_start|>assistant\\n' -}}"
     "{%- if loop.index0 > ns.last_query and reasoning -%}"
-    "{{- '<think>\\n' + reasoning + '\\n</think>\\n\\n' -}}"
+    # as Qwen3's: a server's reasoning and content keep the newlines around </think>
+    "{{- '<think>\\n' + reasoning.strip('\\n') + '\\n</think>\\n\\n' -}}"
+    "{%- set content = content.lstrip('\\n') -%}"
     "{%- endif -%}"
     "{{- content -}}"
     "{%- for tc in m.get('tool_calls') or [] -%}"
