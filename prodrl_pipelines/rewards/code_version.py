@@ -1,8 +1,8 @@
 """The version of a scorer: a hash of what it runs, so that editing a rubric makes earlier grades stale.
 
 * A grader written in Python (``loaded_code_hash``): the source of its module and of every module of
-  the same code base it imports, transitively (found by reading the imports, resolved under the
-  module's own root and the non-installed entries of ``sys.path``; the standard library and installed
+  its code base it imports, transitively (found by reading the imports; each is the module this
+  process loaded, so a Ray worker computes the driver's hash; the standard library and installed
   packages are left to their versions).
 * A command (``files_hash``): the files its command line names (a script, a rubric, a config), and
   for a Python script the modules it imports from beside it, read the same way.
@@ -77,20 +77,26 @@ def _module_name(path: Path, root: Path) -> str:
     return ".".join(parts)
 
 
+def _loaded_file(name: str) -> Path | None:
+    mod = sys.modules.get(name)
+    file = getattr(mod, "__file__", None) if mod is not None else None
+    return Path(file) if file and file.endswith(".py") else None
+
+
 def code_files(start: Path, root: Path, first_text: str | None = None,
-               this_sys_path: bool = True) -> list[tuple[str, str]]:
+               loaded: bool = True) -> list[tuple[str, str]]:
     """(module name, source) of ``start`` (under ``root``) and of the modules it imports from its code
-    base, transitively, sorted by name. ``first_text``: ``start``'s source as loaded, if known;
-    ``this_sys_path``: also resolve imports on this process's non-installed ``sys.path`` entries
-    (a module loaded here; a script another interpreter runs resolves beside itself only)."""
+    base, transitively, sorted by name. ``first_text``: ``start``'s source as loaded, if known.
+    ``loaded``: ``start`` was imported by this process, so each import is the module this process
+    loaded (the same on any machine that runs the same code, whatever its ``sys.path``); else (a
+    script another interpreter runs) an import is looked for under ``root`` only."""
     installed = _installed_roots()
-    roots = [root] + [Path(p).resolve() for p in (sys.path if this_sys_path else [])
-                      if p and Path(p).is_dir() and not _is_installed(Path(p).resolve(), installed)]
-    roots = list(dict.fromkeys(roots))
+    root = root.resolve()
     seen: dict[Path, tuple[str, str]] = {}
-    todo = [(start.resolve(), first_text)]
+    start = start.resolve()
+    todo = [(start, _module_name(start, root) if start.is_relative_to(root) else start.stem, first_text)]
     while todo and len(seen) < MAX_MODULES:
-        path, text = todo.pop()
+        path, name, text = todo.pop()
         if path in seen or _is_installed(path, installed):
             continue
         if text is None:
@@ -98,15 +104,13 @@ def code_files(start: Path, root: Path, first_text: str | None = None,
                 text = path.read_text(errors="replace")
             except OSError:
                 continue
-        owner = next((r for r in roots if path.is_relative_to(r)), path.parent)
-        name = _module_name(path, owner)
         seen[path] = (name, text)
         package = name if path.name == "__init__.py" else name.rpartition(".")[0]
         parents = [".".join(name.split(".")[:i]) for i in range(1, name.count(".") + 1)]  # their __init__ runs
         for imported in parents + _imports(path, text, package):
-            found = _resolve(imported, roots)
+            found = (_loaded_file(imported) if loaded else None) or _resolve(imported, [root])
             if found is not None and found.resolve() not in seen:
-                todo.append((found.resolve(), None))
+                todo.append((found.resolve(), imported, None))
     return sorted(seen.values())
 
 
@@ -161,7 +165,7 @@ def files_hash(argv: list[str]) -> str:
                 h.update(f"{st.st_size}:{st.st_mtime_ns}".encode())
                 continue
             if p.suffix == ".py":
-                for name, text in code_files(p, p.resolve().parent, this_sys_path=False):
+                for name, text in code_files(p, p.resolve().parent, loaded=False):
                     h.update(f"\0{name}\0{text}".encode())
             else:
                 h.update(p.read_bytes())
