@@ -33,7 +33,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from _smoke import parse_args  # noqa: E402
 
 
-# measure()'s smoke size (bench/ray_scale.py's too)
+# measure()'s smoke size
 SMOKE = dict(tasks=2, batch=1, repeats=1, max_tokens=2, size="tiny", sft_steps=2)
 
 

@@ -37,7 +37,7 @@ sys.path.insert(0, str(REPO / "bench"))
 from _smoke import parse_args  # noqa: E402
 
 T0 = datetime(2026, 1, 1, tzinfo=timezone.utc)
-# measure()'s smoke size (bench/ray_scale.py's too)
+# measure()'s smoke size
 SMOKE = dict(rows=8, delay=0.01, concurrency=2, repeats=1)
 
 

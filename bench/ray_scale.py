@@ -15,7 +15,8 @@ One cluster (two nodes, ``--cpus`` each) serves all three. Last line:
 Usage: ``python bench/ray_scale.py [--cpus 2] [--steps 6] [--nodes 2] [--smoke]``
 
 Smoke size (``--smoke``, bench/_smoke.py): one node of 3 CPUs (training placed anywhere, not one rank per
-node), one optimizer step; evaluation and re-scoring at their own smoke sizes.
+node), one optimizer step; evaluation and re-scoring not run (``eval 2 workers/1=smoke``): their own
+benches' smoke runs measure them.
 """
 
 from __future__ import annotations
@@ -99,15 +100,17 @@ def main(argv: list[str] | None = None) -> int:
         root = Path(tmp)
         with LocalRayCluster(root / "cluster", nodes=a.nodes, cpus_per_node=a.cpus) as cluster:
             train = train_ratio(cluster, root / "train", a.steps, placement="spread" if a.nodes > 1 else "any")
-            ray.init(address=cluster.gcs_address, log_to_driver=False)
-            try:
-                ev = ray_eval.measure(**(ray_eval.SMOKE if a.smoke else {}), cpus_per_node=a.cpus, root=root / "eval")
-                rs = ray_rescore.measure(**(ray_rescore.SMOKE if a.smoke else {}), cpus_per_node=a.cpus,
-                                         root=root / "rescore")
-            finally:
-                ray.shutdown()
-    print(f"ray_scale: nodes={a.nodes}; train step ray/torchrun={train:.2f}; eval 2 workers/1={ev:.2f}; "
-          f"rescore 2 workers/1={rs:.2f}")
+            if a.smoke:  # bench/ray_eval.py and bench/ray_rescore.py --smoke run these measures themselves
+                ev = rs = "smoke"
+            else:
+                ray.init(address=cluster.gcs_address, log_to_driver=False)
+                try:
+                    ev = f"{ray_eval.measure(cpus_per_node=a.cpus, root=root / 'eval'):.2f}"
+                    rs = f"{ray_rescore.measure(cpus_per_node=a.cpus, root=root / 'rescore'):.2f}"
+                finally:
+                    ray.shutdown()
+    print(f"ray_scale: nodes={a.nodes}; train step ray/torchrun={train:.2f}; eval 2 workers/1={ev}; "
+          f"rescore 2 workers/1={rs}")
     return 0
 
 

@@ -152,9 +152,12 @@ def canary_sensor(context: SensorEvaluationContext, settings: ProdRLSettings, st
     requested = bool(context.instance.get_run_records(RunsFilter(tags={RUN_KEY_TAG: key}), limit=1))
     verdict = canary.acted_verdict(svc, rkey)
     if verdict is None and not requested:
-        scored = canary.score_completed(svc, rkey)
+        scored = canary.score_completed(svc, rkey, budget_s=svc.settings.deploy.canary_scoring_budget_s)
         if scored["sources"]:
             context.log.info(f"{rkey} canary window: scored {scored['sources']}; {scored['in_flight']} in flight")
+        # a scorer that could not answer (a hung judge: its breaker opened, the tick's budget ran out)
+        scoring = "; ".join(f"{n} left {r['failed']} unscored: {r['first_error']}"
+                            for n, r in scored["sources"].items() if r.get("failed") and r.get("first_error"))
         tags = svc.lineage.version_tags(version) if version else {}
         verdict = canary.judge(svc, rkey)
         by = "canary (live reward)"
@@ -171,7 +174,7 @@ def canary_sensor(context: SensorEvaluationContext, settings: ProdRLSettings, st
         if verdict.passed is None:
             if version and tags.get("canary_trajectories") != str(verdict.n_candidate):
                 lineage_hooks.record_canary(svc, rkey, version, "running", verdict)  # the numbers so far
-            return SkipReason(f"{rkey} canary: {verdict.summary()}")
+            return SkipReason(f"{rkey} canary: {verdict.summary()}" + (f"; scoring: {scoring}" if scoring else ""))
         if not verdict.passed:
             canary.fail(svc, rkey, verdict, by)
             lineage_hooks.record_canary(svc, rkey, version, "failed", verdict)

@@ -301,6 +301,35 @@ def test_the_judge_scores_concurrently_retries_and_counts_what_it_cannot_parse(s
     assert other.version != plan.current_version("judge")  # a new rubric makes a new version
 
 
+def test_a_hung_judge_opens_the_breaker_after_a_few_timeouts_and_the_rest_is_not_sent(store, judge_url):
+    """Every answer hangs (held until the test ends): the first ``judge_breaker_failures`` trajectories
+    time out, the others are not sent; all stay unscored (asked again next pass), none is a 0."""
+    calls = stored(store, {f"s{i}": [f"SLOW {i}"] for i in range(8)})
+    rs = RewardSettings(sources=("judge",), judge_endpoint=judge_url, judge_model="j", judge_concurrency=1,
+                        judge_timeout_s=1, judge_retries=0, judge_breaker_failures=3)
+    plan = RewardPlan(rs, {"judge": JudgeSource(rs, sleep=lambda s: None)})
+    rep = score_missing(store, plan, calls)["judge"]
+    assert (rep.scored, rep.failed) == (0, 8)
+    assert len(ScriptedJudge.seen) == 3  # the breaker opened after three: the other five were never sent
+    assert store.read_rewards().num_rows == 0
+    outcomes = plan.sources["judge"].score(views_from_calls(calls))
+    assert [o.error.startswith("judge circuit open") for o in outcomes].count(True) == 5  # a new pass probes again
+    assert "3 trajectories in a row could not reach" in outcomes[-1].error and "ReadTimeout" in outcomes[-1].error
+
+
+def test_a_spent_time_budget_sends_nothing_more(store, judge_url):
+    now = [100.0]
+    calls = stored(store, {f"g{i}": [f"GOOD {i}"] for i in range(4)})
+    rs = RewardSettings(sources=("judge",), judge_endpoint=judge_url, judge_model="j", judge_concurrency=1)
+    judge = JudgeSource(rs, sleep=lambda s: None, clock=lambda: now[0])
+    judge.deadline = 100.0  # spent as the pass starts
+    rep = score_missing(store, RewardPlan(rs, {"judge": judge}), calls)["judge"]
+    assert (rep.scored, rep.failed) == (0, 4) and "time budget is spent" in rep.first_error
+    assert ScriptedJudge.seen == [] and store.read_rewards().num_rows == 0
+    judge.deadline = None  # the next pass, without a budget, scores them
+    assert score_missing(store, RewardPlan(rs, {"judge": judge}), calls)["judge"].scored == 4
+
+
 def test_parse_score_tolerates_fences_and_names_the_missing_key():
     assert parse_score('prose {"x": 1} then {"score": 0.25}', "score") == 0.25
     assert "no JSON object with 'score'" in parse_score("no json here", "score")

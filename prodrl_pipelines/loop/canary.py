@@ -102,10 +102,13 @@ def window_rewards(svc: Services, candidate: str, champion: str, since_us: int) 
     return pick(candidate), pick(champion)
 
 
-def score_completed(svc: Services, rkey: str, now_us: int | None = None) -> dict:
+def score_completed(svc: Services, rkey: str, now_us: int | None = None, budget_s: float | None = None) -> dict:
     """Score, with the plan's scorers, the complete trajectories the canary's window lacks a reward
     for (both versions; idempotent, ``rewards.scoring.score_missing``): trajectories, in_flight and
-    per-source counts. Nothing to do when the plan has no scorer."""
+    per-source counts. Nothing to do when the plan has no scorer. ``budget_s``: no judge attempt runs
+    past it (what is left stays unscored for the next pass), so a hung judge cannot hold a sensor tick."""
+    import time
+
     from prodrl_pipelines.rewards.scoring import score_missing
 
     if not svc.settings.rewards.scorers:
@@ -113,7 +116,14 @@ def score_completed(svc: Services, rkey: str, now_us: int | None = None) -> dict
     d = svc.ledger.decision(rkey)
     calls = window_calls(svc, rkey, svc.ledger.live().policy_version, int(d["canary_started_us"]),
                          columns=["task_id", "prompt_text", "output_text"])
-    reports = score_missing(svc.store, svc.rewards, calls, now_us)
+    bounded = [src for src in svc.rewards.sources.values() if hasattr(src, "deadline")]
+    for src in bounded:
+        src.deadline = None if budget_s is None else time.monotonic() + budget_s
+    try:
+        reports = score_missing(svc.store, svc.rewards, calls, now_us)
+    finally:
+        for src in bounded:
+            src.deadline = None
     return {"trajectories": len(pc.unique(calls.column("trajectory_id"))),
             "in_flight": max((r.in_flight for r in reports.values()), default=0),
             "sources": {n: r.as_dict() for n, r in reports.items()}}

@@ -38,6 +38,10 @@ class RewardSettings(BaseModel):
     judge_concurrency: int = Field(8, ge=1)
     judge_timeout_s: float = Field(60.0, gt=0)
     judge_retries: int = Field(3, ge=0)
+    # after this many trajectories in a row the judge could not be reached for (timeouts, 5xx), the
+    # rest of that scoring pass is not sent (left unscored, asked again next pass): a hung judge costs
+    # a few timeouts, not one per trajectory
+    judge_breaker_failures: int = Field(5, ge=1)
     # command: a command line given trajectories as JSON lines on stdin, printing rewards (``command_source``)
     command: str = ""
     # inspect: an inspect-ai task ``package.module:task``; a trajectory's task_id names its sample
