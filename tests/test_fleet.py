@@ -25,7 +25,7 @@ from prodrl_pipelines.deploy_targets.server_records import pid_alive
 from prodrl_pipelines.deploy_targets.servers import ProdrlServeTarget
 from prodrl_pipelines.engines.server import BackgroundServer
 from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
-from prodrl_pipelines.recorder.balancer import Balancer, canary_share
+from prodrl_pipelines.recorder.balancer import Balancer, Choice, canary_share
 from tests.helpers import watch_endpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -68,6 +68,31 @@ def test_a_replica_that_is_down_is_skipped_then_comes_back():
     b.mark_up("http://b")
     assert b.down() == []
     assert b.pick(ep, None, exclude=frozenset({"http://a", "http://b"})) is None
+
+
+def test_a_session_stays_on_its_replica_within_a_bounded_imbalance():
+    now = [0.0]
+    b, ep = Balancer(clock=lambda: now[0], sticky_slack=2), _ep("http://a", "http://b", "http://c")
+    first = {t: b.pick(ep, t).url for t in ("s1", "s2", "s3")}
+    assert set(first.values()) == {"http://a", "http://b", "http://c"}  # new sessions spread
+    for _ in range(5):  # idle or equally loaded: every next call goes back to the session's replica
+        assert {t: b.pick(ep, t).url for t in first} == first
+    home = first["s1"]
+    busy = Choice(home, "v0", "v0")
+    for _ in range(2):
+        b.started(busy)
+    assert b.pick(ep, "s1").url == home  # 2 more in flight than the least loaded: within the slack
+    b.started(busy)
+    moved = b.pick(ep, "s1").url
+    assert moved != home and b.sticky_moves == 1  # 3 more: the call goes to the least loaded ...
+    for _ in range(3):
+        b.finished(busy)
+    assert b.pick(ep, "s1").url == moved  # ... and the session stays there
+    b.mark_down(moved)
+    again = b.pick(ep, "s1").url
+    assert again != moved and b.sticky_moves == 2  # its replica down: it moves
+    assert b.pick(ep, "s1", exclude=frozenset({again})).url != again  # a refused one is excluded
+    assert b.crossings == 0  # every move stayed on the session's version
 
 
 def test_canary_slice_is_sticky_per_trajectory_and_its_fraction():

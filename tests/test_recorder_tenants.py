@@ -300,3 +300,28 @@ def test_sigkill_with_retries_in_flight_and_during_replay_loses_nothing(fake, tm
             proc.wait(30)
         except subprocess.TimeoutExpired:
             proc.kill()
+
+
+def test_two_tenants_sessions_of_one_name_are_routed_apart(fake, start_recorder, tokens, tmp_path, monkeypatch):
+    """Routing (the version pin, the replica pin) is keyed by the stored id, which is the tenant's:
+    alice's session "same" and bob's are two sessions to the balancer, not one they push around."""
+    from prodrl_pipelines.deploy_targets.base import Endpoint, EndpointFile
+    from prodrl_pipelines.recorder.balancer import Balancer
+
+    picked: list = []
+    orig = Balancer.pick
+
+    def spy(self, endpoint, trajectory_id, exclude=frozenset()):
+        picked.append(trajectory_id)
+        return orig(self, endpoint, trajectory_id, exclude)
+
+    monkeypatch.setattr(Balancer, "pick", spy)
+    ep_file = tmp_path / "endpoint.json"
+    EndpointFile(ep_file).write(Endpoint(fake.url, "fake-v3", "v3", replicas=[
+        {"url": fake.url, "served_model_name": "fake-v3", "policy_version": "v3"}]))
+    r = start_recorder("", follow=str(ep_file), tokens_file=str(tokens), tokenizer_dir=None)
+    for token in (ALICE, BOB):
+        with _client(r, token) as c:
+            resp = c.post("/v1/completions", json=BODY, headers={"X-Session-Id": "same"})
+            assert resp.status_code == 200, resp.text
+    assert [t for t in picked if t is not None] == ["alice/same", "bob/same"]  # None: the recorder's own calls

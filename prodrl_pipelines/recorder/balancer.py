@@ -11,6 +11,13 @@ of its version is left (the last old one was replaced, or the canary went away) 
 new trajectory would go and the episode *crosses versions* (counted: ``crossings``); it is pinned to
 the version that served it from then on. Selection never trains such an episode as complete.
 
+**A session stays on its replica.** Within its version, a trajectory's next call goes to the replica
+that answered its last one (its prompt extends the last call's, whose prefix that replica's KV cache
+holds) while that replica is healthy, not excluded, and has at most ``sticky_slack`` more calls in
+flight than the least loaded replica it could go to; otherwise it goes to the least loaded one and
+is pinned there (counted: ``sticky_moves``). The pins are keyed by the stored trajectory id, which
+is scoped to the tenant: two tenants' sessions of the same name never share one.
+
 **The canary slice.** A trajectory seen for the first time goes to the canary when
 ``canary_share(trajectory_id) < canary.fraction``: a hash of its id, so the slice is a fixed random
 fraction of trajectories. A trajectory that started before the canary did keeps its version (the
@@ -64,8 +71,8 @@ def canary_share(trajectory_id: str) -> float:
 
 class Balancer:
     def __init__(self, down_s: float = 2.0, clock=time.monotonic, *, endpoints=None, max_pins: int = 100_000,
-                 refusals_to_pause: int = 3) -> None:
-        self.down_s, self.clock = down_s, clock
+                 refusals_to_pause: int = 3, sticky_slack: int = 4) -> None:
+        self.down_s, self.clock, self.sticky_slack = down_s, clock, sticky_slack
         self.endpoints = endpoints  # the followed EndpointFile: where a canary that refuses is paused
         self.max_pins, self.refusals_to_pause = max_pins, refusals_to_pause
         self._lock = threading.Lock()
@@ -73,6 +80,8 @@ class Balancer:
         self._down_until: dict[str, float] = {}
         self._refusals: dict[str, int] = {}  # connection failures in a row, per url
         self._pins: OrderedDict[str, str] = OrderedDict()  # trajectory id -> version of its latest call
+        self._replicas: OrderedDict[str, str] = OrderedDict()  # trajectory id -> url of its latest call
+        self.sticky_moves = 0  # calls that left their session's replica (down, gone or too loaded)
         self._turn = itertools.count()  # rotates ties, so idle replicas share the load
         self.crossings = 0  # calls that found no replica of their episode's version left
         self.paused: list[str] = []  # canaries this balancer paused: "url: reason"
@@ -103,15 +112,31 @@ class Balancer:
             elif canary and trajectory_id and canary_share(trajectory_id) < fraction:
                 tiers.append(canary)
             tiers.append(stable)
-            choice = self._choose(tiers, exclude, now)
+            last_url = self._replicas.get(trajectory_id) if trajectory_id else None
+            choice = self._sticky(tiers[0], last_url, exclude, now) if last_url else None
+            if choice is None:
+                choice = self._choose(tiers, exclude, now)
+                if choice is not None and last_url is not None:
+                    self.sticky_moves += 1
             if choice is not None and trajectory_id:
                 if pinned is not None and choice.policy_version != pinned:
                     self.crossings += 1
-                self._pins[trajectory_id] = choice.policy_version
-                self._pins.move_to_end(trajectory_id)
-                while len(self._pins) > self.max_pins:
-                    self._pins.popitem(last=False)
+                for table, value in ((self._pins, choice.policy_version), (self._replicas, choice.url)):
+                    table[trajectory_id] = value
+                    table.move_to_end(trajectory_id)
+                    while len(table) > self.max_pins:
+                        table.popitem(last=False)
             return choice
+
+    def _sticky(self, tier: list[Choice], url: str, exclude: frozenset[str], now: float) -> Choice | None:
+        """The session's last replica, if it is in ``tier``, healthy, not excluded, and within
+        ``sticky_slack`` calls in flight of the least loaded healthy replica of ``tier``."""
+        healthy = [c for c in tier if c.url not in exclude and self._down_until.get(c.url, 0.0) <= now]
+        mine = next((c for c in healthy if c.url == url), None)
+        if mine is None:
+            return None
+        least = min(self._outstanding.get(c.url, 0) for c in healthy)
+        return mine if self._outstanding.get(url, 0) <= least + self.sticky_slack else None
 
     def _choose(self, tiers: list[list[Choice]], exclude: frozenset[str], now: float) -> Choice | None:
         """The least loaded healthy replica of the first tier that has one; when none is healthy

@@ -268,7 +268,7 @@ async def serve_extended(rec, ext: ChatExtender, body: dict, caller, pv: str | N
     stats.inc("extend_bridged" if plan.extended else f"extend_rendered.{why}")
     up = rec.force(completion_body(body, plan, ext.max_len), "completion", Ask(False, None, False, False))
     try:
-        status, ctype, content = await rec.read_upstream("v1/completions", up, caller.client_tid)
+        status, ctype, content = await rec.read_upstream("v1/completions", up, caller.tid)
     except (TimeoutError, aiohttp.ClientError) as exc:
         return upstream_unavailable(exc, stats, headers)
     if status != 200:

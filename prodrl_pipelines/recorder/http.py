@@ -96,7 +96,7 @@ async def _proxy(request: Request, kind: str) -> Response:
         return await proxy_stream(rec, kind, path, up, ask, reason, caller, pv, task_id, shape)
     t1 = time.perf_counter()
     try:
-        status, ctype, content = await rec.read_upstream(path.lstrip("/"), up, client_tid)
+        status, ctype, content = await rec.read_upstream(path.lstrip("/"), up, caller.tid)
     except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
         return upstream_unavailable(exc, stats, headers)
     t2 = time.perf_counter()
@@ -218,7 +218,9 @@ async def stats_route(request: Request) -> Response:
                          "tokenizer": rec.tokenizer_source or "none (token strings stay token_id:<id>; pass --tokenizer)",
                          "chat_top_logprobs": rec.chat_k, "record_extra_draw": rec.cfg.record_extra_draw,
                          # the deployment's replicas as the balancer sees them (followed endpoint file)
-                         "replicas_down": rec.balancer.down(), "in_flight": rec.balancer.outstanding()})
+                         "replicas_down": rec.balancer.down(), "in_flight": rec.balancer.outstanding(),
+                         "routing": {"version_crossings": rec.balancer.crossings,
+                                     "replica_moves": rec.balancer.sticky_moves}})
 
 
 async def metrics(request: Request) -> Response:

@@ -50,7 +50,7 @@ async def proxy_stream(rec: Recorder, kind, path, up, ask, reason, caller: Calle
     commit_args = (caller.attempt, caller.tenant.name)
     assert rec.http is not None
     try:
-        resp, replica = await rec.post_upstream(path.lstrip("/"), up, caller.client_tid, rec.stream_timeout)
+        resp, replica = await rec.post_upstream(path.lstrip("/"), up, caller.tid, rec.stream_timeout)
     except (asyncio.TimeoutError, aiohttp.ClientError) as exc:
         return upstream_unavailable(exc, stats, headers)
     if resp.status != 200:
