@@ -37,11 +37,15 @@ generation prompt, none in history).
    renders the call itself and asks the upstream for a completion of ids). Requests/s ratio recorder/direct per kind, over all rounds; the CPU ms per request
    of the server and the recorder, and the recorder's handler time per call (``time_us.*``).
 
-Goals (issue 37): every SDK >= 0.95 merged with ``extend`` on every template; the streamed ratio no
-worse than plain completions' (also compared with non-streamed chat's).
+4. **unrecordable-in-extend**: greedy, penalised, ``min_p``, ``logit_bias`` and JSON-output chat calls
+   sent in a session through both recorders; the number recorded as trainable (goal: 0).
+
+Goals: every SDK >= 0.95 merged with ``extend`` on every template; the streamed ratio no worse than
+plain completions' (also compared with non-streamed chat's); no unrecordable call recorded as
+trainable in either mode.
 
 Last line:
-``agent_traffic: merged/multi-call openai-agents=X openai-agents-responses=X pydantic-ai=X langgraph=X; extend/rerender qwen3=X/Y [llama32=X/Y glm45=X/Y qwen3-nothink=X/Y]; recorder/direct streaming c=8=X; recorder/direct streaming extend c=8=X``
+``agent_traffic: merged/multi-call openai-agents=X openai-agents-responses=X pydantic-ai=X langgraph=X; extend/rerender qwen3=X/Y [llama32=X/Y glm45=X/Y qwen3-nothink=X/Y]; unrecordable-in-extend=N; recorder/direct streaming c=8=X; recorder/direct streaming extend c=8=X``
 (the templates served: ``--templates``).
 
 Smoke size (``--smoke``, bench/_smoke.py): the tiny tools policy (10 warm-start steps on 64 tasks: it
@@ -291,6 +295,27 @@ def throughput(up_url: str, rec_urls: dict, policy: Path, seconds: float, rounds
     return out
 
 
+# calls a recorder must never record as trainable, in either chat_history mode: greedy, penalised,
+# constrained, structured output (the upstream may refuse some: a refused call is not recorded either)
+UNRECORDABLE = [{"temperature": 0}, {"presence_penalty": 0.5}, {"frequency_penalty": 0.3},
+                {"repetition_penalty": 1.2}, {"min_p": 0.1}, {"logit_bias": {"5": 5}},
+                {"response_format": {"type": "json_object"}}]
+
+
+def unrecordable_recorded(rec_urls: dict[str, str]) -> int:
+    """How many of the UNRECORDABLE calls, sent in a session to each recorder, were recorded as
+    trainable (``X-Prodrl-Recorded: true``): the goal is 0."""
+    n = 0
+    with httpx.Client(timeout=120, headers={"Authorization": f"Bearer {TOKEN}"}) as h:
+        for history, url in rec_urls.items():
+            for i, fields in enumerate(UNRECORDABLE):
+                r = h.post(url + "/v1/chat/completions", headers={"X-Session-Id": f"unrecordable-{history}-{i}"},
+                           json={"model": MODEL, "messages": [{"role": "user", "content": "1+1="}], "max_tokens": 4,
+                                 **fields})
+                n += r.headers.get("x-prodrl-recorded") == "true"
+    return n
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--episodes", type=int, default=24, help="episodes per cell (SDK, template, history mode)")
@@ -352,6 +377,8 @@ def main() -> None:
             rec_urls[history], rec_pids[f"record-{history}"] = f"http://127.0.0.1:{rec_port}", procs[-1].pid
         ratios = throughput(ups["qwen3"], rec_urls, dirs["qwen3"], args.seconds, args.rounds,
                             {"serve": procs[0].pid, **rec_pids})
+        unrecordable = unrecordable_recorded(rec_urls)
+        print(f"unrecordable calls recorded as trainable (extend and rerender): {unrecordable}", flush=True)
     finally:
         for p in reversed(procs):
             stop(p)
@@ -369,7 +396,7 @@ def main() -> None:
     tpl_part = " ".join(f"{t}={cells[(t, 'openai-agents', 'extend')]['frac']:.2f}/"
                         f"{cells[(t, 'openai-agents', 'rerender')]['frac']:.2f}" for t in dirs)
     print(f"agent_traffic: merged/multi-call {sdk_part}; extend/rerender {tpl_part}; "
-          f"recorder/direct streaming c=8={ratios['chat streamed']:.2f}; "
+          f"unrecordable-in-extend={unrecordable}; recorder/direct streaming c=8={ratios['chat streamed']:.2f}; "
           f"recorder/direct streaming extend c=8={ratios[EXTEND_KIND]:.2f}")
 
 
