@@ -65,3 +65,30 @@ def test_the_local_cluster_has_two_loopback_nodes_and_runs_a_job(ray_cluster, tm
     alive = [n for n in nodes if n[2]]
     assert len({n[0] for n in alive}) == 2 and {n[1] for n in alive} == {"127.0.0.1"}, nodes
     assert f"ENV x {tmp_path}" in logs
+
+
+def test_a_job_runs_on_the_cluster_it_was_submitted_to_when_a_newer_one_runs_on_the_machine(ray_cluster, tmp_path):
+    """Ray's job supervisor points a job's driver at ``<temp dir>/ray_current_cluster``: with every
+    cluster in /tmp/ray that is the newest on the machine (a stack's, another test's), and a round's
+    evaluation ran on a cluster that a test then stopped. Each local cluster has a temp dir of its own."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    from prodrl_pipelines.cluster.local import LocalRayCluster
+
+    newer = LocalRayCluster(tmp_path / "newer", nodes=1, cpus_per_node=1).start()
+    try:
+        assert newer.info["temp_dir"] != ray_cluster.info.get("temp_dir")
+        client = JobSubmissionClient(ray_cluster.dashboard_url)
+        job = client.submit_job(entrypoint=f"{sys.executable} -c \"import ray; ray.init(); "
+                                           "print('GCS', ray.get_runtime_context().gcs_address)\"")
+        deadline = time.monotonic() + 240
+        while not client.get_job_status(job).is_terminal():
+            assert time.monotonic() < deadline, client.get_job_logs(job)
+            time.sleep(0.5)
+        logs = client.get_job_logs(job)
+        assert client.get_job_status(job) == JobStatus.SUCCEEDED, logs
+        gcs = next(line for line in logs.splitlines() if line.startswith("GCS "))[4:]
+        port = lambda a: a.rsplit(":", 1)[1]  # noqa: E731 - Ray reports the host as the machine's address
+        assert port(gcs) == port(ray_cluster.gcs_address) != port(newer.gcs_address), (gcs, logs)
+    finally:
+        newer.stop()

@@ -8,6 +8,9 @@ them up until it gets SIGTERM/SIGINT. The process writes ``DIR/cluster.json`` (d
 address, node ids) once a job can be submitted. Every node registers on 127.0.0.1
 (``RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER=0``: otherwise Ray picks the machine's primary address), and
 each gets its own agent and metrics ports (two raylets on one host would collide on the defaults).
+Each cluster has a temp dir of its own (``/tmp/prodrl-ray-*``, removed when it stops), holding the
+``ray_current_cluster`` file that Ray's job supervisor reads to point a job's driver at its cluster:
+with several clusters in the shared ``/tmp/ray`` a job ran on whichever started last.
 
 SIGUSR1 removes the newest worker node (its raylet killed, as when its machine goes away) and
 SIGUSR2 adds one (``LocalRayCluster.remove_node`` / ``add_node``), for the failure tests. The head
@@ -22,10 +25,12 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -64,8 +69,13 @@ def serve(root: Path, nodes: int, cpus: float) -> int:
 
     root.mkdir(parents=True, exist_ok=True)
     dashboard_port = _free_port()
+    # a temp dir of its own: Ray's job supervisor points a job's driver at the cluster named in
+    # <temp dir>/ray_current_cluster, the newest on the machine when clusters share /tmp/ray (another
+    # test's, the stack's): a job then ran on a cluster it was not submitted to. Short, for Ray's
+    # unix socket paths (107 bytes at most).
+    temp_dir = tempfile.mkdtemp(prefix="prodrl-ray-", dir="/tmp")
     cluster = Cluster(initialize_head=True, shutdown_at_exit=False,
-                      head_node_args=_node_args(cpus, head=True, dashboard_port=dashboard_port))
+                      head_node_args=_node_args(cpus, head=True, dashboard_port=dashboard_port, temp_dir=temp_dir))
     for _ in range(nodes - 1):
         cluster.add_node(**_node_args(cpus, head=False))
     events: queue.Queue = queue.Queue()
@@ -77,8 +87,13 @@ def serve(root: Path, nodes: int, cpus: float) -> int:
         _wait_for_jobs(url, nodes)
         # the GCS answers on loopback; Ray reports it under the machine's primary address
         gcs = "127.0.0.1:" + cluster.address.rsplit(":", 1)[1]
+        # where the job supervisor's "auto" looks (ray.cluster_utils writes only /tmp/ray's)
+        from ray._private.utils import write_ray_address
+
+        write_ray_address(gcs, temp_dir)
         info = {"dashboard_url": url, "gcs_address": gcs, "nodes": nodes, "cpus_per_node": cpus,
-                "pid": os.getpid(), "session_dir": cluster.head_node.get_session_dir_path(), "changes": 0,
+                "pid": os.getpid(), "session_dir": cluster.head_node.get_session_dir_path(), "temp_dir": temp_dir,
+                "changes": 0,
                 "worker_nodes": [n.node_id for n in cluster.worker_nodes]}
         _write_info(root, info)
         while True:
@@ -105,6 +120,7 @@ def serve(root: Path, nodes: int, cpus: float) -> int:
             cluster.remove_node(node, allow_graceful=False)
         cluster.shutdown()
         (root / "cluster.json").unlink(missing_ok=True)
+        shutil.rmtree(temp_dir, ignore_errors=True)
     return 0
 
 
@@ -174,7 +190,8 @@ class LocalRayCluster:
         self.proc = subprocess.Popen(
             [sys.executable, "-m", "prodrl_pipelines.cluster.local", "--root", str(self.root),
              "--nodes", str(self.nodes), "--cpus", str(self.cpus)],
-            env={**os.environ, **LOOPBACK_ENV}, stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
+            env={**{k: v for k, v in os.environ.items() if k != "RAY_ADDRESS"}, **LOOPBACK_ENV},  # another cluster's
+            stdout=log, stderr=subprocess.STDOUT, start_new_session=True)
         log.close()
         deadline = time.monotonic() + timeout_s
         while not (self.root / "cluster.json").exists():
