@@ -54,3 +54,21 @@ def test_gate_needs_paired_tasks():
         decide(np.ones(3), np.ones(4), tolerance=0.1, z=1.645, nonfinite={}, smoke_ok=True)
     d = decide(np.array([]), np.array([]), tolerance=0.1, z=1.645, nonfinite={}, smoke_ok=False, smoke_error="x")
     assert not d.passed and math.isnan(d.mean_diff)
+
+
+def test_a_cluster_that_lost_a_node_is_not_a_candidate_that_cannot_serve():
+    """The held-out evaluation's errors: Ray losing a node, a worker or an actor's owner fails the
+    step (retried), never the gate; an actor whose start raised (the export does not load) and any
+    other error are the candidate's."""
+    from ray.exceptions import ActorDiedError, NodeDiedError, RayTaskError, WorkerCrashedError
+
+    from prodrl_pipelines.loop.evaluate import infrastructure_failure
+
+    load_failed = RayTaskError("EpisodeWorker.__init__", "Traceback ...", ValueError("bad export"))
+    assert infrastructure_failure(ActorDiedError())  # its owner's node crashed
+    assert infrastructure_failure(NodeDiedError("node gone"))
+    assert infrastructure_failure(WorkerCrashedError())
+    assert not infrastructure_failure(ActorDiedError(load_failed))
+    assert not infrastructure_failure(load_failed)
+    assert not infrastructure_failure(ValueError("NaN logits"))
+    assert not infrastructure_failure(RuntimeError("ActorDiedError in a message is not one"))

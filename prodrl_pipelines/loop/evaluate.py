@@ -54,6 +54,27 @@ def _paired(ev: dict, task_ids: list) -> dict:
                          "harness: the same task ids for the same seed and size)") from None
 
 
+# Ray's errors that say the cluster lost something (a node, a worker, an actor's owner, an object),
+# not that the code it ran failed
+_INFRASTRUCTURE = ("NodeDiedError", "WorkerCrashedError", "ObjectLostError", "RaySystemError",
+                   "ActorUnavailableError", "OutOfMemoryError")
+
+
+def infrastructure_failure(e: BaseException) -> bool:
+    """An evaluation that failed because the cluster lost a node, worker or actor, not because the
+    candidate cannot serve: deciding the round on it would fail a good candidate (and consume its
+    data). An actor whose own start raised (the export does not load) is the candidate's failure."""
+    import sys
+
+    if "ray" not in sys.modules:
+        return False
+    from ray.exceptions import RayActorError
+
+    if isinstance(e, RayActorError):
+        return not e.actor_init_failed
+    return any(cls.__name__ in _INFRASTRUCTURE and cls.__module__.startswith("ray") for cls in type(e).__mro__)
+
+
 def kl_to_reference(svc: Services, calls: list, reference_export: Path) -> dict:
     """KL(candidate || reference) per generated token on the candidate's own held-out calls: the
     sampled-token estimator mean(log pi_cand(a) - log pi_ref(a)) with a ~ pi_cand, both processed by
@@ -88,6 +109,8 @@ def evaluate(svc: Services, rkey: str) -> dict:
         cand = evaluate_export(svc, export_dir, rkey, keep_calls=True)
         calls = cand.pop("calls")
     except Exception as e:  # noqa: BLE001 - a candidate that cannot serve is a gate failure, not a crash
+        if infrastructure_failure(e):  # not the candidate's doing: the step fails and is retried
+            raise
         smoke_error = f"{type(e).__name__}: {e}"
     live_eval = svc.ledger.eval(live.policy_version)
     if (live_eval is None or "facts" not in live_eval
