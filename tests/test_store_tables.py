@@ -35,7 +35,8 @@ def store(tmp_path):
 def _full_count(store, live, lag):
     """The eligibility count from every row (the rules the tracker applies, without any state)."""
     window = policy_window(live, ORDER, lag)
-    calls = store.read_calls(window, dedupe=False, columns=["output_token_ids", "output_logprobs", "created_at"])
+    calls = store.read_calls(window, dedupe=False, columns=["output_token_ids", "output_logprobs", "temperature", "top_p",
+                                                           "created_at"])
     if calls.num_rows == 0:
         return 0
     rewards = store.read_rewards()
