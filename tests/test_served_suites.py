@@ -373,6 +373,12 @@ def test_evaluations_of_other_task_sets_are_refused_naming_the_difference():
         paired_on(ev, ["a", "b", "d"])
     with pytest.raises(UnpairedEvaluations, match="missing"):
         paired_on(ev, ["a", "b"])
+    # a task id twice (the lab's suites draw a task more than once): the k-th pairs with the k-th
+    twice = {"task_ids": ["a", "b", "a"], "rewards": [1, 2, 3], "facts": [1, 2, 3]}
+    assert paired_on(twice, ["a", "b", "a"]) is twice
+    assert paired_on(twice, ["b", "a", "a"])["rewards"] == [2, 1, 3]
+    with pytest.raises(UnpairedEvaluations):
+        paired_on(twice, ["a", "b", "b"])
 
 
 def test_live_monitoring_plays_a_served_suite_against_the_deployment_itself(tiny_policy_dir, harness):

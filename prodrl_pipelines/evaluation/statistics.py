@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections import Counter
 
 import numpy as np
 
@@ -35,17 +36,28 @@ def paired_on(ev: dict, task_ids: list) -> dict:
     """``ev`` with its per-task lists in the order of ``task_ids``: the gate and the monitors pair two
     evaluations index by index, and a harness may report its tasks in completion order. Raises
     ``UnpairedEvaluations`` when ``ev`` ran another task set."""
-    pos = {t: i for i, t in enumerate(ev["task_ids"])}
-    if set(pos) != set(task_ids) or len(task_ids) != len(ev["task_ids"]):
-        missing, extra = sorted(set(task_ids) - set(pos)), sorted(set(pos) - set(task_ids))
+    own = list(ev["task_ids"])
+    if own == list(task_ids):
+        return ev
+    # a suite may hold a task id more than once (the same task drawn twice): its k-th occurrence
+    # pairs with the other's k-th
+    pos: dict = {}
+    for i, t in enumerate(own):
+        pos.setdefault(t, []).append(i)
+    if Counter(own) != Counter(task_ids):
+        missing, extra = sorted(set(task_ids) - set(own)), sorted(set(own) - set(task_ids))
         raise UnpairedEvaluations(
             f"{ev.get('policy_version', 'an evaluation')} ran other tasks than the one it is paired with: "
             f"missing {missing[:5]}{' ...' if len(missing) > 5 else ''}, extra {extra[:5]}"
-            f"{' ...' if len(extra) > 5 else ''} ({len(ev['task_ids'])} vs {len(task_ids)} tasks)")
-    idx = [pos[t] for t in task_ids]
+            f"{' ...' if len(extra) > 5 else ''} ({len(own)} vs {len(task_ids)} tasks)")
+    taken: Counter = Counter()
+    idx = []
+    for t in task_ids:
+        idx.append(pos[t][taken[t]])
+        taken[t] += 1
     return {**ev, **{k: [ev[k][i] for i in idx] for k in PER_TASK if k in ev and len(ev[k]) == len(idx)}}
 
 
 def same_tasks(a: dict | None, task_ids: list) -> bool:
-    """``a`` ran exactly ``task_ids``, in any order."""
-    return a is not None and len(a["task_ids"]) == len(task_ids) and set(a["task_ids"]) == set(task_ids)
+    """``a`` ran exactly ``task_ids`` (each as often), in any order."""
+    return a is not None and Counter(a["task_ids"]) == Counter(task_ids)
