@@ -244,9 +244,37 @@ async def health(request: Request) -> Response:
     return JSONResponse({"status": "ok"})
 
 
+async def health_live(request: Request) -> Response:
+    """Liveness: the process answers (its event loop runs). No token, no rate limit (a kubelet)."""
+    return JSONResponse({"status": "live"})
+
+
+async def health_ready(request: Request) -> Response:
+    """Readiness: 200 when calls can be answered and recorded, else 503; each check says why. No
+    token, no rate limit."""
+    rec: Recorder = request.app.state.recorder
+    checks = {name: {"ok": ok, "detail": detail} for name, (ok, detail) in rec.ingestor.readiness().items()}
+    if rec.deployment is not None:  # following a deployment: some replica must answer
+        ep = rec.deployment.current()
+        if ep is None:
+            checks["upstream"] = {"ok": False, "detail": "no deployment yet (bootstrap first)"}
+        else:
+            stable, canary, _ = rec.balancer.groups(ep)
+            down = set(rec.balancer.down())
+            up = [c.url for c in stable + canary if c.url not in down]
+            checks["upstream"] = {"ok": bool(up), "detail": f"{len(up)} of {len(stable) + len(canary)} replicas up"}
+    ready = all(c["ok"] for c in checks.values())
+    return JSONResponse({"ready": ready, "checks": checks}, status_code=200 if ready else 503)
+
+
+# routes a probe reaches without a token or a rate limit (the rest, /health included, need one)
+OPEN_PATHS = frozenset({"/health/live", "/health/ready"})
+
+
 class _BearerAuth:
-    """Every route needs ``Authorization: Bearer <token>`` of a tenant (401 otherwise, nothing is
-    recorded), within the tenant's rate limit (429 with ``Retry-After`` otherwise)."""
+    """Every route but the probes (``OPEN_PATHS``) needs ``Authorization: Bearer <token>`` of a tenant
+    (401 otherwise, nothing is recorded), within the tenant's rate limit (429 with ``Retry-After``
+    otherwise)."""
 
     def __init__(self, app, tenants: Tenants, stats: Stats) -> None:
         self.app = app
@@ -254,7 +282,7 @@ class _BearerAuth:
         self.stats = stats
 
     async def __call__(self, scope, receive, send):
-        if scope["type"] == "http":
+        if scope["type"] == "http" and scope.get("path") not in OPEN_PATHS:
             scheme, _, got = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
             # the scheme is case-insensitive (RFC 9110), the token is not
             tenant = self.tenants.authenticate(got.strip()) if scheme.lower() == b"bearer" else None
@@ -311,6 +339,8 @@ def build_recorder_app(config: RecorderConfig) -> Starlette:
         Route("/stats", stats_route, methods=["GET"]),
         Route("/metrics", metrics, methods=["GET"]),
         Route("/health", health, methods=["GET"]),
+        Route("/health/live", health_live, methods=["GET"]),
+        Route("/health/ready", health_ready, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan, exception_handlers={
         404: lambda request, exc: err(f"no route {clip(request.url.path)}", 404),

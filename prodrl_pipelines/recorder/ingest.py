@@ -62,6 +62,7 @@ log = logging.getLogger(__name__)
 __all__ = ["Ingestor", "Attempt", "SKIPPED_PREFIX", "REJECTED_PREFIX"]
 
 REJECTED_PREFIX = "_recorder/rejected/"
+MAX_READY_BACKLOG = 16  # sealed segments waiting for the store beyond which the recorder is not ready
 
 
 @dataclass
@@ -119,6 +120,8 @@ class Ingestor:
         self._flusher: threading.Thread | None = None
         self._recovered = False
         self._loop: asyncio.AbstractEventLoop | None = None
+        self.failing_since: float | None = None  # monotonic time of the first of the current failed flushes
+        self.last_flush_error = ""
 
     def attach_loop(self, loop: asyncio.AbstractEventLoop) -> None:
         """Commits made on ``loop``'s thread then return asyncio futures, and each fsynced group
@@ -210,6 +213,20 @@ class Ingestor:
             self._flush_waiters.append(ev)
             self._cond.notify_all()
         return ev.wait(timeout)
+
+    def readiness(self) -> dict[str, tuple[bool, str]]:
+        """What a readiness probe asks of the storage path: the WAL accepts records, and the store
+        takes the sealed segments (none failing, at most a bounded backlog waiting)."""
+        accepting = not self._stopping and self._writer is not None and self._writer.is_alive()
+        backlog = self._flushq.qsize()
+        out = {"wal": (accepting, "accepting records" if accepting else "not accepting records (stopped)")}
+        if self.failing_since is not None:
+            out["store"] = (False, f"flushes to the store failing for {time.monotonic() - self.failing_since:.0f} s "
+                                   f"({self.last_flush_error}); records wait in the WAL")
+        else:
+            out["store"] = (backlog <= MAX_READY_BACKLOG,
+                            f"{backlog} sealed WAL segments waiting (at most {MAX_READY_BACKLOG} when ready)")
+        return out
 
     # ------------------------------------------------------------------ commits
 
@@ -361,10 +378,14 @@ class Ingestor:
             while True:
                 try:
                     self._flush_sealed(item)
+                    self.failing_since = None
                     break
                 except Exception as exc:  # noqa: BLE001 - retried until it lands; said in the log
                     self.stats.inc("flush_errors")
                     failures += 1
+                    if self.failing_since is None:
+                        self.failing_since = time.monotonic()
+                    self.last_flush_error = f"{type(exc).__name__}: {exc}"[:300]
                     if failures in (1, 10) or failures % 100 == 0:  # the first, then now and then
                         log.warning("flush of %d WAL entries failed (attempt %d, retrying): %s: %s",
                                     len(item.entries), failures, type(exc).__name__, exc)
