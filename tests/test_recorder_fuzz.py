@@ -66,7 +66,7 @@ API_ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("P
               ("GET", "/v1/models"), ("POST", "/v1/feedback")]
 SESSION = "fuzz-session"  # every OpenAI route again under a session-scoped base URL: /s/<session>/v1/...
 ROUTES = [*API_ROUTES, *((m, f"/s/{SESSION}{p}") for m, p in API_ROUTES),
-          ("GET", "/stats"), ("GET", "/metrics"), ("GET", "/health")]
+          ("GET", "/stats"), ("GET", "/metrics"), ("GET", "/health"), ("GET", "/health/live"), ("GET", "/health/ready")]
 COMPLETION = {"prompt": [5, 6, 7], "max_tokens": 3}
 CHAT = {"messages": [{"role": "user", "content": "4+4="}], "max_tokens": 3}
 RESPONSES = {"input": "4+4=", "max_output_tokens": 3}
