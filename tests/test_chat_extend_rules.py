@@ -15,10 +15,10 @@ import httpx
 import openai
 import pytest
 
-from prodrl_pipelines.engines.server import BackgroundServer, build_app
+from prodrl_pipelines.engines.server import BackgroundServer
 from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
 from prodrl_pipelines.recorder.chat_extend import extend_refusal
-from tests.test_chat_tools import ADD, TEMPLATE, TOKEN, ScriptedEngine
+from tests.test_chat_tools import ADD, TEMPLATE, TOKEN, scripted  # noqa: F401 - scripted: on this module's model_dir
 from tests.test_recorder import FakeUpstream, serving
 
 USER = [{"role": "user", "content": "12+7?"}]
@@ -42,14 +42,6 @@ def model_dir(tiny_policy_dir, tmp_path_factory):
     shutil.copytree(tiny_policy_dir, out)
     (out / "chat_template.jinja").write_text(THINKING_TEMPLATE)
     return out
-
-
-@pytest.fixture(scope="module")
-def scripted(engine, model_dir):
-    app = build_app(ScriptedEngine(engine), model_dir=model_dir, served_model_name="v0", batch_wait_ms=1,
-                    reply_parser="qwen3")
-    with BackgroundServer(app) as srv:
-        yield srv
 
 
 @pytest.fixture

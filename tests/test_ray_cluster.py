@@ -40,11 +40,24 @@ def test_an_unreachable_cluster_fails_check_settings_naming_the_address(tmp_path
         res.cluster_config().check_reachable()
 
 
+def _succeeded(dashboard_url: str, **params) -> str:
+    """Submit a job, wait (a ceiling for a loaded machine) until it ends, assert it succeeded; its logs."""
+    from ray.job_submission import JobStatus, JobSubmissionClient
+
+    client = JobSubmissionClient(dashboard_url)
+    job = client.submit_job(**params)
+    deadline = time.monotonic() + 240
+    while not client.get_job_status(job).is_terminal():
+        assert time.monotonic() < deadline, client.get_job_logs(job)
+        time.sleep(0.5)
+    logs = client.get_job_logs(job)
+    assert client.get_job_status(job) == JobStatus.SUCCEEDED, logs
+    return logs
+
+
 def test_the_local_cluster_has_two_loopback_nodes_and_runs_a_job(ray_cluster, tmp_path):
     """Every node registers as 127.0.0.1 (no test traffic leaves loopback); a job submitted with the
     project's runtime env sees the PRODRL_* settings and both nodes."""
-    from ray.job_submission import JobStatus, JobSubmissionClient
-
     cluster = ClusterSettings(cluster="ray", cluster_address=ray_cluster.dashboard_url,
                               cluster_runtime_env=json.dumps({"env_vars": {"MARK": "x"}}))
     cluster.check_reachable()
@@ -53,14 +66,7 @@ def test_the_local_cluster_has_two_loopback_nodes_and_runs_a_job(ray_cluster, tm
               "print('NODES', json.dumps([[n['NodeID'], n['NodeManagerAddress'], n['Alive']] for n in ray.nodes()])); "
               "print('ENV', os.environ['MARK'], json.loads(os.environ['PRODRL_SETTINGS_JSON'])['home'])")
     params["entrypoint"] = f"{sys.executable} -c \"{script}\""
-    client = JobSubmissionClient(ray_cluster.dashboard_url)
-    job = client.submit_job(**params)
-    deadline = time.monotonic() + 240
-    while not client.get_job_status(job).is_terminal():
-        assert time.monotonic() < deadline, client.get_job_logs(job)
-        time.sleep(0.5)
-    logs = client.get_job_logs(job)
-    assert client.get_job_status(job) == JobStatus.SUCCEEDED, logs
+    logs = _succeeded(ray_cluster.dashboard_url, **params)
     nodes = json.loads(next(line for line in logs.splitlines() if line.startswith("NODES "))[6:])
     alive = [n for n in nodes if n[2]]
     assert len({n[0] for n in alive}) == 2 and {n[1] for n in alive} == {"127.0.0.1"}, nodes
@@ -71,22 +77,13 @@ def test_a_job_runs_on_the_cluster_it_was_submitted_to_when_a_newer_one_runs_on_
     """Ray's job supervisor points a job's driver at ``<temp dir>/ray_current_cluster``: with every
     cluster in /tmp/ray that is the newest on the machine (a stack's, another test's), and a round's
     evaluation ran on a cluster that a test then stopped. Each local cluster has a temp dir of its own."""
-    from ray.job_submission import JobStatus, JobSubmissionClient
-
     from prodrl_pipelines.cluster.local import LocalRayCluster
 
     newer = LocalRayCluster(tmp_path / "newer", nodes=1, cpus_per_node=1).start()
     try:
         assert newer.info["temp_dir"] != ray_cluster.info.get("temp_dir")
-        client = JobSubmissionClient(ray_cluster.dashboard_url)
-        job = client.submit_job(entrypoint=f"{sys.executable} -c \"import ray; ray.init(); "
-                                           "print('GCS', ray.get_runtime_context().gcs_address)\"")
-        deadline = time.monotonic() + 240
-        while not client.get_job_status(job).is_terminal():
-            assert time.monotonic() < deadline, client.get_job_logs(job)
-            time.sleep(0.5)
-        logs = client.get_job_logs(job)
-        assert client.get_job_status(job) == JobStatus.SUCCEEDED, logs
+        logs = _succeeded(ray_cluster.dashboard_url, entrypoint=f"{sys.executable} -c \"import ray; ray.init(); "
+                                                                "print('GCS', ray.get_runtime_context().gcs_address)\"")
         gcs = next(line for line in logs.splitlines() if line.startswith("GCS "))[4:]
         port = lambda a: a.rsplit(":", 1)[1]  # noqa: E731 - Ray reports the host as the machine's address
         assert port(gcs) == port(ray_cluster.gcs_address) != port(newer.gcs_address), (gcs, logs)
