@@ -67,12 +67,15 @@ def test_unknown_blocks_and_missing_results_are_named(tmp_path):
 @pytest.mark.long(seconds=70)
 def test_reward_hacking_walkthrough_claims_on_a_real_run(tmp_path, monkeypatch):
     """The walkthrough the README's table comes from, at its own size: the hole pays, the hack rounds
-    are blocked by named checks, and after the fix the held-out reward ends above the base. On the
-    machine the stored result came from the run reproduces it exactly (whatever the directory).
+    are blocked by named checks, and after the fix the policy that serves at the end (the last fixed
+    round deployed) has a held-out reward above the base. On the machine the stored result came from
+    the run reproduces it exactly (whatever the directory).
 
-    Asserted is what held on AVX512 and AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``), seeds 0 and 1:
-    every hack round from the second on is blocked. The first is blocked on three of those four runs;
-    on AVX2 seed 0 its drift stayed under every threshold and it deployed (README, "Reward hacking")."""
+    Asserted is what held on AVX512 and AVX2 kernels (``ATEN_CPU_CAPABILITY=avx2``), seeds 0 and 1,
+    one and two torch threads, a core kept busy (docs/rewards.md): every hack round from the second on
+    is blocked. The first is blocked on three of those four runs; on AVX2 seed 0 its drift stayed under
+    every threshold and it deployed. A fixed round other than the first may be blocked (AVX2 seed 1,
+    round 6, by ``slices``), so "the last round deploys" is not asserted."""
     from prodrl_pipelines.lab.provenance import provenance
     from prodrl_pipelines.lab.reward_hacking import walkthrough, walkthrough_settings
 
@@ -89,7 +92,10 @@ def test_reward_hacking_walkthrough_claims_on_a_real_run(tmp_path, monkeypatch):
                     if not v["passed"] and v["blocking"]]
         if i or not r["deployed"]:  # a blocked round names its monitors; the first may deploy (docstring)
             assert not r["gate_passed"] and not r["deployed"] and blockers, r
-    assert fixed[-1]["deployed"] and fixed[-1]["heldout_reward"] > out["base_heldout_reward"]
+    deployed = [r for r in fixed if r["deployed"]]  # a fixed round may be blocked (AVX2, seed 1: round 6)
+    seen = [(r["round"], r["heldout_reward"], r["deployed"], r["gate_reasons"]) for r in fixed]
+    assert deployed and deployed[-1]["heldout_reward"] > out["base_heldout_reward"], \
+        (out["base_heldout_reward"], provenance([])["machine"], seen)  # what serves at the end
     assert out["rescore"]["changed"] > 0 and out["rescore"]["new_mean"] < out["rescore"]["old_mean"]
     _walkthrough_bookkeeping(tmp_path / "elsewhere" / "home", settings, out, hack, fixed)
 
