@@ -18,7 +18,7 @@ import pytest
 
 from prodrl_pipelines.config.settings import Settings
 from prodrl_pipelines.deploy_targets import endpoint_file, make_target
-from prodrl_pipelines.deploy_targets.base import Endpoint
+from prodrl_pipelines.deploy_targets.base import Endpoint, endpoint_location
 from prodrl_pipelines.deploy_targets.processes import pick_port_range
 from prodrl_pipelines.deploy_targets.rollout import DeployRejected, roll_out
 from prodrl_pipelines.deploy_targets.server_records import pid_alive
@@ -207,6 +207,35 @@ def test_rolling_update_of_three_replicas_fails_no_call_and_tags_each_with_its_v
             traffic.finish()
             assert not traffic.failures, traffic.failures[:5]
             os.killpg(back.pid, signal.SIGKILL)
+    finally:
+        target.stop()
+
+
+@pytest.mark.long(seconds=60)
+def test_a_fleet_whose_endpoint_is_a_database_row_is_followed_by_a_recorder_that_shares_no_disk_with_it(
+        tiny_exports, tmp_path, pg_url):
+    """``deploy.endpoint_store``: the deploy step writes the endpoint record to PostgreSQL and nothing to
+    its home; a recorder given only ``URL#NAME`` (its own directory, as on another host) serves and
+    files every call under the version that answered, through a rolling update."""
+    s, target = _fleet(tmp_path, replicas=2, endpoint_store=pg_url, endpoint_name="fleet-of-two")
+    where = endpoint_location(s.home_path, s.deploy)
+    assert where == f"{pg_url}#fleet-of-two"
+    app = build_recorder_app(RecorderConfig(upstream="", follow=where, store_dir=str(tmp_path / "elsewhere"),
+                                            token="t", top_logprobs=4))
+    try:
+        roll_out(s, target, tiny_exports["bf16"], "v1", PROMPTS)
+        with BackgroundServer(app) as rec:
+            traffic = Traffic(rec.url)
+            traffic.wait_served("v1", 6)
+            ro = roll_out(s, ProdrlServeTarget(s, s.home_path), tiny_exports["bf16"], "v2", PROMPTS)
+            traffic.wait_served("v2", 6)
+            sent = traffic.finish()
+            assert not traffic.failures and ro.waves == 2, traffic.failures[:5]
+            assert app.state.recorder.ingestor.flush(30)
+            rows = app.state.recorder.store.read_calls().to_pylist()
+            assert len(rows) == sent and {r["policy_version"] for r in rows} == {"v1", "v2"}
+        assert not (s.home_path / "deployment" / "endpoint.json").exists()
+        assert [r["policy_version"] for r in endpoint_file(s.home_path, s.deploy).read().replica_list()] == ["v2"] * 2
     finally:
         target.stop()
 

@@ -67,6 +67,19 @@ def test_a_host_sees_its_own_processes_files_and_name(hosts):
     assert h1.run(["python3", "-c", "import socket; socket.create_connection(('127.0.0.1', 5432), 3)"]).returncode != 0
 
 
+def test_a_local_ray_cluster_starts_on_a_host_where_ray_never_ran(hosts):
+    """A host's /tmp is new, as a fresh machine's is (no /tmp/ray): the local cluster the tests, the
+    benches and ``make up`` use starts there (it once failed when no Ray had run on the machine before:
+    Ray's cluster utilities write /tmp/ray/ray_current_cluster, which a temp dir of its own leaves out)."""
+    h5 = hosts[5]
+    assert h5.run(["test", "-e", "/tmp/ray"]).returncode == 1
+    code = ("from pathlib import Path\nfrom prodrl_pipelines.cluster.local import LocalRayCluster\n"
+            "with LocalRayCluster(Path('/tmp/lc'), nodes=1, cpus_per_node=1) as c:\n    print(c.gcs_address)")
+    res = h5.run([sys.executable, "-c", code], env=_base_env(), timeout=300)
+    assert res.returncode == 0 and res.stdout.strip().startswith("127.0.0.1:"), (res.stdout + res.stderr)[-3000:]
+    assert h5.run(["ls", "/tmp"]).stdout.split().count("lc") == 1
+
+
 def test_links_partitions_and_hosts_fail_as_a_network_does(hosts):
     h3, h4, h5 = hosts[3], hosts[4], hosts[5]
     server = h4.popen([sys.executable, "-m", "http.server", "8080", "--bind", h4.address])

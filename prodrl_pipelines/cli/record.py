@@ -22,8 +22,9 @@ def add_record_parser(sub) -> argparse.ArgumentParser:
                        description=service_doc, formatter_class=argparse.RawDescriptionHelpFormatter)
     up = r.add_mutually_exclusive_group(required=True)
     up.add_argument("--upstream", default="", help="base URL of the vLLM-compatible server")
-    up.add_argument("--follow", default=None, help="the deployment's endpoint file (<home>/deployment/endpoint.json): "
-                    "upstream URL, served model name and policy version, re-read when a deploy changes it")
+    up.add_argument("--follow", default=None, help="the deployment's endpoint record: its file (<home>/deployment/endpoint.json), or "
+                    "URL#NAME for one in PostgreSQL (deploy.endpoint_store, deploy.endpoint_name): upstream URL, "
+                    "served model name and policy version, re-read when a deploy changes it")
     r.add_argument("--store", default="", help="trajectory store directory (or --s3-bucket)")
     r.add_argument("--s3-bucket", default="", help="trajectory store on S3: the bucket (instead of --store; "
                    "needs --wal-dir; credentials from the boto3 default chain)")

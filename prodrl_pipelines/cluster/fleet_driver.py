@@ -41,7 +41,7 @@ def deploy(home: str, export: str, version: str) -> dict:
     boto3.client("s3", endpoint_url=loc.s3_endpoint_url, region_name="us-east-1").create_bucket(Bucket=loc.s3_bucket)
     publish_export(build_services(s, loc), Path(export).name, Path(export))
     ro = roll_out(s, make_target(s), Path(export), version, PROMPTS, api_key=environment.deploy_api_key())
-    ep = endpoint_file(s.home_path).read()
+    ep = endpoint_file(s.home_path, s.deploy).read()
     return {"waves": ro.waves, "replicas": ep.replica_list(), "raylet_here": local_raylet("x:6379"),
             "seconds": ro.seconds}
 

@@ -74,6 +74,11 @@ def serve(root: Path, nodes: int, cpus: float) -> int:
     # test's, the stack's): a job then ran on a cluster it was not submitted to. Short, for Ray's
     # unix socket paths (107 bytes at most).
     temp_dir = tempfile.mkdtemp(prefix="prodrl-ray-", dir="/tmp")
+    # ray.cluster_utils still writes the default temp dir's ray_current_cluster, which a custom temp dir
+    # leaves uncreated: on a machine where no Ray ever ran the head's start failed (FileNotFoundError)
+    from ray._private.utils import get_ray_address_file
+
+    os.makedirs(os.path.dirname(get_ray_address_file(None)), exist_ok=True)
     cluster = Cluster(initialize_head=True, shutdown_at_exit=False,
                       head_node_args=_node_args(cpus, head=True, dashboard_port=dashboard_port, temp_dir=temp_dir))
     for _ in range(nodes - 1):

@@ -73,6 +73,11 @@ class DeploySettings(BaseModel):
     canary_pause_grace_s: float = Field(600.0, ge=0, description=(
         "a canary the recorder paused (its server refused connections) is failed only after this long "
         "paused; one whose server answers again meanwhile is resumed (a restart is not a bad model)"))
+    endpoint_store: str = Field("", description=(
+        "where the deployment's endpoint record lives: empty, the file home/deployment/endpoint.json "
+        "(one host); a PostgreSQL URL, a row every host reads (the recorder, the sensors and the fleet "
+        "keeper on hosts other than the deploy step's): deploy_targets/endpoint_store.py"))
+    endpoint_name: str = Field("default", description="the endpoint record's name in endpoint_store")
     target_endpoint: str = Field("", description="vllm-reload, vllm-weight-transfer: a running dev-mode vLLM; "
                                                  "command: where it serves ({port} filled in)")
     # vllm-weight-transfer: where the server's workers reach this process (NCCL rank 0 of the transfer
@@ -124,6 +129,13 @@ class DeploySettings(BaseModel):
 
         reply_parser_flags(v, vllm=True)  # an unknown name fails naming the valid ones
         return v
+
+    @model_validator(mode="after")
+    def _endpoint_store(self) -> "DeploySettings":
+        from prodrl_pipelines.deploy_targets.endpoint_store import check_endpoint_store
+
+        check_endpoint_store(self.endpoint_store, self.endpoint_name)
+        return self
 
     @field_validator("target_command")
     @classmethod

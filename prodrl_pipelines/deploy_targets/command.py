@@ -57,7 +57,7 @@ class CommandTarget:
             raise DeployError("deploy target 'command' needs target_command (a template with {export_dir}, "
                               "{policy_version}, {port})")
         self.home = Path(home)
-        self.endpoints = endpoint_file(home)
+        self.endpoints = endpoint_file(home, self.deploy)
 
     def _endpoint(self) -> str | None:
         ep = self.deploy.target_endpoint.format(port=self.deploy.target_port) if self.deploy.target_endpoint else ""

@@ -74,7 +74,7 @@ class FleetCanary:
                                        **({"actor": raw["actor"]} if raw.get("actor") else {})}]}
             return ep
 
-        endpoint_file(self.home).update(change)
+        endpoint_file(self.home, self.deploy).update(change)
         self.keep_addresses()
 
     def stop_canary(self) -> str:
@@ -94,7 +94,7 @@ class FleetCanary:
             ep.canary = None
             return ep
 
-        endpoint_file(self.home).update(change)
+        endpoint_file(self.home, self.deploy).update(change)
         if routed:
             time.sleep(CANARY_DRAIN_S)
         stopped = []

@@ -8,10 +8,12 @@ the new address answers with the model name the file lists for it, moves that on
 file's lock and with nothing else changed, so it can neither undo a commit nor a canary change. Until
 then the recorder's health checks keep the replica out of rotation.
 
-The keeper is pinned to the node of the deploy step (which holds the endpoint file), started at the
-first commit and stopped with the fleet. A deploy step on a host without a raylet (connected through
-Ray Client) starts none: no Ray process can run beside its endpoint file. There a replica brought back
-at another address stays out of rotation until the next deploy lists it.
+With the endpoint record in a file, the keeper is pinned to the node of the deploy step (which holds
+the file), started at the first commit and stopped with the fleet; a deploy step on a host without a
+raylet (connected through Ray Client) starts none, since no Ray process can run beside its file, and
+a replica brought back at another address stays out of rotation until the next deploy lists it. With
+the record in PostgreSQL (``deploy.endpoint_store``) every node reads it: the keeper runs wherever Ray
+places it, Ray Client deploys included.
 """
 
 from __future__ import annotations
@@ -19,7 +21,6 @@ from __future__ import annotations
 import json
 import threading
 import time
-from pathlib import Path
 
 PERIOD_S = 1.0
 
@@ -48,9 +49,10 @@ def moved_replicas(endpoint, current_url) -> dict[str, str]:
     return out
 
 
-def move_urls(path: Path, moves: dict[str, str]) -> int:
-    """Rewrite the listed URLs in ``moves`` (only those still listed as they were); how many moved."""
-    from prodrl_pipelines.deploy_targets.base import EndpointFile
+def move_urls(where: str, moves: dict[str, str]) -> int:
+    """Rewrite the listed URLs in ``moves`` (only those still listed as they were) in the endpoint
+    record at ``where`` (``endpoint_store.location``); how many moved."""
+    from prodrl_pipelines.deploy_targets.endpoint_store import open_endpoint
 
     done = []
 
@@ -65,21 +67,21 @@ def move_urls(path: Path, moves: dict[str, str]) -> int:
                 done.append(r["url"])
         return ep if done else None
 
-    EndpointFile(path).update(change)
+    open_endpoint(where).update(change)
     return len(done)
 
 
 class FleetKeeper:
-    """The actor: follows the endpoint file at ``path`` until killed."""
+    """The actor: follows the endpoint record at ``path`` (a location) until killed."""
 
     def __init__(self, path: str) -> None:
-        self.path = Path(path)
+        self.path = str(path)
         self.moves = 0
         self.error = ""
         threading.Thread(target=self._run, daemon=True, name="fleet-keeper").start()
 
     def _run(self) -> None:
-        from prodrl_pipelines.deploy_targets.base import EndpointFile
+        from prodrl_pipelines.deploy_targets.endpoint_store import open_endpoint
         from prodrl_pipelines.deploy_targets.replica_host import kv_get
 
         def current_url(actor: str):
@@ -89,7 +91,7 @@ class FleetKeeper:
         while True:
             time.sleep(PERIOD_S)
             try:
-                ep = EndpointFile(self.path).read()
+                ep = open_endpoint(self.path).read()
                 moves = moved_replicas(ep, current_url) if ep is not None else {}
                 if moves:
                     self.moves += move_urls(self.path, moves)
@@ -97,7 +99,7 @@ class FleetKeeper:
                 self.error = f"{type(e).__name__}: {e}"
 
     def stats(self) -> dict:
-        return {"moves": self.moves, "error": self.error, "path": str(self.path)}
+        return {"moves": self.moves, "error": self.error, "path": self.path}
 
 
 def keeper_name(target) -> str:
@@ -114,29 +116,33 @@ def client_mode() -> bool:
 
 
 def ensure_keeper(target):
-    """The deployment's keeper (started when it is not running), pinned to this process's node; None
-    through Ray Client (``client_mode``: this host is no node of the cluster)."""
+    """The deployment's keeper (started when it is not running): pinned to this process's node when
+    the endpoint record is its file; None through Ray Client then (``client_mode``: this host is no
+    node of the cluster). A record in PostgreSQL: anywhere on the cluster."""
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from prodrl_pipelines.deploy_targets.base import endpoint_file
+    from prodrl_pipelines.deploy_targets.base import endpoint_location
+    from prodrl_pipelines.deploy_targets.endpoint_store import is_database_url
     from prodrl_pipelines.deploy_targets.ray_placement import NAMESPACE
 
     placement = target.ray_placement()
     placement.connect()
-    if client_mode():
+    where = endpoint_location(target.home, target.deploy)
+    shared = is_database_url(where)
+    if client_mode() and not shared:
         return None
     name = keeper_name(target)
     try:
         return ray.get_actor(name, namespace=NAMESPACE)
     except ValueError:
         pass
-    node = ray.get_runtime_context().get_node_id()
+    pin = {} if shared else {"scheduling_strategy": NodeAffinitySchedulingStrategy(
+        ray.get_runtime_context().get_node_id(), soft=False)}
     try:
         return ray.remote(FleetKeeper).options(
-            name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1, num_cpus=0,
-            scheduling_strategy=NodeAffinitySchedulingStrategy(node, soft=False),
-        ).remote(str(endpoint_file(target.home).path.resolve()))
+            name=name, namespace=NAMESPACE, lifetime="detached", max_restarts=-1, num_cpus=0, **pin,
+        ).remote(where)
     except ValueError:  # started meanwhile by another process
         return ray.get_actor(name, namespace=NAMESPACE)
 

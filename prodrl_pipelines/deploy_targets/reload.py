@@ -42,7 +42,7 @@ class VLLMReloadTarget:
         self.home = Path(home)
         self.external = settings.deploy.target_endpoint.rstrip("/") or None
         self.restart = VLLMRestartTarget(settings, home, state_name=self.name, dev_mode=True)
-        self.endpoints = endpoint_file(home)
+        self.endpoints = endpoint_file(home, settings.deploy)
         from prodrl_pipelines.config import environment
 
         self.api_key = environment.deploy_api_key()

@@ -229,7 +229,7 @@ class ManagedServerTarget(FleetCanary):
                                       for r in reps],
                             canary=old.canary if old is not None else None)
 
-        endpoint_file(self.home).update(change)
+        endpoint_file(self.home, self.deploy).update(change)
 
     def commit(self, switch: Switch) -> None:
         slots = switch.detail["slots"]

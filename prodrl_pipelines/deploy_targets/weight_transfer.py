@@ -225,7 +225,7 @@ class VLLMWeightTransferTarget:
         d = settings.deploy
         self.url = d.target_endpoint.rstrip("/")
         self.address, self.port = d.weight_transfer_address, d.weight_transfer_port
-        self.endpoints = endpoint_file(home)
+        self.endpoints = endpoint_file(home, d)
         self.api_key = environment.deploy_api_key()
 
     def session(self) -> tuple[WeightTransferClient, NcclTrainerLink]:

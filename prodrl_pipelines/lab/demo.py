@@ -74,10 +74,10 @@ def run_loop(home: Path, settings: dict, rounds: int, log=print, instance=None, 
     via = traffic_mode(via)
     managed = s.deploy.target != "pointer"  # the deploy target serves: the lab only records in front
     if managed:
-        from prodrl_pipelines.deploy_targets import endpoint_file
+        from prodrl_pipelines.deploy_targets.base import endpoint_location
 
         via = via if via.startswith("http") else "http"
-        lab_dep = LabDeployment(home / "logs" / "lab_traffic", follow=endpoint_file(s.home_path).path)
+        lab_dep = LabDeployment(home / "logs" / "lab_traffic", follow=endpoint_location(s.home_path, s.deploy))
     else:
         lab_dep = LabDeployment(home / "logs" / "lab_traffic") if via.startswith("http") else None
     try:

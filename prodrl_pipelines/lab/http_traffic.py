@@ -157,10 +157,11 @@ class LabDeployment:
 
     def __init__(self, log_dir: Path, *, threads: int = 1, max_batch_size: int = 256, flush_interval_s: float = 0.2,
                  concurrency: int = 32, startup_timeout_s: float = 180.0, wal_dir: Path | None = None,
-                 follow: Path | None = None) -> None:
-        # follow: the deployment's endpoint file. The deploy target (e.g. vllm-restart) serves the live
-        # export; only the recorder runs here, following each switch (no server of its own).
-        self.follow = Path(follow) if follow else None
+                 follow: str | Path | None = None) -> None:
+        # follow: the deployment's endpoint record (a file, or URL#NAME: deploy_targets.endpoint_store). The
+        # deploy target (e.g. vllm-restart) serves the live export; only the recorder runs here, following
+        # each switch (no server of its own).
+        self.follow = str(follow) if follow else None
         self.log_dir = Path(log_dir)
         self.wal_dir = Path(wal_dir) if wal_dir else self.log_dir / "recorder_wal"  # S3 stores: WAL on local disk
         self.threads, self.max_batch_size, self.flush_interval_s = threads, max_batch_size, flush_interval_s
@@ -227,18 +228,24 @@ class LabDeployment:
             self.stop()
             raise
         self.recorder_url = f"http://127.0.0.1:{rp}"
-        self.serve_url = json.loads(self.follow.read_text())["url"]
+        self.serve_url = self._followed().url
         self.policy_version, self.export_dir = live.policy_version, str(live.export_dir)
         self.client = self.new_client()
         self._tokenizer = None
         return self
 
+    def _followed(self):
+        from prodrl_pipelines.deploy_targets.endpoint_store import open_endpoint
+
+        return open_endpoint(self.follow).read()
+
     def _wait_switched(self, version: str, timeout_s: float = 30.0) -> None:
-        """The deploy target commits the endpoint file before the live pointer moves: it is there."""
+        """The deploy target commits the endpoint record before the live pointer moves: it is there."""
         deadline = time.monotonic() + timeout_s
         while True:
             try:
-                if json.loads(self.follow.read_text()).get("policy_version") == version:
+                ep = self._followed()
+                if ep is not None and ep.policy_version == version:
                     return
             except (OSError, ValueError):
                 pass

@@ -150,7 +150,7 @@ def paused(svc: Services) -> str | None:
     server answers again); still paused after that, it is failed with this reason."""
     from prodrl_pipelines.deploy_targets.base import endpoint_file
 
-    ep = endpoint_file(svc.settings.home_path).read()
+    ep = endpoint_file(svc.settings.home_path, svc.settings.deploy).read()
     return ep.canary_paused() if ep is not None else None
 
 
@@ -160,7 +160,7 @@ def paused_for_s(svc: Services) -> float:
 
     from prodrl_pipelines.deploy_targets.base import endpoint_file
 
-    ep = endpoint_file(svc.settings.home_path).read()
+    ep = endpoint_file(svc.settings.home_path, svc.settings.deploy).read()
     at = ep.canary_paused_at() if ep is not None else None
     return max(0.0, (datetime.now(timezone.utc) - at).total_seconds()) if at is not None else 0.0
 

@@ -20,7 +20,7 @@ def live_endpoint(svc: Services) -> str:
 
     if svc.settings.eval.live_endpoint:
         return svc.settings.eval.live_endpoint
-    ep = endpoint_file(svc.settings.home_path).read()
+    ep = endpoint_file(svc.settings.home_path, svc.settings.deploy).read()
     live = svc.ledger.live()
     return ep.url if ep is not None and live is not None and ep.policy_version == live.policy_version else ""
 

@@ -291,6 +291,8 @@ class Recorder(UpstreamCalls):
             self._froze = False
         if self._health is not None:
             self._health.cancel()
+        if self.deployment is not None:
+            self.deployment.close()
         if self.http is not None:
             await self.http.close()
         self.unflushed_segments = await asyncio.get_running_loop().run_in_executor(None, self.ingestor.stop)

@@ -45,20 +45,52 @@ class TokenStrings:
 
 
 class FollowedEndpoint:
-    """The deployment's endpoint file, re-read when it changes (one ``stat`` per call; the deploy
-    target replaces it atomically, so a changed inode or mtime means a new switch)."""
+    """The deployment's endpoint record, as fresh as a call needs it and read without blocking the
+    event loop. A file (one host): re-read when it changes (one ``stat`` per call; the deploy target
+    replaces it atomically, so a changed inode or mtime means a new switch). A PostgreSQL row
+    (``URL#NAME``, ``deploy_targets.endpoint_store``: the deploy step on another host): a thread polls
+    its version every ``poll_s`` and ``current()`` returns the last record read; while the database
+    cannot be reached the recorder keeps the last one (``error`` says why)."""
 
-    def __init__(self, path: str | os.PathLike) -> None:
-        from prodrl_pipelines.deploy_targets.base import EndpointFile
+    def __init__(self, where: str | os.PathLike, poll_s: float = 0.5) -> None:
+        import threading
 
-        self.path = Path(path)
-        self.file = EndpointFile(self.path)
+        from prodrl_pipelines.deploy_targets.endpoint_store import is_database_url, open_endpoint
+
+        self.location = str(where)
+        self.file = open_endpoint(self.location)
         self._key = None
         self._ep = None
+        self.error = ""
+        self._stop = None
+        if is_database_url(self.location):
+            self.poll_s = poll_s
+            self._poll_once()
+            self._stop = threading.Event()
+            threading.Thread(target=self._poll, daemon=True, name="endpoint-poll").start()
+
+    def _poll_once(self) -> None:
+        try:
+            version, ep = self.file.read_versioned()
+            if version != self._key:
+                self._ep, self._key = ep, version
+            self.error = ""
+        except Exception as e:  # noqa: BLE001 - a database restart: keep serving the last record
+            self.error = f"{type(e).__name__}: {str(e).strip().splitlines()[0] if str(e).strip() else ''}"
+
+    def _poll(self) -> None:
+        while not self._stop.wait(self.poll_s):
+            self._poll_once()
+
+    def close(self) -> None:
+        if self._stop is not None:
+            self._stop.set()
 
     def current(self):
+        if self._stop is not None:
+            return self._ep
         try:
-            st = os.stat(self.path)
+            st = os.stat(self.file.path)
         except FileNotFoundError:
             return None
         key = (st.st_ino, st.st_mtime_ns, st.st_size)

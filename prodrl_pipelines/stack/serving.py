@@ -82,7 +82,7 @@ class LiveServing:
         """The version every replica serves (None while nothing is live, or mid-update)."""
         from prodrl_pipelines.deploy_targets import endpoint_file
 
-        ep = endpoint_file(self.home).read()
+        ep = endpoint_file(self.home, self._services().settings.deploy).read()
         reps = self.target().currents() if ep is not None else []
         if ep is None or not reps or any(r is None or r.policy_version != ep.policy_version for r in reps):
             return None
@@ -140,13 +140,13 @@ class LiveServing:
                  f"({time.monotonic() - t0:.1f}s)")
 
     def _start_recorder(self) -> None:
-        from prodrl_pipelines.deploy_targets import endpoint_file
+        from prodrl_pipelines.deploy_targets.base import endpoint_location
 
         svc = self._services()
         exe = [sys.executable, "-m", "prodrl_pipelines.cli"]
         store = recorder_store_args(svc, self.home / "recorder_wal")
         record = ManagedProcess("prodrl record", exe + recorder_args(
-            svc.settings.deploy, str(endpoint_file(self.home).path), store, self.record_port),
+            svc.settings.deploy, endpoint_location(self.home, svc.settings.deploy), store, self.record_port),
             self.env, self.home / "logs" / "record.log")
         try:
             record.wait_http(f"{self.record_url}/health", timeout_s=120,
