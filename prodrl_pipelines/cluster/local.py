@@ -202,6 +202,7 @@ class LocalRayCluster:
         while not (self.root / "cluster.json").exists():
             if self.proc.poll() is not None:
                 tail = (self.root / "cluster.log").read_text(errors="replace")[-3000:]
+                self._kill_session()  # what the failed start left (a head's GCS, dashboard, agents)
                 raise RuntimeError(f"local Ray cluster exited with {self.proc.returncode}:\n{tail}")
             if time.monotonic() > deadline:
                 self.stop()
@@ -232,8 +233,19 @@ class LocalRayCluster:
         """Add a worker node like the others; its node id."""
         return self._change(signal.SIGUSR2, "added", timeout_s)
 
+    def _kill_session(self) -> None:
+        """SIGKILL what is left in the cluster process's session (its process group, by the pid we
+        started it with): Ray's own processes outlive a cluster process that died."""
+        try:
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        except (ProcessLookupError, PermissionError):
+            pass
+
     def stop(self, timeout_s: float = 60.0) -> None:
-        if self.proc is None or self.proc.poll() is not None:
+        if self.proc is None:
+            return
+        if self.proc.poll() is not None:
+            self._kill_session()
             return
         self.proc.send_signal(signal.SIGTERM)
         try:
