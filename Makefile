@@ -44,12 +44,12 @@ demo: $(STAMP)
 # worker: its module fixtures are built once; three workers on two cores: most tests wait on servers and
 # subprocesses; --no-loadscope-reorder keeps the collection order, long files first: tests/conftest.py;
 # OpenMP threads wait passively: spinning ones starve the other workers on two cores);
-# per-file times: add --durations=0 or --junitxml=FILE.
+# the 25 slowest tests are listed at the end (what to cut first; --durations=0 or --junitxml=FILE for all).
 TEST_WORKERS ?= 3
 test: $(STAMP) vllm verifiers
 	bash scripts/ensure_postgres.sh
 	$(BIN)/ruff check .
-	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder
+	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25
 
 # The whole loop on loopback: S3 endpoint, MLflow server, Dagster webserver + daemon, the deployment
 # (prodrl serve) and its recorder. Database: DAGSTER_PG_URL (default postgresql+psycopg2://postgres@127.0.0.1:5432/test).

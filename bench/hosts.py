@@ -2,9 +2,10 @@
 
     python bench/hosts.py [--hosts 5] [--fault-s 30]
 
-h1 runs the recorder, following an endpoint file of two replicas, its store on S3 and its WAL on
-its own disk; h2 and h3 a ``prodrl serve`` replica each (a tiny lab policy); h4 the S3 endpoint
-(moto); h5 three clients calling back to back (``cluster/traffic.py``). Each fault runs under that
+h1 runs the recorder, following the endpoint record of two replicas in PostgreSQL
+(``deploy.endpoint_store``: written from h5), its store on S3 and its WAL on its own disk; h2 and
+h3 a ``prodrl serve`` replica each (a tiny lab policy); h4 the S3 endpoint (moto) and PostgreSQL;
+h5 three clients calling back to back (``cluster/traffic.py``). Each fault runs under that
 traffic for ``--fault-s`` seconds, then is undone, and the traffic goes on until it has answered as
 many calls again:
 
@@ -12,7 +13,9 @@ many calls again:
   then healed;
 - **host loss**: h3 is powered off (its link drops, its processes die with it), then booted empty and
   its server started again;
-- **s3 outage**: h4's link is cut (the recorder keeps answering: rows wait in its WAL), then restored.
+- **s3 outage**: h4's link is cut (the recorder keeps answering: rows wait in its WAL), then restored;
+- **pg restart**: PostgreSQL on h4 is stopped (fast shutdown: connections cut), then started again
+  (the recorder routes on the last endpoint record it read meanwhile).
 
 ``failed``: calls the clients saw fail during the fault's traffic; ``lost``: its acknowledged calls
 that are not in the store once the recorder has stopped (SIGTERM: it flushes).
@@ -23,7 +26,7 @@ that are not in the store once the recorder has stopped (SIGTERM: it flushes).
   ``failed``, and ``capacity`` (answered calls per second during the rollout over the
   ``--fault-s`` steady seconds before it).
 
-Not measured yet, printed as ``not-run``: a round from a raylet-less Dagster, a PostgreSQL restart.
+Not measured yet, printed as ``not-run``: a round from a raylet-less Dagster.
 Last line:
 
 ``hosts: hosts=N; round from raylet-less dagster=X; redeploy failed=X capacity=Y; partition failed=X lost=Z; host loss failed=X lost=Z; pg restart lost=Z; s3 outage lost=Z``
@@ -48,7 +51,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from _smoke import parse_args  # noqa: E402
 
 from prodrl_pipelines.cluster import hosts as simhosts  # noqa: E402
-from prodrl_pipelines.cluster.host_services import start_ray  # noqa: E402
+from prodrl_pipelines.cluster.host_services import HostPostgres, start_ray  # noqa: E402
 
 PRODRL = str(Path(sys.executable).with_name("prodrl"))
 MOTO = str(Path(sys.executable).with_name("moto_server"))
@@ -110,6 +113,16 @@ def counters(host: simhosts.Host, recorder: str) -> dict:
     except ValueError:
         return {}
     return {k: c.get(k, 0) for k in SEEN}
+
+
+WRITE_ENDPOINT = """
+import json, sys
+from prodrl_pipelines.deploy_targets.base import Endpoint
+from prodrl_pipelines.deploy_targets.endpoint_store import open_endpoint
+urls = json.loads(sys.argv[2])
+open_endpoint(sys.argv[1]).write(Endpoint(urls[0], "v1", "v1", replicas=[
+    {"url": u, "served_model_name": "v1", "policy_version": "v1"} for u in urls]))
+"""
 
 
 def under_traffic(hs, recorder: str, name: str, calls: int, fault, undo, fault_s: float) -> tuple[dict, dict]:
@@ -183,14 +196,13 @@ def main(argv: list[str] | None = None) -> int:
     if why:
         print(f"skipped: simulated hosts unavailable: {why}")
         return 0
-    from prodrl_pipelines.deploy_targets.base import Endpoint, EndpointFile
     from prodrl_pipelines.lab.warmstart import build_base_policy
     from prodrl_pipelines.quant.export import export_policy
 
     work = Path(tempfile.mkdtemp(prefix="bench-hosts-"))
     export = work / "export"
     export_policy(build_base_policy(work / "base", size="tiny", sft_steps=5, progress=False), export, "bf16")
-    out: dict[str, str] = {"round from raylet-less dagster": "not-run", "pg restart lost": "not-run"}
+    out: dict[str, str] = {"round from raylet-less dagster": "not-run"}
     with simhosts.SimulatedHosts(a.hosts, work / "hosts") as hs:
         h1, h2, h3, h4, h5 = hs[1], hs[2], hs[3], hs[4], hs[5]
         s3 = f"http://{h4.address}:9000"
@@ -210,10 +222,10 @@ def main(argv: list[str] | None = None) -> int:
         for h in (h2, h3):
             serve(h)
         urls = [f"http://{h.address}:8000" for h in (h2, h3)]
-        (h1.tmp / "deployment").mkdir()
-        EndpointFile(h1.tmp / "deployment" / "endpoint.json").write(Endpoint(
-            urls[0], "v1", "v1", replicas=[{"url": u, "served_model_name": "v1", "policy_version": "v1"} for u in urls]))
-        recorder_proc = h1.popen([PRODRL, "record", "--follow", "/tmp/deployment/endpoint.json", "--s3-bucket",
+        pg = HostPostgres(h4).init()
+        where = f"{pg.url}#bench"
+        h5.run([sys.executable, "-c", WRITE_ENDPOINT, where, json.dumps(urls)], env=env(), check=True)
+        recorder_proc = h1.popen([PRODRL, "record", "--follow", where, "--s3-bucket",
                                   "trajectories", "--s3-endpoint-url", s3, "--wal-dir", "/tmp/wal", "--host", h1.address,
                                   "--port", "9100", "--upstream-timeout", "30"],
                                  env={**env(), "PRODRL_RECORDER_TOKEN": TOKEN}, log=h1.tmp / "record.log")
@@ -223,7 +235,8 @@ def main(argv: list[str] | None = None) -> int:
         results, seen = {}, {}
         for name, fault, undo in (("partition", lambda: hs.partition(h1, h3), lambda: hs.heal(h1, h3)),
                                   ("host loss", h3.power_off, lambda: (h3.boot(), serve(h3))),
-                                  ("s3 outage", h4.cut, h4.restore)):
+                                  ("s3 outage", h4.cut, h4.restore),
+                                  ("pg restart", pg.stop, pg.start)):
             results[name], seen[name] = under_traffic(hs, recorder, name.replace(" ", "_"), a.calls, fault, undo,
                                                       a.fault_s)
         recorder_proc.stop(grace_s=300)  # SIGTERM: what it acknowledged is flushed to the store
@@ -235,7 +248,7 @@ def main(argv: list[str] | None = None) -> int:
             print(f"{name}: {len(res['acked'])} calls answered, {len(res['failed'])} failed "
                   f"({[f[2][:80] for f in res['failed'][:3]]}); acknowledged {kept['acked']}, lost {kept['lost']}, "
                   f"stored twice {kept['twice']}; recorder: {seen[name]}", flush=True)
-            failed = f"failed={len(res['failed'])} " if name != "s3 outage" else ""
+            failed = f"failed={len(res['failed'])} " if name in ("partition", "host loss") else ""
             out[f"{name} " + ("failed" if failed else "lost")] = (f"{len(res['failed'])} lost={kept['lost']}"
                                                                   if failed else str(kept["lost"]))
         for p in servers:

@@ -275,3 +275,75 @@ def test_a_partition_between_the_recorder_and_a_replica_fails_only_calls_in_flig
     stored = list(zip(calls.column("trajectory_id").to_pylist(), calls.column("call_index").to_pylist()))
     assert len(stored) == len(set(stored))  # nothing twice
     assert {(t, i) for t, i, _, _ in result["acked"]} <= set(stored)  # every acknowledged call stored
+
+
+WRITE_ENDPOINT = """
+import json, sys
+from prodrl_pipelines.deploy_targets.base import Endpoint
+from prodrl_pipelines.deploy_targets.endpoint_store import open_endpoint
+urls, version = json.loads(sys.argv[2]), sys.argv[3]
+open_endpoint(sys.argv[1]).write(Endpoint(urls[0], "v1", version, replicas=[
+    {"url": u, "served_model_name": "v1", "policy_version": version} for u in urls]))
+"""
+
+
+def test_a_recorder_follows_the_endpoint_record_in_postgresql_on_another_host_through_a_database_restart(
+        hosts, served_on_hosts):
+    """PostgreSQL on h4, the endpoint record written from h5 (no disk in common with the recorder), a
+    recorder on h1 following ``URL#NAME``. The database is stopped under traffic (SIGINT: PostgreSQL's
+    fast shutdown, connections cut) and started again: no call fails meanwhile (the recorder routes
+    on the last record it read), a record written once it is back is followed, and every acknowledged
+    call is stored once, filed under the version the record named when it was served."""
+    from prodrl_pipelines.cluster.host_services import HostPostgres
+    from prodrl_pipelines.storage.blobstore import LocalBlobStore
+    from prodrl_pipelines.trajectories.store import TrajectoryStore
+
+    h1, h4, h5 = hosts[1], hosts[4], hosts[5]
+    _, urls, _ = served_on_hosts
+    pg = HostPostgres(h4).init()
+    where = f"{pg.url}#fleet"
+    h5.run([sys.executable, "-c", WRITE_ENDPOINT, where, json.dumps(urls), "v1"], env=_base_env(), check=True)
+    recorder_proc = h1.popen([PRODRL, "record", "--follow", where, "--store", "/tmp/store-pg", "--host", h1.address,
+                              "--port", "9200", "--upstream-timeout", "120"],
+                             env={**_base_env(), "PRODRL_RECORDER_TOKEN": "tok"}, log=h1.tmp / "record-pg.log")
+    recorder = f"http://{h1.address}:9200"
+    until("the recorder answers", lambda: _http_code(h5, f"{recorder}/health", "-H", "Authorization: Bearer tok") == "200",
+          300)
+    out = h5.tmp / "traffic-pg"
+    out.mkdir()
+    traffic = h5.popen([sys.executable, "-m", "prodrl_pipelines.cluster.traffic", recorder, "tok", "/tmp/traffic-pg", "3"],
+                       env=_base_env(), log=h5.tmp / "traffic-pg.log")
+
+    def answered() -> int:
+        try:
+            return int((out / "progress").read_text() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    def recorded(version: str) -> int:
+        res = h5.run(["curl", "-s", "-m", "10", "-H", "Authorization: Bearer tok", f"{recorder}/stats"])
+        try:
+            return int(json.loads(res.stdout).get("counters", {}).get(f"recorded_calls.version.{version}", 0))
+        except ValueError:
+            return 0
+
+    try:
+        until("calls answered before the restart", lambda: answered() >= 20, 300)
+        pg.stop()
+        down_at = answered()
+        until("calls answered while the database is away", lambda: answered() >= down_at + 30, 600)
+        pg.start()
+        h5.run([sys.executable, "-c", WRITE_ENDPOINT, where, json.dumps(urls), "v1b"], env=_base_env(), check=True)
+        until("calls filed under the record written after the restart", lambda: recorded("v1b") >= 10, 300)
+    finally:
+        (out / "stop").write_text("")
+        traffic.wait(600)
+        pg.stop()
+    result = json.loads((out / "result.json").read_text())
+    assert result["failed"] == [], result["failed"][:5]
+    recorder_proc.stop(grace_s=120)  # SIGTERM: the recorder flushes what it acknowledged
+    calls = TrajectoryStore(LocalBlobStore(h1.tmp / "store-pg")).read_calls(
+        dedupe=False, columns=["trajectory_id", "call_index", "policy_version"])
+    stored = list(zip(calls.column("trajectory_id").to_pylist(), calls.column("call_index").to_pylist()))
+    assert len(stored) == len(set(stored)) and {(t, i) for t, i, *_ in result["acked"]} <= set(stored)
+    assert set(calls.column("policy_version").to_pylist()) == {"v1", "v1b"}

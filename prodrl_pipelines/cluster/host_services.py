@@ -1,4 +1,5 @@
-"""Services on the simulated hosts (``cluster/hosts.py``): a Ray cluster across them."""
+"""Services on the simulated hosts (``cluster/hosts.py``): a Ray cluster across them, and PostgreSQL on
+a host of its own (the database every host shares, as in a real cluster)."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ import sys
 import time
 from pathlib import Path
 
-from prodrl_pipelines.cluster.hosts import Host
+from prodrl_pipelines.cluster.hosts import SUBNET, Host
 
 
 def start_ray(head: Host, workers: list[Host], env: dict, cpus: int = 2, timeout_s: float = 300.0) -> tuple[str, list]:
@@ -43,3 +44,61 @@ def start_ray(head: Host, workers: list[Host], env: dict, cpus: int = 2, timeout
             raise RuntimeError(f"{1 + len(workers)} Ray nodes not alive within {timeout_s:.0f}s")
         time.sleep(0.3)
     return dashboard, procs
+
+
+def postgres_bin() -> Path | None:
+    """The newest installed PostgreSQL server's bin directory (Debian's layout), else None."""
+    found = sorted(Path("/usr/lib/postgresql").glob("*/bin/postgres"), key=lambda p: int(p.parent.parent.name)
+                   if p.parent.parent.name.isdigit() else 0)
+    return found[-1].parent if found else None
+
+
+class HostPostgres:
+    """A PostgreSQL server on ``host`` (its data in the host's own /tmp, owned by the ``postgres``
+    user, trusting the hosts' subnet), stopped and started again by pid: a database restart is one
+    of the faults a cluster has. ``url`` is what the other hosts connect to."""
+
+    def __init__(self, host: Host, port: int = 5432, user: str = "postgres") -> None:
+        self.host, self.port, self.user = host, port, user
+        self.bin = postgres_bin()
+        if self.bin is None:
+            raise RuntimeError("no PostgreSQL server installed (/usr/lib/postgresql/*/bin/postgres)")
+        self.proc = None
+        self.url = f"postgresql://{user}@{host.address}:{port}/postgres"
+
+    def _as_postgres(self, argv: list[str]) -> list[str]:
+        # setpriv execs (runuser forks and stands between the pid we signal and the server)
+        return ["setpriv", "--reuid", self.user, "--regid", self.user, "--init-groups", *argv]
+
+    def init(self) -> "HostPostgres":
+        self.host.run(self._as_postgres([str(self.bin / "initdb"), "-D", "/tmp/pg", "-A", "trust", "-U", self.user,
+                                         "--no-sync"]), timeout=300, check=True)
+        self.host.run(["sh", "-c", f"echo 'host all all {SUBNET}.0/24 trust' >> /tmp/pg/pg_hba.conf"], check=True)
+        return self.start()
+
+    def start(self, timeout_s: float = 120.0) -> "HostPostgres":
+        self.proc = self.host.popen(self._as_postgres([
+            str(self.bin / "postgres"), "-D", "/tmp/pg", "-h", self.host.address, "-p", str(self.port), "-k", "/tmp",
+            "-c", "fsync=off"]), log=self.host.tmp / "postgres.log")
+        deadline = time.monotonic() + timeout_s
+        while self.host.run([str(self.bin / "pg_isready"), "-h", self.host.address, "-p", str(self.port)]).returncode:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"PostgreSQL on {self.host.name} did not start "
+                                   f"(log: {self.host.tmp / 'postgres.log'})")
+            time.sleep(0.2)
+        return self
+
+    def stop(self, grace_s: float = 60.0) -> None:
+        """SIGTERM by pid (PostgreSQL's smart shutdown is SIGTERM: it waits for clients; fast is SIGINT:
+        open connections are cut, as a restart cuts them), SIGKILL after ``grace_s``."""
+        if self.proc is not None:
+            import signal
+            import subprocess
+
+            self.proc.send_signal(signal.SIGINT)
+            try:
+                self.proc.wait(grace_s)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(30)
+            self.proc = None

@@ -220,6 +220,7 @@ class Host:
         if self.up:
             return self
         self.tmp.mkdir(parents=True, exist_ok=True)
+        self.tmp.chmod(0o1777)  # as a machine's /tmp: services that run as their own user write there
         self.init = subprocess.Popen(
             ["ip", "netns", "exec", self.netns, "unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
              "--uts", sys.executable, "-c", INIT, str(self.tmp), self.name, json.dumps(software_under_tmp())],
