@@ -216,10 +216,11 @@ def test_a_fleet_whose_endpoint_is_a_database_row_is_followed_by_a_recorder_that
         tiny_exports, tmp_path, pg_url):
     """``deploy.endpoint_store``: the deploy step writes the endpoint record to PostgreSQL and nothing to
     its home; a recorder given only ``URL#NAME`` (its own directory, as on another host) serves and
-    files every call under the version that answered, through a rolling update."""
-    s, target = _fleet(tmp_path, replicas=2, endpoint_store=pg_url, endpoint_name="fleet-of-two")
+    files every call under the version that answered, through a blue/green switch (the waves of a
+    larger fleet write the record the same way: ``write_endpoint``)."""
+    s, target = _fleet(tmp_path, replicas=1, endpoint_store=pg_url, endpoint_name="fleet-a")
     where = endpoint_location(s.home_path, s.deploy)
-    assert where == f"{pg_url}#fleet-of-two"
+    assert where == f"{pg_url}#fleet-a"
     app = build_recorder_app(RecorderConfig(upstream="", follow=where, store_dir=str(tmp_path / "elsewhere"),
                                             token="t", top_logprobs=4))
     try:
@@ -230,12 +231,12 @@ def test_a_fleet_whose_endpoint_is_a_database_row_is_followed_by_a_recorder_that
             ro = roll_out(s, ProdrlServeTarget(s, s.home_path), tiny_exports["bf16"], "v2", PROMPTS)
             traffic.wait_served("v2", 6)
             sent = traffic.finish()
-            assert not traffic.failures and ro.waves == 2, traffic.failures[:5]
+            assert not traffic.failures and ro.waves == 1, traffic.failures[:5]
             assert app.state.recorder.ingestor.flush(30)
             rows = app.state.recorder.store.read_calls().to_pylist()
             assert len(rows) == sent and {r["policy_version"] for r in rows} == {"v1", "v2"}
         assert not (s.home_path / "deployment" / "endpoint.json").exists()
-        assert [r["policy_version"] for r in endpoint_file(s.home_path, s.deploy).read().replica_list()] == ["v2"] * 2
+        assert [r["policy_version"] for r in endpoint_file(s.home_path, s.deploy).read().replica_list()] == ["v2"]
     finally:
         target.stop()
 
