@@ -25,7 +25,8 @@ Last line: ``train_shape: tokens/unique chat=X tool=X coding=X tool-broken/per-c
 
 Usage: ``python bench/train_shape.py [--batch 4] [--scale 0.5] [--reps 1] [--token-batch 16] [--smoke]``
 
-Smoke size (``--smoke``, bench/_smoke.py): minibatches of 2 trajectories (8 for the memory), lengths x0.05.
+Smoke size (``--smoke``, bench/_smoke.py): minibatches of 2 trajectories (8 for the memory), lengths x0.05,
+the memory with the mmap allocator only (``default malloc smoke``: two fresh processes fewer).
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def memory_child(batch: int, scale: float) -> None:
                       "tokens": sum(len(c.output_ids) + len(c.prompt_ids) for t in trajs for c in t.calls)}))
 
 
-def peak_memory(batch: int, scale: float) -> dict:
+def peak_memory(batch: int, scale: float, allocators: tuple[str, ...] = ("mmap", "default")) -> dict:
     """Peak memory added by a round of ``batch`` and 4x ``batch`` trajectories, each in a fresh process:
     with glibc's large allocations on mmap (``MALLOC_MMAP_THRESHOLD_``: freed buffers go back to the
     system, so the figure is what the trainer holds) and with the default allocator (whose dynamic
@@ -151,6 +152,8 @@ def peak_memory(batch: int, scale: float) -> dict:
 
     out = {}
     for alloc, env in (("mmap", {"MALLOC_MMAP_THRESHOLD_": str(1 << 20)}), ("default", {})):
+        if alloc not in allocators:
+            continue
         for b in (batch, 4 * batch):
             r = subprocess.run([sys.executable, __file__, "--memory-child", str(b), "--scale", str(scale)],
                                capture_output=True, text=True, check=True, env={**os.environ, **env})
@@ -183,11 +186,13 @@ def main() -> None:
     print(f"step time, tool shape, {args.batch} trajectories, lengths x{args.scale}:")
     t = step_times(args.batch, args.scale, args.reps)
     print(f"peak memory, tool shape, {args.batch} vs {4 * args.batch} trajectories, budget {BUDGET_CPU}:")
-    mem = peak_memory(args.batch, args.scale)
+    mem = peak_memory(args.batch, args.scale, ("mmap",) if args.smoke else ("mmap", "default"))
+    default = (f"{mem['default', 4 * args.batch] / mem['default', args.batch]:.2f}" if ("default", args.batch) in mem
+               else "smoke")
     print(f"train_shape: tokens/unique chat={ratios['chat']['new/unique']:.3f} tool={ratios['tool']['new/unique']:.3f} "
           f"coding={ratios['coding']['new/unique']:.3f} tool-broken/per-call={ratios['tool-broken']['new/per_call']:.3f}; "
           f"peak-memory(4x batch)/(1x)={mem['mmap', 4 * args.batch] / mem['mmap', args.batch]:.2f} "
-          f"(default malloc {mem['default', 4 * args.batch] / mem['default', args.batch]:.2f}); "
+          f"(default malloc {default}); "
           f"step-time old/new tool={t['old'] / t['new']:.2f}")
 
 
