@@ -63,14 +63,15 @@ FUZZ = settings(derandomize=True, database=None, deadline=None, max_examples=80,
                                        HealthCheck.large_base_example, HealthCheck.filter_too_much])
 
 API_ROUTES = [("POST", "/v1/completions"), ("POST", "/v1/chat/completions"), ("POST", "/v1/responses"),
-              ("GET", "/v1/models"), ("POST", "/v1/feedback")]
+              ("POST", "/v1/messages"), ("GET", "/v1/models"), ("POST", "/v1/feedback")]
 SESSION = "fuzz-session"  # every OpenAI route again under a session-scoped base URL: /s/<session>/v1/...
 ROUTES = [*API_ROUTES, *((m, f"/s/{SESSION}{p}") for m, p in API_ROUTES),
           ("GET", "/stats"), ("GET", "/metrics"), ("GET", "/health"), ("GET", "/health/live"), ("GET", "/health/ready")]
 COMPLETION = {"prompt": [5, 6, 7], "max_tokens": 3}
 CHAT = {"messages": [{"role": "user", "content": "4+4="}], "max_tokens": 3}
 RESPONSES = {"input": "4+4=", "max_output_tokens": 3}
-POSTED = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/feedback"]
+MESSAGES_API = {"messages": [{"role": "user", "content": "4+4="}], "max_tokens": 3}
+POSTED = ["/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages", "/v1/feedback"]
 KNOWN_TID = "fuzz-known"
 JSON_CT = {"Content-Type": "application/json"}
 
@@ -329,6 +330,12 @@ def _send(f: Fuzzed, method: str, path: str, headers: dict | None, content: byte
                 last = None
             assert last in ("response.completed", "response.incomplete", "response.failed", "error"), \
                 f"Responses stream not ended by a final event: {resp.text[-300:]!r} on {what}"
+        elif _api(path).startswith("/v1/messages"):  # nor has a Messages stream
+            try:
+                last = json.loads(data[-1]).get("type") if data else None
+            except ValueError:
+                last = None
+            assert last in ("message_stop", "error"), f"Messages stream not ended: {resp.text[-300:]!r} on {what}"
         else:
             assert data and data[-1] == "[DONE]", f"stream not ended by [DONE]: {resp.text[-300:]!r} on {what}"
         for d in data[:-1]:
@@ -574,7 +581,8 @@ def _api(path: str) -> str:
 
 def _plain_body(route: str) -> dict:
     route = _api(route)
-    return dict({"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT, "/v1/responses": RESPONSES}.get(
+    return dict({"/v1/completions": COMPLETION, "/v1/chat/completions": CHAT, "/v1/responses": RESPONSES,
+                 "/v1/messages": MESSAGES_API}.get(
         route, {"trajectory_id": KNOWN_TID, "reward": 1.0}))
 
 
@@ -588,6 +596,9 @@ def _with_text(route: str, where: str, text: str) -> dict:
     if route == "/v1/responses":
         return {**RESPONSES, **({"input": text} if where == "value" else {"metadata": {"x": text}}
                                 if where == "unknown" else {"model": text})}
+    if route == "/v1/messages":
+        return {**MESSAGES_API, **({"messages": [{"role": "user", "content": text}]} if where == "value"
+                                       else {"metadata": {"x": text}} if where == "unknown" else {"model": text})}
     return {"trajectory_id": KNOWN_TID, "reward": 1.0,
             **({"source": text} if where == "value" else {"x": text} if where == "unknown" else {"trajectory_id": text})}
 

@@ -225,7 +225,7 @@ def chat_stream(answer: dict, include_usage: bool) -> bytes:
 
 
 def responses_stream(shape, answer: dict) -> bytes:
-    """A whole chat answer as a Responses event stream (``ResponsesShape``'s events)."""
+    """A whole chat answer as the event stream of the API its shape translates (``http.SHAPES``)."""
     usage = shape.usage(None, None, answer["usage"])
     events = [*shape.start_events()]
     for c in chat_chunks(answer, False):
@@ -254,7 +254,7 @@ async def serve_extended(rec, ext: ChatExtender, body: dict, caller, pv: str | N
                          shape=None, request=None):
     """One chat call of a session through ``ext``: rendered here, sent as a completion of token ids,
     recorded, answered as chat (streamed as chunks when asked); ``shape``: a Responses call
-    (``ResponsesShape``), answered as a Response (or its events)."""
+    (``http.SHAPES``), answered in that API's form (or its events)."""
     import aiohttp
     from starlette.responses import Response
 

@@ -40,6 +40,7 @@ from prodrl_pipelines.recorder.calls import (
 from prodrl_pipelines.recorder.indexer import IndexerUnavailable
 from prodrl_pipelines.recorder.counters import Stats
 from prodrl_pipelines.recorder.requests import Unrecordable, client_ask, is_json_number, unrecordable_reason
+from prodrl_pipelines.recorder.messages import MessagesShape
 from prodrl_pipelines.recorder.responses import ResponsesShape
 from prodrl_pipelines.recorder.service import Recorder, RecorderConfig
 from prodrl_pipelines.recorder.streaming import proxy_stream
@@ -47,8 +48,13 @@ from prodrl_pipelines.recorder.tenants import Tenant, Tenants
 from prodrl_pipelines.trajectories.store import name_problem
 
 
+# the APIs recorded as chat calls: the request translated to chat, the answer back (recorder.responses,
+# recorder.messages)
+SHAPES = {"responses": ResponsesShape, "messages": MessagesShape}
+
+
 async def _proxy(request: Request, kind: str) -> Response:
-    """One proxied call; ``kind``: completion, chat, or responses (recorded as chat: ``ResponsesShape``)."""
+    """One proxied call; ``kind``: completion, chat, or one of ``SHAPES`` (recorded as chat)."""
     rec: Recorder = request.app.state.recorder
     stats = rec.stats
     tenant = tenant_of(request)
@@ -60,8 +66,8 @@ async def _proxy(request: Request, kind: str) -> Response:
         stats.count(f"session_source_{source}", tenant=tenant.name)
         caller = Caller(tenant, client_tid, tenant.stored_id(client_tid), attempt_of(request, raw))
         shape = None
-        if kind == "responses":
-            shape = ResponsesShape(body)
+        if kind in SHAPES:
+            shape = SHAPES[kind](body)
             body, kind = shape.chat_request(), "chat"
     except ProtocolError as exc:
         return err(str(exc), exc.status, stats, "too_large_requests" if exc.status == 413 else "bad_requests")
@@ -147,6 +153,10 @@ async def chat_completions(request: Request) -> Response:
 
 async def responses(request: Request) -> Response:
     return await _proxy(request, "responses")
+
+
+async def messages(request: Request) -> Response:
+    return await _proxy(request, "messages")
 
 
 async def models(request: Request) -> Response:
@@ -272,9 +282,9 @@ OPEN_PATHS = frozenset({"/health/live", "/health/ready"})
 
 
 class _BearerAuth:
-    """Every route but the probes (``OPEN_PATHS``) needs ``Authorization: Bearer <token>`` of a tenant
-    (401 otherwise, nothing is recorded), within the tenant's rate limit (429 with ``Retry-After``
-    otherwise)."""
+    """Every route but the probes (``OPEN_PATHS``) needs a tenant's token, as ``Authorization: Bearer
+    <token>`` or as Anthropic's clients send it, ``x-api-key: <token>`` (401 otherwise, nothing is
+    recorded), within the tenant's rate limit (429 with ``Retry-After`` otherwise)."""
 
     def __init__(self, app, tenants: Tenants, stats: Stats) -> None:
         self.app = app
@@ -283,9 +293,12 @@ class _BearerAuth:
 
     async def __call__(self, scope, receive, send):
         if scope["type"] == "http" and scope.get("path") not in OPEN_PATHS:
-            scheme, _, got = dict(scope["headers"]).get(b"authorization", b"").partition(b" ")
+            headers = dict(scope["headers"])
+            scheme, _, got = headers.get(b"authorization", b"").partition(b" ")
             # the scheme is case-insensitive (RFC 9110), the token is not
             tenant = self.tenants.authenticate(got.strip()) if scheme.lower() == b"bearer" else None
+            if tenant is None and b"authorization" not in headers and headers.get(b"x-api-key"):
+                tenant = self.tenants.authenticate(headers[b"x-api-key"].strip())
             if tenant is None:
                 self.stats.inc("unauthorized")
                 resp = JSONResponse(error_body("missing or wrong bearer token", 401), status_code=401,
@@ -332,7 +345,7 @@ def build_recorder_app(config: RecorderConfig) -> Starlette:
             await rec.stop()
 
     api = [("/v1/completions", completions, "POST"), ("/v1/chat/completions", chat_completions, "POST"),
-           ("/v1/responses", responses, "POST"), ("/v1/models", models, "GET"), ("/v1/feedback", feedback, "POST")]
+           ("/v1/responses", responses, "POST"), ("/v1/messages", messages, "POST"), ("/v1/models", models, "GET"), ("/v1/feedback", feedback, "POST")]
     # each OpenAI route also under a session-scoped base URL: /s/<session>/v1/... (calls.SESSION_SOURCES)
     routes = [Route(prefix + path, fn, methods=[method]) for prefix in ("", SESSION_PREFIX) for path, fn, method in api]
     routes += [

@@ -16,7 +16,6 @@ from prodrl_pipelines.config.preflight import redact
 from prodrl_pipelines.recorder.answers import Rewriter, StreamAccumulator
 from prodrl_pipelines.recorder.calls import UPSTREAM_SHAPE_ERRORS, Caller, n_up, upstream_error, upstream_unavailable
 from prodrl_pipelines.recorder.requests import Unrecordable
-from prodrl_pipelines.recorder.responses import ResponsesShape
 from prodrl_pipelines.recorder.service import Recorder
 
 # A chat chunk's logprob entries each carry ``bytes``, the token's UTF-8 as a list of integers: about
@@ -44,7 +43,7 @@ def _without_logprob_bytes(payload: str) -> str:
 
 
 async def proxy_stream(rec: Recorder, kind, path, up, ask, reason, caller: Caller, pv, task_id,
-                        shape: ResponsesShape | None = None) -> Response:
+                        shape=None) -> Response:
     stats = rec.stats
     headers = {"X-Trajectory-Id": caller.client_tid}
     commit_args = (caller.attempt, caller.tenant.name)
