@@ -316,3 +316,44 @@ def test_load_model_redeploys_and_api_key_guards_v1(engine, model_dir, tmp_path)
         after = c.post("/v1/completions", json={**body, "model": "v1"}, headers=auth).json()["choices"][0]["logprobs"]
         assert after["token_logprobs"] != before["token_logprobs"]
         assert c.post("/v1/completions", json={**body, "model": "v0"}, headers=auth).status_code == 404
+
+
+class GatedEngine:
+    """The real engine, whose generation waits until the test opens the gate: the engine thread is
+    busy for as long as the test needs (what a long batch does)."""
+
+    def __init__(self, engine) -> None:
+        self.inner, self.gate, self.entered = engine, threading.Event(), threading.Event()
+        self.model, self.tokenizer, self.vocab_size = engine.model, engine.tokenizer, engine.vocab_size
+
+    def generate(self, prompts, params, seed=None):
+        self.entered.set()
+        assert self.gate.wait(300)
+        return self.inner.generate(prompts, params, seed=seed)
+
+
+def test_probes_are_open_and_readiness_says_a_model_is_loading(engine, model_dir):
+    """``/health/live`` and ``/health/ready`` need no key (the API does); while ``/v1/load_model``
+    waits for the engine thread (busy with a generation) readiness is 503 naming the directory, and
+    200 again once the load is done."""
+    gated = GatedEngine(engine)
+    app = build_app(gated, model_dir=model_dir, served_model_name="v0", api_key="k", batch_wait_ms=0)
+    with BackgroundServer(app) as srv, httpx.Client(base_url=srv.url, timeout=120) as h, ThreadPoolExecutor(2) as pool:
+        assert h.get("/v1/models").status_code == 401 and h.get("/health/live").json() == {"live": True}
+        ready = h.get("/health/ready")
+        assert ready.status_code == 200 and ready.json()["checks"]["model"] == {"ok": True, "served": "v0"}
+        key = {"Authorization": "Bearer k"}
+        busy = pool.submit(h.post, "/v1/completions", json={"model": "v0", "prompt": PROMPT, "max_tokens": 2}, headers=key)
+        assert gated.entered.wait(120)  # the engine thread is in the generation
+        load = pool.submit(h.post, "/v1/load_model", json={"model_dir": str(model_dir), "served_model_name": "v1"},
+                           headers=key)
+        deadline = time.monotonic() + 120  # a ceiling: the load request reaches the server
+        while (r := h.get("/health/ready")).status_code == 200:
+            assert time.monotonic() < deadline
+            time.sleep(0.05)
+        assert r.status_code == 503 and r.json()["checks"]["model"]["reason"] == f"loading {model_dir}"
+        assert r.json()["checks"]["batching"] == {"ok": True}
+        gated.gate.set()
+        assert busy.result().status_code == 200 and load.result().json()["model"] == "v1"
+        ready = h.get("/health/ready")
+        assert ready.status_code == 200 and ready.json()["checks"]["model"]["served"] == "v1"

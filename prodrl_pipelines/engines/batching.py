@@ -49,6 +49,11 @@ class EngineBatcher:
         self._task: asyncio.Task | None = None
 
     @property
+    def task(self) -> asyncio.Task | None:
+        """The batching loop (None before ``start``): readiness asks whether it still runs."""
+        return self._task
+
+    @property
     def pending(self) -> int:
         """Jobs queued and not yet taken by the batching loop."""
         return 0 if self._queue is None else self._queue.qsize()

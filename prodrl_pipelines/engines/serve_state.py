@@ -91,6 +91,7 @@ class ServeState:
         self.batcher = EngineBatcher(engine, batch_wait_ms, max_batch_size, batch_quiet_ms)
         self.max_body_bytes = int(max_body_bytes or MAX_BODY_BYTES)
         self.info = info
+        self.loading: str | None = None  # the model directory /v1/load_model is loading (readiness says so)
         self.tokens = TokenDecoder(getattr(engine, "tokenizer", None))
         self.max_logprobs = int(max_logprobs)
         self.api_key = api_key

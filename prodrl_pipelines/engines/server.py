@@ -2,7 +2,8 @@
 
 Routes: ``POST /v1/completions`` (prompt as text, token ids, or a list of either),
 ``POST /v1/chat/completions`` (messages and tools rendered with the tokenizer's chat template,
-``chat_endpoint``), both streaming (SSE) and not; ``GET /v1/models``; ``GET /health``; ``POST /v1/load_model {"model_dir": ...}`` to
+``chat_endpoint``), both streaming (SSE) and not; ``GET /v1/models``; ``GET /health`` (and the probes
+``/health/live``, ``/health/ready``, open like it); ``POST /v1/load_model {"model_dir": ...}`` to
 redeploy a new checkpoint in place. Responses carry vLLM's fields (``prompt_token_ids`` /
 ``token_ids`` with ``return_token_ids``, vLLM's ``logprobs`` layouts, see ``openai_protocol``), and
 logprobs are processed logprobs, as from ``vllm serve --logprobs-mode processed_logprobs``.
@@ -217,6 +218,32 @@ async def health(request: Request) -> Response:
     return Response(status_code=200)
 
 
+async def health_live(request: Request) -> Response:
+    """Liveness: the process answers (its event loop runs). Open, as vLLM's ``/health`` is."""
+    return JSONResponse({"live": True})
+
+
+async def health_ready(request: Request) -> Response:
+    """Readiness: 503 with the reason while the server cannot take calls: its batching loop is not
+    running (not started, or it died: the error), or ``/v1/load_model`` is replacing the weights
+    (calls wait behind the load meanwhile)."""
+    state: ServeState = request.app.state.serve
+    task = state.batcher.task
+    if task is None:
+        batching = {"ok": False, "reason": "the batching loop is not running"}
+    elif task.done():
+        exc = None if task.cancelled() else task.exception()
+        batching = {"ok": False, "reason": f"the batching loop stopped: {type(exc).__name__}: {exc}" if exc
+                    else "the batching loop stopped"}
+    else:
+        batching = {"ok": True}
+    model = {"ok": state.loading is None, "served": state.info.name,
+             **({"reason": f"loading {state.loading}"} if state.loading else {})}
+    checks = {"batching": batching, "model": model}
+    ready = all(c["ok"] for c in checks.values())
+    return JSONResponse({"ready": ready, "checks": checks}, status_code=200 if ready else 503)
+
+
 async def load_model(request: Request) -> Response:
     """Redeploy: load another checkpoint into the running server (between batches). It replaces
     what every client is served, so it exists only on a server started with ``--api-key``."""
@@ -241,10 +268,13 @@ async def load_model(request: Request) -> Response:
         state.tokens = TokenDecoder(engine.tokenizer)
         return info
 
+    state.loading = model_dir
     try:
         info = await state.batcher.call(swap)
     except (OSError, ValueError) as exc:
         return error_response(ProtocolError(f"cannot load {model_dir}: {exc}", param="model_dir"))
+    finally:
+        state.loading = None
     return JSONResponse({"status": "ok", "model": info.name, "model_dir": info.model_dir})
 
 
@@ -315,6 +345,8 @@ def build_app(
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/load_model", load_model, methods=["POST"]),
         Route("/health", health, methods=["GET"]),
+        Route("/health/live", health_live, methods=["GET"]),
+        Route("/health/ready", health_ready, methods=["GET"]),
         Route("/stats", stats, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
