@@ -1,6 +1,8 @@
 """Real agent SDKs, unpatched, through the recorder: openai-agents (chat completions, and its default
-Responses mode streamed), pydantic-ai and a LangGraph ReAct agent over langchain-openai each run a
-two-question episode with one Python ``add`` tool against the lab's tool-calling policy
+Responses mode streamed), pydantic-ai, a LangGraph ReAct agent over langchain-openai, the official
+anthropic client's tool-use loop on the Messages API (streamed and not) and pydantic-ai's
+AnthropicModel over it each run a two-question episode with one Python ``add`` tool against the
+lab's tool-calling policy
 (``tools_policy_dir``) served by ``prodrl serve --reply-parser qwen3``'s app, the episode grouped by
 a constant ``X-Trajectory-Id`` in the SDK client's default headers. One server and two recorders in
 front of it (``chat_history`` rerender, the default, and extend) serve the whole module.
@@ -50,6 +52,13 @@ JOINS = {
     ("openai-agents-responses", "extend"): [M, M, M],
     ("pydantic-ai", "extend"): [M, M, M],
     ("langgraph", "extend"): [M, M, M],
+    # the Messages API: thinking blocks are echoed (signed by the recorder, as the clients require)
+    ("anthropic", "rerender"): [M, HE, M],
+    ("anthropic-stream", "rerender"): [M, HE, M],
+    ("pydantic-ai-anthropic", "rerender"): [M, HE, M],
+    ("anthropic", "extend"): [M, M, M],
+    ("anthropic-stream", "extend"): [M, M, M],
+    ("pydantic-ai-anthropic", "extend"): [M, M, M],
 }
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
@@ -126,5 +135,7 @@ def test_an_sdk_episode_is_one_recorded_trajectory(recorders, sdk, history):
     streamed = {body.get("stream", False) for _, body in ep.sent}
     if sdk == "openai-agents-responses":  # the SDK's default mode, streamed
         assert paths == {"/responses"} and streamed == {True}
+    elif "anthropic" in sdk:  # the Messages API
+        assert paths == {"/messages"} and streamed == {sdk == "anthropic-stream"}
     else:
         assert paths == {"/chat/completions"} and streamed == {sdk == "langgraph"}

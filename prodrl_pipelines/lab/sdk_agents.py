@@ -12,7 +12,9 @@ client configuration), how many model calls it made and its text answers.
   ``replay_reasoning``), or its default Responses mode (``responses=True``, streamed with
   ``Runner.run_streamed``);
 * ``pydantic_ai``: pydantic-ai's ``OpenAIChatModel`` (echoes the call's reasoning as ``reasoning``);
-* ``langgraph``: a LangGraph ReAct agent over langchain-openai's ``ChatOpenAI``, streamed.
+* ``langgraph``: a LangGraph ReAct agent over langchain-openai's ``ChatOpenAI``, streamed;
+* ``anthropic_messages``: the official ``anthropic`` client's tool-use loop on the Messages API
+  (streamed or not), and ``pydantic_ai_anthropic``: pydantic-ai's ``AnthropicModel`` over it.
 
 The SDKs (and ``openai``) are the ``test`` extra's: imported inside the functions only. What
 tests/test_agent_sdks.py checks on these episodes, and bench/agent_traffic.py measures.
@@ -24,7 +26,8 @@ import asyncio
 import json
 import os
 
-__all__ = ["QUESTIONS", "SDKS", "SEED", "TEMPERATURE", "Episode", "langgraph", "openai_agents", "pydantic_ai"]
+__all__ = ["QUESTIONS", "SDKS", "SEED", "TEMPERATURE", "Episode", "anthropic_messages", "langgraph", "openai_agents",
+           "pydantic_ai", "pydantic_ai_anthropic"]
 
 QUESTIONS = ("5+3", "then -2")  # two user turns: each an add call, its result, a text answer
 # recordable sampling (not greedy: temperature 0 is not recorded), seeded, so an episode is the same run to run
@@ -181,6 +184,89 @@ def langgraph(base_url: str, tid: str, *, api_key: str, model: str, questions=QU
     return ep
 
 
+ADD_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
+MAX_TOKENS = 96  # Anthropic's API requires max_tokens; the tools policy's turns are far shorter
+
+
+def anthropic_messages(base_url: str, tid: str, *, api_key: str, model: str, questions=QUESTIONS,
+                       temperature: float = TEMPERATURE, seed: int = SEED, max_turns: int = 10,
+                       stream: bool = False) -> Episode:
+    """The official ``anthropic`` client and the tool-use loop of Anthropic's docs: a call; while it
+    answers with ``tool_use`` blocks, its whole content goes back as the assistant turn (thinking
+    included) and the tools' results as a user turn of ``tool_result`` blocks. ``stream``: each call
+    through ``messages.stream`` (as Claude Code streams). The base URL is the recorder's root (the
+    client adds ``/v1/messages``); sampling fields go as extra body, as this client version sends them."""
+    import anthropic
+
+    ep = Episode(tid)
+    client = anthropic.Anthropic(base_url=base_url.removesuffix("/v1"), api_key=api_key, default_headers=ep.headers,
+                                 max_retries=0, http_client=anthropic.DefaultHttpxClient(event_hooks={"request": [ep._seen]}))
+    tools = [{"name": "add", "description": "Add two integers.", "input_schema": ADD_SCHEMA}]
+    messages: list[dict] = []
+    try:
+        for q in questions:
+            messages.append({"role": "user", "content": q})
+            for _ in range(max_turns):
+                kw = dict(model=model, max_tokens=MAX_TOKENS, tools=tools, messages=messages,
+                          extra_body={"temperature": temperature, "seed": seed})
+                if stream:
+                    with client.messages.stream(**kw) as s:
+                        msg = s.get_final_message()
+                else:
+                    msg = client.messages.create(**kw)
+                ep.n_calls += 1
+                messages.append({"role": "assistant", "content": [b.model_dump(exclude_none=True) for b in msg.content]})
+                uses = [b for b in msg.content if b.type == "tool_use"]
+                if not uses:
+                    ep.answers.append("".join(b.text for b in msg.content if b.type == "text").strip())
+                    break
+                messages.append({"role": "user", "content": [
+                    {"type": "tool_result", "tool_use_id": b.id, "content": str(ep.add(**b.input))} for b in uses]})
+    finally:
+        client.close()
+    return ep
+
+
+def pydantic_ai_anthropic(base_url: str, tid: str, *, api_key: str, model: str, questions=QUESTIONS,
+                          temperature: float = TEMPERATURE, seed: int = SEED) -> Episode:
+    """pydantic-ai's ``AnthropicModel`` over the official ``anthropic`` client: an agent framework built
+    on Anthropic's SDK, the history carried as ``all_messages``."""
+    _quiet_sdks()
+    import anthropic
+    from pydantic_ai import Agent
+    from pydantic_ai.messages import ModelResponse
+    from pydantic_ai.models.anthropic import AnthropicModel
+    from pydantic_ai.providers.anthropic import AnthropicProvider
+
+    ep = Episode(tid)
+
+    async def run() -> None:
+        client = anthropic.AsyncAnthropic(
+            base_url=base_url.removesuffix("/v1"), api_key=api_key, default_headers=ep.headers, max_retries=0,
+            http_client=anthropic.DefaultAsyncHttpxClient(event_hooks={"request": [ep._aseen]}))
+        try:
+            agent = Agent(AnthropicModel(model, provider=AnthropicProvider(anthropic_client=client)),
+                          model_settings={"temperature": temperature, "max_tokens": MAX_TOKENS,
+                                          "extra_body": {"seed": seed}})
+
+            @agent.tool_plain
+            def add(a: int, b: int) -> int:
+                """Add two integers."""
+                return ep.add(a, b)
+
+            history = None
+            for q in questions:
+                result = await agent.run(q, message_history=history)
+                ep.answers.append(str(result.output).strip())
+                history = result.all_messages()
+                ep.n_calls = sum(isinstance(m, ModelResponse) for m in history)
+        finally:
+            await client.close()
+
+    asyncio.run(run())
+    return ep
+
+
 # name -> episode function (base_url, tid, *, api_key, model, ...) -> Episode
 SDKS = {
     "openai-agents-chat": openai_agents,
@@ -188,4 +274,7 @@ SDKS = {
     "openai-agents-responses": lambda url, tid, **kw: openai_agents(url, tid, responses=True, **kw),
     "pydantic-ai": pydantic_ai,
     "langgraph": langgraph,
+    "anthropic": anthropic_messages,
+    "anthropic-stream": lambda url, tid, **kw: anthropic_messages(url, tid, stream=True, **kw),
+    "pydantic-ai-anthropic": pydantic_ai_anthropic,
 }

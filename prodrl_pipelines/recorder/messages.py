@@ -16,7 +16,7 @@ parameters) and ``tool_choice`` (``auto``, ``any`` = required, ``tool``, ``none`
 ``disable_parallel_tool_use``), ``stream``. ``cache_control`` marks are accepted and have no effect;
 the fields about Anthropic's service (``metadata``, ``service_tier``, ``speed``, ``inference_geo``, ...)
 are accepted and not sent on. The answer's ``reasoning_content``
-(a reply parser split it out) comes back as a ``thinking`` block with an empty signature; a tool
+(a reply parser split it out) comes back as a ``thinking`` block signed by the recorder (``signature``); a tool
 call's arguments become ``input`` when they are a JSON object (else ``{}``: the record keeps the
 sampled tokens either way). Refused with a 400 naming the field: image, document and other non-text
 blocks, server tools (``type`` other than ``custom``), ``mcp_servers``, ``container``, ``output_config``
@@ -27,6 +27,7 @@ template thinks does so anyway, and its thinking is returned).
 
 from __future__ import annotations
 
+import hashlib
 import json
 import uuid
 from typing import Any, Iterator
@@ -177,6 +178,13 @@ def _tool_choice(tc: Any, has_tools: bool) -> tuple[Any, bool | None]:
     return {"type": "function", "function": {"name": tc["name"]}}, parallel
 
 
+def signature(thinking: str) -> str:
+    """A thinking block's ``signature``: Anthropic's clients send a thinking block back only with one
+    (pydantic-ai turns an unsigned one into a user turn of text), so the recorder signs what it
+    returns with a digest of the text (the record holds the tokens: nothing is verified on the way back)."""
+    return "prodrl-" + hashlib.sha256(thinking.encode()).hexdigest()[:32]
+
+
 def _input(arguments: str) -> dict:
     try:
         value = json.loads(arguments or "{}")
@@ -210,6 +218,7 @@ class MessagesShape:
         self.open: int | None = None
         self.calls: dict[int, int] = {}
         self.stop_reason: Any = None  # vLLM's: the stop string that matched
+        self.thinking: list[str] = []  # the open thinking block's text (its signature at its end)
 
     def chat_request(self) -> dict:
         body = self.body
@@ -260,7 +269,7 @@ class MessagesShape:
         content = []
         thinking = msg.get("reasoning_content") or msg.get("reasoning")
         if thinking:
-            content.append({"type": "thinking", "thinking": thinking, "signature": ""})
+            content.append({"type": "thinking", "thinking": thinking, "signature": signature(thinking)})
         if msg.get("content"):
             content.append({"type": "text", "text": msg["content"]})
         for tc in msg.get("tool_calls") or []:
@@ -285,6 +294,10 @@ class MessagesShape:
 
     def _stop_open(self) -> Iterator[bytes]:
         if self.open is not None:
+            if self.blocks[self.open] == "thinking":  # as Anthropic's stream: the signature, then the stop
+                yield self._event("content_block_delta", index=self.open,
+                                  delta={"type": "signature_delta", "signature": signature("".join(self.thinking))})
+                self.thinking = []
             yield self._event("content_block_stop", index=self.open)
             self.open = None
 
@@ -311,6 +324,8 @@ class MessagesShape:
                 if self.open is None or self.blocks[self.open] != kind:
                     block = {"type": kind, field: ""} if kind == "text" else {"type": kind, field: "", "signature": ""}
                     yield from self._start_block(kind, block)
+                if kind == "thinking":
+                    self.thinking.append(piece)
                 yield self._event("content_block_delta", index=self.open, delta={"type": dtype, field: piece})
             for tc in delta.get("tool_calls") or []:
                 i = int(tc.get("index", 0))
