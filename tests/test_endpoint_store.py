@@ -19,8 +19,8 @@ import pytest
 
 from conftest import REPO
 from prodrl_pipelines.config.settings import Settings
-from prodrl_pipelines.deploy_targets.base import Endpoint, EndpointFile, endpoint_file, endpoint_location
-from prodrl_pipelines.deploy_targets.endpoint_store import PostgresEndpoint, open_endpoint
+from prodrl_pipelines.deploy_targets.base import Endpoint, EndpointFile
+from prodrl_pipelines.deploy_targets.endpoint_store import PostgresEndpoint, endpoint_file, endpoint_location, open_endpoint
 from prodrl_pipelines.recorder.upstream_view import FollowedEndpoint
 
 

@@ -18,7 +18,8 @@ import pytest
 
 from prodrl_pipelines.config.settings import Settings
 from prodrl_pipelines.deploy_targets import endpoint_file, make_target
-from prodrl_pipelines.deploy_targets.base import Endpoint, endpoint_location
+from prodrl_pipelines.deploy_targets.base import Endpoint
+from prodrl_pipelines.deploy_targets.endpoint_store import endpoint_location
 from prodrl_pipelines.deploy_targets.processes import pick_port_range
 from prodrl_pipelines.deploy_targets.rollout import DeployRejected, roll_out
 from prodrl_pipelines.deploy_targets.server_records import pid_alive

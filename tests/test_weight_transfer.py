@@ -18,7 +18,8 @@ import pytest
 
 from prodrl_pipelines.config.settings import Settings
 from prodrl_pipelines.deploy_targets import TARGETS, make_target
-from prodrl_pipelines.deploy_targets.base import DeployError, Switch, endpoint_file
+from prodrl_pipelines.deploy_targets.base import DeployError, Switch
+from prodrl_pipelines.deploy_targets.endpoint_store import endpoint_file
 from prodrl_pipelines.deploy_targets.nccl_link import NcclTrainerLink, export_tensors
 from prodrl_pipelines.deploy_targets.processes import pick_port
 from prodrl_pipelines.deploy_targets.servers import cuda_available

@@ -6,7 +6,8 @@ commit after the parity probe, or rollback).
 
 from __future__ import annotations
 
-from prodrl_pipelines.deploy_targets.base import DeployError, DeployTarget, Endpoint, EndpointFile, Switch, endpoint_file
+from prodrl_pipelines.deploy_targets.base import DeployError, DeployTarget, Endpoint, EndpointFile, Switch
+from prodrl_pipelines.deploy_targets.endpoint_store import endpoint_file
 from prodrl_pipelines.deploy_targets.command import CommandTarget, PointerTarget
 from prodrl_pipelines.deploy_targets.reload import VLLMReloadTarget
 from prodrl_pipelines.deploy_targets.servers import ProdrlServeTarget, VLLMRestartTarget

@@ -204,23 +204,6 @@ class EndpointFile:
         return Endpoint(**{k: v for k, v in raw.items() if k in Endpoint.__dataclass_fields__})
 
 
-def endpoint_file(home: str | os.PathLike, deploy=None) -> EndpointFile:
-    """The deployment's endpoint record: the file under ``home``, or the PostgreSQL row that
-    ``deploy.endpoint_store`` / ``deploy.endpoint_name`` name (``endpoint_store``)."""
-    if deploy is not None and getattr(deploy, "endpoint_store", ""):
-        from prodrl_pipelines.deploy_targets.endpoint_store import PostgresEndpoint
-
-        return PostgresEndpoint(deploy.endpoint_store, deploy.endpoint_name)
-    return EndpointFile(Path(home) / "deployment" / "endpoint.json")
-
-
-def endpoint_location(home: str | os.PathLike, deploy=None) -> str:
-    """``endpoint_file``'s record as one string (a path, or ``URL#NAME``): for ``prodrl record
-    --follow`` and a Ray actor on another host (``endpoint_store.open_endpoint``)."""
-    ep = endpoint_file(home, deploy)
-    return str(ep.path.resolve()) if ep.path is not None else str(ep)
-
-
 class KeyRefused(DeployError):
     """A server answered 401/403: the key sent (or its absence) is not the one it requires."""
 

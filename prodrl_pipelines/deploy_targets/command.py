@@ -16,7 +16,8 @@ import subprocess
 import time
 from pathlib import Path
 
-from prodrl_pipelines.deploy_targets.base import DeployError, Endpoint, Switch, endpoint_file, wait_healthy
+from prodrl_pipelines.deploy_targets.base import DeployError, Endpoint, Switch, wait_healthy
+from prodrl_pipelines.deploy_targets.endpoint_store import endpoint_file
 
 
 class PointerTarget:

@@ -10,13 +10,14 @@ under its row lock (``SELECT ... FOR UPDATE``, the lock every host sees) and car
 followers poll instead of a file's inode and mtime.
 
 A location is one string, so that it travels on a command line (``prodrl record --follow``) and to
-a Ray actor: a path, or ``URL#NAME`` with a PostgreSQL URL (SQLAlchemy or libpq form): ``base.endpoint_location``.
+a Ray actor: a path, or ``URL#NAME`` with a PostgreSQL URL (SQLAlchemy or libpq form): ``endpoint_location``.
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import os
 import re
 import threading
 from dataclasses import asdict
@@ -45,7 +46,7 @@ def check_endpoint_store(store: str, name: str) -> None:
 
 
 def open_endpoint(where: str | Path) -> EndpointFile:
-    """The endpoint record at a location (``base.endpoint_location``): a file, or a PostgreSQL row."""
+    """The endpoint record at a location (``endpoint_location``): a file, or a PostgreSQL row."""
     where = str(where)
     if is_database_url(where):
         url, sep, name = where.rpartition("#")
@@ -148,3 +149,18 @@ class PostgresEndpoint(EndpointFile):
         raw = row[1] if row else None
         ep = Endpoint(**{k: v for k, v in raw.items() if k in Endpoint.__dataclass_fields__}) if raw else None
         return (int(row[0]) if row else None), ep
+
+
+def endpoint_file(home: str | os.PathLike, deploy=None) -> EndpointFile:
+    """The deployment's endpoint record: the file under ``home``, or the PostgreSQL row that
+    ``deploy.endpoint_store`` / ``deploy.endpoint_name`` name (``endpoint_store``)."""
+    if deploy is not None and getattr(deploy, "endpoint_store", ""):
+        return PostgresEndpoint(deploy.endpoint_store, deploy.endpoint_name)
+    return EndpointFile(Path(home) / "deployment" / "endpoint.json")
+
+
+def endpoint_location(home: str | os.PathLike, deploy=None) -> str:
+    """``endpoint_file``'s record as one string (a path, or ``URL#NAME``): for ``prodrl record
+    --follow`` and a Ray actor on another host (``endpoint_store.open_endpoint``)."""
+    ep = endpoint_file(home, deploy)
+    return str(ep.path.resolve()) if ep.path is not None else str(ep)

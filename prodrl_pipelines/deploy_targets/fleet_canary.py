@@ -12,7 +12,8 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from prodrl_pipelines.deploy_targets.base import DeployError, Endpoint, Switch, endpoint_file, read_json, write_json
+from prodrl_pipelines.deploy_targets.base import DeployError, Endpoint, Switch, read_json, write_json
+from prodrl_pipelines.deploy_targets.endpoint_store import endpoint_file
 from prodrl_pipelines.deploy_targets.server_records import (
     ServerRecord, blue_green_port, record_alive, same_server, stop_record,
 )

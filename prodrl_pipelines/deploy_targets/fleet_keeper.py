@@ -122,7 +122,7 @@ def ensure_keeper(target):
     import ray
     from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-    from prodrl_pipelines.deploy_targets.base import endpoint_location
+    from prodrl_pipelines.deploy_targets.endpoint_store import endpoint_location
     from prodrl_pipelines.deploy_targets.endpoint_store import is_database_url
     from prodrl_pipelines.deploy_targets.ray_placement import NAMESPACE
 

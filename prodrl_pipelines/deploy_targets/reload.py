@@ -28,7 +28,8 @@ import urllib.error
 import urllib.request
 from pathlib import Path
 
-from prodrl_pipelines.deploy_targets.base import DeployError, Endpoint, Switch, endpoint_file, is_moe, served_models
+from prodrl_pipelines.deploy_targets.base import DeployError, Endpoint, Switch, is_moe, served_models
+from prodrl_pipelines.deploy_targets.endpoint_store import endpoint_file
 from prodrl_pipelines.deploy_targets.servers import VLLMRestartTarget, cuda_available
 
 

@@ -25,11 +25,11 @@ from prodrl_pipelines.deploy_targets.base import (
     DeployError,
     Endpoint,
     Switch,
-    endpoint_file,
     read_json,
     wait_healthy,
     write_json,
 )
+from prodrl_pipelines.deploy_targets.endpoint_store import endpoint_file
 from prodrl_pipelines.deploy_targets.fleet_canary import FleetCanary
 from prodrl_pipelines.deploy_targets.server_records import (
     ServerRecord, blue_green_port, record_alive, same_server, stop_record, stop_recorded,

@@ -34,7 +34,8 @@ import urllib.request
 from pathlib import Path
 from typing import NamedTuple
 
-from prodrl_pipelines.deploy_targets.base import DeployError, Endpoint, Switch, endpoint_file, served_models
+from prodrl_pipelines.deploy_targets.base import DeployError, Endpoint, Switch, served_models
+from prodrl_pipelines.deploy_targets.endpoint_store import endpoint_file
 from prodrl_pipelines.deploy_targets.nccl_link import NcclTrainerLink
 from prodrl_pipelines.deploy_targets.processes import pick_port
 from prodrl_pipelines.deploy_targets.servers import cuda_available

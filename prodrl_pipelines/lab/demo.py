@@ -74,7 +74,7 @@ def run_loop(home: Path, settings: dict, rounds: int, log=print, instance=None, 
     via = traffic_mode(via)
     managed = s.deploy.target != "pointer"  # the deploy target serves: the lab only records in front
     if managed:
-        from prodrl_pipelines.deploy_targets.base import endpoint_location
+        from prodrl_pipelines.deploy_targets.endpoint_store import endpoint_location
 
         via = via if via.startswith("http") else "http"
         lab_dep = LabDeployment(home / "logs" / "lab_traffic", follow=endpoint_location(s.home_path, s.deploy))

@@ -148,7 +148,7 @@ def paused(svc: Services) -> str | None:
     """Why the recorder took the running canary off traffic (its server kept refusing connections),
     else None. Its verdict waits ``deploy.canary_pause_grace_s`` (the recorder resumes a canary whose
     server answers again); still paused after that, it is failed with this reason."""
-    from prodrl_pipelines.deploy_targets.base import endpoint_file
+    from prodrl_pipelines.deploy_targets.endpoint_store import endpoint_file
 
     ep = endpoint_file(svc.settings.home_path, svc.settings.deploy).read()
     return ep.canary_paused() if ep is not None else None
@@ -158,7 +158,7 @@ def paused_for_s(svc: Services) -> float:
     """Seconds since the recorder paused the running canary (0 when it is not paused)."""
     from datetime import datetime, timezone
 
-    from prodrl_pipelines.deploy_targets.base import endpoint_file
+    from prodrl_pipelines.deploy_targets.endpoint_store import endpoint_file
 
     ep = endpoint_file(svc.settings.home_path, svc.settings.deploy).read()
     at = ep.canary_paused_at() if ep is not None else None

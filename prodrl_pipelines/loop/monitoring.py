@@ -16,7 +16,7 @@ from prodrl_pipelines.loop.services import RoundError, Services
 
 def live_endpoint(svc: Services) -> str:
     """Where the live policy is served: the configured endpoint, else the deploy target's."""
-    from prodrl_pipelines.deploy_targets.base import endpoint_file
+    from prodrl_pipelines.deploy_targets.endpoint_store import endpoint_file
 
     if svc.settings.eval.live_endpoint:
         return svc.settings.eval.live_endpoint

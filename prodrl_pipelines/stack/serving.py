@@ -140,7 +140,7 @@ class LiveServing:
                  f"({time.monotonic() - t0:.1f}s)")
 
     def _start_recorder(self) -> None:
-        from prodrl_pipelines.deploy_targets.base import endpoint_location
+        from prodrl_pipelines.deploy_targets.endpoint_store import endpoint_location
 
         svc = self._services()
         exe = [sys.executable, "-m", "prodrl_pipelines.cli"]
