@@ -18,7 +18,7 @@ generation prompt, none in history).
 1. **merged/multi-call**, per cell (SDK x template x ``chat_history``): ``--episodes`` two-question
    ``add``-tool episodes (``lab.sdk_agents``: openai-agents in chat mode and in its default
    Responses mode (streamed), pydantic-ai, a streamed
-   LangGraph ReAct agent over langchain-openai; episode ``i`` seeded ``SEED + i``, its questions drawn
+   LangGraph ReAct agent over langchain-openai, the official anthropic client on the Messages API; episode ``i`` seeded ``SEED + i``, its questions drawn
    from ``i``), each one trajectory, through a recorder of its own (``extend`` or ``rerender``) in
    front of the template's server; the fraction of multi-call trajectories that the trainer's layout
    merges whole into one training sequence, from ``rl.merge_report.merge_report`` over the recorder's
@@ -45,7 +45,7 @@ plain completions' (also compared with non-streamed chat's); no unrecordable cal
 trainable in either mode.
 
 Last line:
-``agent_traffic: merged/multi-call openai-agents=X openai-agents-responses=X pydantic-ai=X langgraph=X; extend/rerender qwen3=X/Y [llama32=X/Y glm45=X/Y qwen3-nothink=X/Y]; unrecordable-in-extend=N; recorder/direct streaming c=8=X; recorder/direct streaming extend c=8=X``
+``agent_traffic: merged/multi-call openai-agents=X openai-agents-responses=X pydantic-ai=X langgraph=X anthropic=X; extend/rerender qwen3=X/Y [llama32=X/Y glm45=X/Y qwen3-nothink=X/Y]; unrecordable-in-extend=N; recorder/direct streaming c=8=X; recorder/direct streaming extend c=8=X``
 (the templates served: ``--templates``).
 
 Smoke size (``--smoke``, bench/_smoke.py): the tiny tools policy (10 warm-start steps on 64 tasks: it
@@ -84,7 +84,7 @@ MODEL = "tools-policy"
 # tests/conftest.py's TOOLS_POLICY_SFT: the tools policy of the SDK tests
 TOOLS_POLICY_SFT = dict(agent_loop=True, steps=150, batch_size=16, n_tasks=2000, format_noise=0.0, compact_noise=0.0)
 SDK_NAMES = {"openai-agents": "openai-agents-chat", "openai-agents-responses": "openai-agents-responses",
-             "pydantic-ai": "pydantic-ai", "langgraph": "langgraph"}
+             "pydantic-ai": "pydantic-ai", "langgraph": "langgraph", "anthropic": "anthropic"}
 MAX_TOKENS = 64
 
 
