@@ -185,7 +185,7 @@ def langgraph(base_url: str, tid: str, *, api_key: str, model: str, questions=QU
 
 
 ADD_SCHEMA = {"type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}
-MAX_TOKENS = 96  # Anthropic's API requires max_tokens; the tools policy's turns are far shorter
+MAX_TOKENS = 64  # the Messages API requires it: the turns are shorter, and the lab policies have 256 positions
 
 
 def anthropic_messages(base_url: str, tid: str, *, api_key: str, model: str, questions=QUESTIONS,
