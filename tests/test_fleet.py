@@ -227,6 +227,12 @@ def test_a_fleet_whose_endpoint_is_a_database_row_is_followed_by_a_recorder_that
     try:
         roll_out(s, target, tiny_exports["bf16"], "v1", PROMPTS)
         with BackgroundServer(app) as rec:
+            # a follower reads the row every 0.5 s: it is ready once it has read the deployment (as a load
+            # balancer waits for /health/ready before it sends calls)
+            deadline = time.monotonic() + 120
+            while httpx.get(rec.url + "/health/ready", timeout=60).status_code != 200:
+                assert time.monotonic() < deadline, httpx.get(rec.url + "/health/ready", timeout=60).text
+                time.sleep(0.1)
             traffic = Traffic(rec.url)
             traffic.wait_served("v1", 6)
             ro = roll_out(s, ProdrlServeTarget(s, s.home_path), tiny_exports["bf16"], "v2", PROMPTS)
