@@ -115,16 +115,6 @@ def counters(host: simhosts.Host, recorder: str) -> dict:
     return {k: c.get(k, 0) for k in SEEN}
 
 
-WRITE_ENDPOINT = """
-import json, sys
-from prodrl_pipelines.deploy_targets.base import Endpoint
-from prodrl_pipelines.deploy_targets.endpoint_store import open_endpoint
-urls = json.loads(sys.argv[2])
-open_endpoint(sys.argv[1]).write(Endpoint(urls[0], "v1", "v1", replicas=[
-    {"url": u, "served_model_name": "v1", "policy_version": "v1"} for u in urls]))
-"""
-
-
 def under_traffic(hs, recorder: str, name: str, calls: int, fault, undo, fault_s: float) -> tuple[dict, dict]:
     """The traffic's result and what the recorder counted meanwhile (``SEEN``)."""
     before = counters(hs[5], recorder)
@@ -224,7 +214,8 @@ def main(argv: list[str] | None = None) -> int:
         urls = [f"http://{h.address}:8000" for h in (h2, h3)]
         pg = HostPostgres(h4).init()
         where = f"{pg.url}#bench"
-        h5.run([sys.executable, "-c", WRITE_ENDPOINT, where, json.dumps(urls)], env=env(), check=True)
+        h5.run([sys.executable, "-m", "prodrl_pipelines.cluster.fleet_driver", "endpoint", where, "v1", json.dumps(urls)],
+               env=env(), check=True)
         recorder_proc = h1.popen([PRODRL, "record", "--follow", where, "--s3-bucket",
                                   "trajectories", "--s3-endpoint-url", s3, "--wal-dir", "/tmp/wal", "--host", h1.address,
                                   "--port", "9100", "--upstream-timeout", "30"],

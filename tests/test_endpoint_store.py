@@ -22,6 +22,7 @@ from prodrl_pipelines.config.settings import Settings
 from prodrl_pipelines.deploy_targets.base import Endpoint, EndpointFile
 from prodrl_pipelines.deploy_targets.endpoint_store import PostgresEndpoint, endpoint_file, endpoint_location, open_endpoint
 from prodrl_pipelines.recorder.upstream_view import FollowedEndpoint
+from tests.helpers import until
 
 
 def _ep(version: str = "v1", **kw) -> Endpoint:
@@ -111,14 +112,9 @@ def test_a_follower_reads_a_row_without_waiting_and_keeps_it_while_the_database_
     try:
         assert follower.current() is None and not follower.error  # nothing deployed yet
         open_endpoint(where).write(_ep("v1"))
-        deadline = time.monotonic() + 60  # a ceiling: polled every 0.05 s
-        while (follower.current() or _ep("none")).policy_version != "v1":
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        until("v1 followed", lambda: (follower.current() or _ep("none")).policy_version == "v1", 60, every_s=0.02)
         open_endpoint(where).update(lambda ep: _ep("v2"))
-        while follower.current().policy_version != "v2":
-            assert time.monotonic() < deadline
-            time.sleep(0.02)
+        until("v2 followed", lambda: follower.current().policy_version == "v2", 60, every_s=0.02)
     finally:
         follower.close()
     # a database that cannot be reached (a port nothing listens on): no exception, the reason kept

@@ -27,7 +27,7 @@ from prodrl_pipelines.deploy_targets.servers import ProdrlServeTarget
 from prodrl_pipelines.engines.server import BackgroundServer
 from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
 from prodrl_pipelines.recorder.balancer import Balancer, Choice, canary_share
-from tests.helpers import watch_endpoint
+from tests.helpers import until, watch_endpoint
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PROMPTS = [[1, 5, 6, 7, 8], [1, 40, 41, 42, 9, 9], [1, 12, 13]]
@@ -229,10 +229,8 @@ def test_a_fleet_whose_endpoint_is_a_database_row_is_followed_by_a_recorder_that
         with BackgroundServer(app) as rec:
             # a follower reads the row every 0.5 s: it is ready once it has read the deployment (as a load
             # balancer waits for /health/ready before it sends calls)
-            deadline = time.monotonic() + 120
-            while httpx.get(rec.url + "/health/ready", timeout=60).status_code != 200:
-                assert time.monotonic() < deadline, httpx.get(rec.url + "/health/ready", timeout=60).text
-                time.sleep(0.1)
+            until("the recorder has read the row", lambda: httpx.get(rec.url + "/health/ready", timeout=60).status_code
+                  == 200, 120, every_s=0.1)
             traffic = Traffic(rec.url)
             traffic.wait_served("v1", 6)
             ro = roll_out(s, ProdrlServeTarget(s, s.home_path), tiny_exports["bf16"], "v2", PROMPTS)

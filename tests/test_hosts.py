@@ -277,16 +277,6 @@ def test_a_partition_between_the_recorder_and_a_replica_fails_only_calls_in_flig
     assert {(t, i) for t, i, _, _ in result["acked"]} <= set(stored)  # every acknowledged call stored
 
 
-WRITE_ENDPOINT = """
-import json, sys
-from prodrl_pipelines.deploy_targets.base import Endpoint
-from prodrl_pipelines.deploy_targets.endpoint_store import open_endpoint
-urls, version = json.loads(sys.argv[2]), sys.argv[3]
-open_endpoint(sys.argv[1]).write(Endpoint(urls[0], "v1", version, replicas=[
-    {"url": u, "served_model_name": "v1", "policy_version": version} for u in urls]))
-"""
-
-
 def test_a_recorder_follows_the_endpoint_record_in_postgresql_on_another_host_through_a_database_restart(
         hosts, served_on_hosts):
     """PostgreSQL on h4, the endpoint record written from h5 (no disk in common with the recorder), a
@@ -302,7 +292,8 @@ def test_a_recorder_follows_the_endpoint_record_in_postgresql_on_another_host_th
     _, urls, _ = served_on_hosts
     pg = HostPostgres(h4).init()
     where = f"{pg.url}#fleet"
-    h5.run([sys.executable, "-c", WRITE_ENDPOINT, where, json.dumps(urls), "v1"], env=_base_env(), check=True)
+    write = [sys.executable, "-m", "prodrl_pipelines.cluster.fleet_driver", "endpoint", where]
+    h5.run([*write, "v1", json.dumps(urls)], env=_base_env(), check=True)
     recorder_proc = h1.popen([PRODRL, "record", "--follow", where, "--store", "/tmp/store-pg", "--host", h1.address,
                               "--port", "9200", "--upstream-timeout", "120"],
                              env={**_base_env(), "PRODRL_RECORDER_TOKEN": "tok"}, log=h1.tmp / "record-pg.log")
@@ -333,7 +324,7 @@ def test_a_recorder_follows_the_endpoint_record_in_postgresql_on_another_host_th
         down_at = answered()
         until("calls answered while the database is away", lambda: answered() >= down_at + 30, 600)
         pg.start()
-        h5.run([sys.executable, "-c", WRITE_ENDPOINT, where, json.dumps(urls), "v1b"], env=_base_env(), check=True)
+        h5.run([*write, "v1b", json.dumps(urls)], env=_base_env(), check=True)
         until("calls filed under the record written after the restart", lambda: recorded("v1b") >= 10, 300)
     finally:
         (out / "stop").write_text("")

@@ -18,6 +18,7 @@ from prodrl_pipelines.engines.server import BackgroundServer, build_app
 from prodrl_pipelines.engines.types import SamplingParams
 from prodrl_pipelines.lab.episodes import render_prompt
 from prodrl_pipelines.lab.warmstart import build_base_policy
+from tests.helpers import until
 
 EOS = 2  # the lab tokenizer's <|im_end|>
 PROMPT = [1, 116, 5, 24, 17, 25, 35, 2, 5, 1, 121, 5]
@@ -347,10 +348,8 @@ def test_probes_are_open_and_readiness_says_a_model_is_loading(engine, model_dir
         assert gated.entered.wait(120)  # the engine thread is in the generation
         load = pool.submit(h.post, "/v1/load_model", json={"model_dir": str(model_dir), "served_model_name": "v1"},
                            headers=key)
-        deadline = time.monotonic() + 120  # a ceiling: the load request reaches the server
-        while (r := h.get("/health/ready")).status_code == 200:
-            assert time.monotonic() < deadline
-            time.sleep(0.05)
+        r = until("the load reaches the server", lambda: (x := h.get("/health/ready")).status_code != 200 and x,
+                  120, every_s=0.05)
         assert r.status_code == 503 and r.json()["checks"]["model"]["reason"] == f"loading {model_dir}"
         assert r.json()["checks"]["batching"] == {"ok": True}
         gated.gate.set()

@@ -3,6 +3,7 @@ bench/hosts.py on the simulated hosts (``cluster/hosts.py``):
 
     python -m prodrl_pipelines.cluster.fleet_driver deploy HOME EXPORT VERSION   # publish EXPORT to S3, roll it out
     python -m prodrl_pipelines.cluster.fleet_driver stop HOME                    # stop the fleet, list what is left
+    python -m prodrl_pipelines.cluster.fleet_driver endpoint WHERE VERSION URLS  # write an endpoint record listing URLS
 
 The store (``PRODRL_S3_*``), the cluster (``PRODRL_SETTINGS_JSON``: cluster ray, the head's dashboard)
 and the deployment's key (``PRODRL_DEPLOY_API_KEY``) come from the environment, as in a run worker.
@@ -64,7 +65,19 @@ def stop(home: str) -> dict:
     return {"placement_groups": pgs, "actors": actors}
 
 
+def endpoint(where: str, version: str, urls: str) -> dict:
+    """Write the endpoint record at ``where`` (a file or ``URL#NAME``): the servers at ``urls`` (a JSON
+    list, each serving the model name ``v1``) filed under ``version``, as a deploy's commit writes it."""
+    from prodrl_pipelines.deploy_targets.base import Endpoint
+    from prodrl_pipelines.deploy_targets.endpoint_store import open_endpoint
+
+    listed = json.loads(urls)
+    open_endpoint(where).write(Endpoint(listed[0], "v1", version, replicas=[
+        {"url": u, "served_model_name": "v1", "policy_version": version} for u in listed]))
+    return {"where": where, "version": version, "replicas": len(listed)}
+
+
 if __name__ == "__main__":
     cmd, *args = sys.argv[1:]
-    out = {"deploy": deploy, "stop": stop}[cmd](*args)
+    out = {"deploy": deploy, "stop": stop, "endpoint": endpoint}[cmd](*args)
     print(json.dumps(out), flush=True)

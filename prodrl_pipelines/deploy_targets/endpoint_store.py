@@ -29,6 +29,7 @@ from prodrl_pipelines.deploy_targets.base import Endpoint, EndpointFile
 TABLE = "prodrl_endpoints"
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _PG = re.compile(r"^postgres(ql)?(\+\w+)?://")
+_TABLES_MADE: set[str] = set()  # databases this process made the table in: a record per write is opened anew
 
 
 def is_database_url(value: str) -> bool:
@@ -68,7 +69,6 @@ class PostgresEndpoint(EndpointFile):
         self.path = None  # no file: a location string names it (str(self))
         self._dsn = libpq_dsn(url)
         self._held = threading.local()  # the connection of the lock this thread holds
-        self._table_made = False
 
     def __str__(self) -> str:
         return f"{self.url}#{self.name}"
@@ -81,14 +81,14 @@ class PostgresEndpoint(EndpointFile):
     def _ensure_table(self, conn) -> None:
         """``CREATE TABLE IF NOT EXISTS`` is not safe against itself (two first writers: a unique
         violation in the catalog), so the first writers take turns on an advisory lock."""
-        if self._table_made:
+        if self.url in _TABLES_MADE:
             return
         with conn.cursor() as cur:
             cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (TABLE,))
             cur.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} (name text PRIMARY KEY, body jsonb, "
                         "version bigint NOT NULL DEFAULT 0, updated_at timestamptz NOT NULL DEFAULT now())")
         conn.commit()
-        self._table_made = True
+        _TABLES_MADE.add(self.url)
 
     @contextlib.contextmanager
     def locked(self):

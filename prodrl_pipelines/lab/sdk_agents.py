@@ -118,24 +118,16 @@ def openai_agents(base_url: str, tid: str, *, api_key: str, model: str, response
     return ep
 
 
-def pydantic_ai(base_url: str, tid: str, *, api_key: str, model: str, questions=QUESTIONS,
-                temperature: float = TEMPERATURE, seed: int = SEED) -> Episode:
-    """pydantic-ai's ``OpenAIChatModel`` (``agent.run``, not streamed), the history carried as ``all_messages``."""
-    _quiet_sdks()
-    import openai
+def _pydantic_ai_episode(ep: Episode, connect, model_settings: dict, questions) -> Episode:
+    """pydantic-ai's agent loop (``agent.run``, not streamed), the history carried as ``all_messages``;
+    ``connect()`` -> (the pydantic-ai model, its SDK client), called inside the episode's event loop."""
     from pydantic_ai import Agent
     from pydantic_ai.messages import ModelResponse
-    from pydantic_ai.models.openai import OpenAIChatModel
-    from pydantic_ai.providers.openai import OpenAIProvider
-
-    ep = Episode(tid)
 
     async def run() -> None:
-        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, default_headers=ep.headers,
-                                    http_client=ep.async_http())
+        model, client = connect()
         try:
-            agent = Agent(OpenAIChatModel(model, provider=OpenAIProvider(openai_client=client)),
-                          model_settings={"temperature": temperature, "seed": seed})
+            agent = Agent(model, model_settings=model_settings)
 
             @agent.tool_plain
             def add(a: int, b: int) -> int:
@@ -153,6 +145,24 @@ def pydantic_ai(base_url: str, tid: str, *, api_key: str, model: str, questions=
 
     asyncio.run(run())
     return ep
+
+
+def pydantic_ai(base_url: str, tid: str, *, api_key: str, model: str, questions=QUESTIONS,
+                temperature: float = TEMPERATURE, seed: int = SEED) -> Episode:
+    """pydantic-ai's ``OpenAIChatModel``."""
+    _quiet_sdks()
+    import openai
+    from pydantic_ai.models.openai import OpenAIChatModel
+    from pydantic_ai.providers.openai import OpenAIProvider
+
+    ep = Episode(tid)
+
+    def connect():
+        client = openai.AsyncOpenAI(base_url=base_url, api_key=api_key, default_headers=ep.headers,
+                                    http_client=ep.async_http())
+        return OpenAIChatModel(model, provider=OpenAIProvider(openai_client=client)), client
+
+    return _pydantic_ai_episode(ep, connect, {"temperature": temperature, "seed": seed}, questions)
 
 
 def langgraph(base_url: str, tid: str, *, api_key: str, model: str, questions=QUESTIONS,
@@ -230,41 +240,22 @@ def anthropic_messages(base_url: str, tid: str, *, api_key: str, model: str, que
 def pydantic_ai_anthropic(base_url: str, tid: str, *, api_key: str, model: str, questions=QUESTIONS,
                           temperature: float = TEMPERATURE, seed: int = SEED) -> Episode:
     """pydantic-ai's ``AnthropicModel`` over the official ``anthropic`` client: an agent framework built
-    on Anthropic's SDK, the history carried as ``all_messages``."""
+    on Anthropic's SDK."""
     _quiet_sdks()
     import anthropic
-    from pydantic_ai import Agent
-    from pydantic_ai.messages import ModelResponse
     from pydantic_ai.models.anthropic import AnthropicModel
     from pydantic_ai.providers.anthropic import AnthropicProvider
 
     ep = Episode(tid)
 
-    async def run() -> None:
+    def connect():
         client = anthropic.AsyncAnthropic(
             base_url=base_url.removesuffix("/v1"), api_key=api_key, default_headers=ep.headers, max_retries=0,
             http_client=anthropic.DefaultAsyncHttpxClient(event_hooks={"request": [ep._aseen]}))
-        try:
-            agent = Agent(AnthropicModel(model, provider=AnthropicProvider(anthropic_client=client)),
-                          model_settings={"temperature": temperature, "max_tokens": MAX_TOKENS,
-                                          "extra_body": {"seed": seed}})
+        return AnthropicModel(model, provider=AnthropicProvider(anthropic_client=client)), client
 
-            @agent.tool_plain
-            def add(a: int, b: int) -> int:
-                """Add two integers."""
-                return ep.add(a, b)
-
-            history = None
-            for q in questions:
-                result = await agent.run(q, message_history=history)
-                ep.answers.append(str(result.output).strip())
-                history = result.all_messages()
-                ep.n_calls = sum(isinstance(m, ModelResponse) for m in history)
-        finally:
-            await client.close()
-
-    asyncio.run(run())
-    return ep
+    return _pydantic_ai_episode(ep, connect, {"temperature": temperature, "max_tokens": MAX_TOKENS,
+                                              "extra_body": {"seed": seed}}, questions)
 
 
 # name -> episode function (base_url, tid, *, api_key, model, ...) -> Episode

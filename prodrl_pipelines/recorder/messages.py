@@ -33,6 +33,7 @@ import uuid
 from typing import Any, Iterator
 
 from prodrl_pipelines.engines.openai_protocol import ProtocolError
+from prodrl_pipelines.recorder.api_shapes import joined_text, token_counts
 
 __all__ = ["MessagesShape"]
 
@@ -50,18 +51,7 @@ def _bad(field: str, why: str) -> ProtocolError:
 
 
 def _text(content: Any, where: str) -> str:
-    """A string, or text blocks joined."""
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad(where, "must be a string or a list of text blocks")
-    out = []
-    for i, block in enumerate(content):
-        if not isinstance(block, dict) or block.get("type") != "text" or not isinstance(block.get("text"), str):
-            kind = block.get("type") if isinstance(block, dict) else type(block).__name__
-            raise _bad(f"{where}[{i}]", f"is a {kind!r} block: text blocks only here")
-        out.append(block["text"])
-    return "".join(out)
+    return joined_text(content, where, _bad, ("text",), "block")
 
 
 def _user(content: Any, where: str) -> list[dict]:
@@ -247,12 +237,10 @@ class MessagesShape:
 
     @staticmethod
     def usage(prompt_ids: list | None, output_ids: list | None, upstream: dict | None) -> dict | None:
-        if prompt_ids is not None and output_ids is not None:
-            n_in, n_out = len(prompt_ids), len(output_ids)
-        elif isinstance(upstream, dict) and "prompt_tokens" in upstream:
-            n_in, n_out = int(upstream.get("prompt_tokens") or 0), int(upstream.get("completion_tokens") or 0)
-        else:
+        counts = token_counts(prompt_ids, output_ids, upstream)
+        if counts is None:
             return None
+        n_in, n_out = counts
         return {"input_tokens": n_in, "output_tokens": n_out, "cache_creation_input_tokens": 0,
                 "cache_read_input_tokens": 0}
 

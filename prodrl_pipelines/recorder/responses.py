@@ -30,6 +30,7 @@ import uuid
 from typing import Any, Iterator
 
 from prodrl_pipelines.engines.openai_protocol import ProtocolError
+from prodrl_pipelines.recorder.api_shapes import joined_text, token_counts
 
 __all__ = ["ResponsesShape", "LOGPROBS_INCLUDE", "INCLUDABLE"]
 
@@ -50,19 +51,7 @@ def _bad(field: str, why: str) -> ProtocolError:
 
 
 def _text_of(content: Any, where: str) -> str:
-    if isinstance(content, str):
-        return content
-    if not isinstance(content, list):
-        raise _bad(where, "must be a string or a list of text parts")
-    out = []
-    for i, part in enumerate(content):
-        if not isinstance(part, dict) or part.get("type") not in ("input_text", "output_text", "text"):
-            kind = part.get("type") if isinstance(part, dict) else type(part).__name__
-            raise _bad(f"{where}[{i}]", f"is a {kind!r} part: the recorder takes text parts only")
-        if not isinstance(part.get("text"), str):
-            raise _bad(f"{where}[{i}].text", "must be a string")
-        out.append(part["text"])
-    return "".join(out)
+    return joined_text(content, where, _bad, ("input_text", "output_text", "text"), "part")
 
 
 def _messages(body: dict) -> list[dict]:
@@ -250,12 +239,10 @@ class ResponsesShape:
 
     @staticmethod
     def usage(prompt_ids: list | None, output_ids: list | None, upstream: dict | None) -> dict | None:
-        if prompt_ids is not None and output_ids is not None:
-            n_in, n_out = len(prompt_ids), len(output_ids)
-        elif isinstance(upstream, dict) and "prompt_tokens" in upstream:
-            n_in, n_out = int(upstream.get("prompt_tokens") or 0), int(upstream.get("completion_tokens") or 0)
-        else:
+        counts = token_counts(prompt_ids, output_ids, upstream)
+        if counts is None:
             return None
+        n_in, n_out = counts
         return {"input_tokens": n_in, "input_tokens_details": {"cached_tokens": 0}, "output_tokens": n_out,
                 "output_tokens_details": {"reasoning_tokens": 0}, "total_tokens": n_in + n_out}
 
