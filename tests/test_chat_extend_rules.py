@@ -1,7 +1,9 @@
 """``chat_history: extend`` keeps the plain path's promises: a call the plain path would not record as
-trainable (greedy, a penalty, a constraint, a structured output) or that asks for its own rendering
-(``chat_template_kwargs``, ``reasoning_effort``, ...) takes the plain path with a counted reason, so
-the upstream honours what was asked and the record says what it is; a call whose client disconnected
+trainable (greedy, a penalty, a constraint, a structured output) or that asks for a rendering of its own
+(``reasoning_effort``, ``chat_template``, ...) takes the plain path with a counted reason, so the
+upstream honours what was asked and the record says what it is; a template's own switches
+(``chat_template_kwargs``, Qwen3's ``enable_thinking``) are rendered with, in the prompt and in every
+bridge; a call whose client disconnected
 is not committed; a reply that left sampled tool calls out (``parallel_tool_calls: false``) is not
 extended by the next call. The scripted tool-calling engine of test_chat_tools answers; the server,
 recorder and openai client are real."""
@@ -75,7 +77,10 @@ def _rows(app) -> list[dict]:
     ({"structured_outputs": {"regex": "[0-9]+"}}, "unrecordable"),
     ({"guided_json": {"type": "object"}}, "unrecordable"),
     ({"n": 2}, "n"),
-    ({"chat_template_kwargs": {"enable_thinking": False}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"enable_thinking": False}}, None),  # rendered with (the template's switch)
+    ({"chat_template_kwargs": {"add_generation_prompt": False}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": {"tokenize": True}}, "chat_template_kwargs"),
+    ({"chat_template_kwargs": "enable_thinking"}, "chat_template_kwargs"),
     ({"reasoning_effort": "low"}, "reasoning_effort"),
     ({"chat_template": "{{ messages }}"}, "chat_template"),
     ({"add_generation_prompt": False}, "add_generation_prompt"),
@@ -106,18 +111,41 @@ def test_a_greedy_call_in_a_session_is_the_plain_paths_unrecordable_call(recorde
 
 
 def test_chat_template_kwargs_reach_the_rendering_that_is_recorded(recorder):
-    """Qwen3's ``enable_thinking: false``: the upstream renders the call with it (the plain path) and
-    the recorded prompt is that rendering, not the recorder's own without it."""
+    """Qwen3's ``enable_thinking: false``: the extend path renders the call with it, and the recorded
+    prompt is that rendering; a call of the session without it is rendered again, not bridged onto a
+    prefix rendered otherwise."""
     srv, app = recorder
     client = openai.OpenAI(base_url=srv.url + "/v1", api_key=TOKEN, max_retries=0, timeout=60,
                            default_headers={"X-Session-Id": "k"})
     client.chat.completions.create(model="v0", messages=USER, extra_body={
-        "chat_template_kwargs": {"enable_thinking": False}})
+        "chat_template_kwargs": {"enable_thinking": False, "not_read_by_the_template": 1}})
     client.chat.completions.create(model="v0", messages=USER)
     rows = _rows(app)
     assert [r["prompt_text"].endswith(NO_THINK) for r in rows] == [True, False], [r["prompt_text"][-60:] for r in rows]
     s = _stats(srv.url)
-    assert s["extend_skipped.chat_template_kwargs"] == 1 and s["extend_rendered.first_call"] == 1
+    assert s.get("extend_skipped.chat_template_kwargs", 0) == 0
+    assert s["extend_rendered.first_call"] == 1 and s["extend_rendered.template_kwargs_changed"] == 1
+
+
+def test_a_session_without_thinking_is_bridged_with_the_same_kwargs(recorder):
+    """Every call of an agent that switched thinking off: the second prompt is the first prompt, the
+    sampled output and the bridge, which ends in the generation prompt rendered with the switch; the
+    reply is parsed as vLLM parses it when thinking is off (no reasoning)."""
+    srv, app = recorder
+    client = openai.OpenAI(base_url=srv.url + "/v1", api_key=TOKEN, max_retries=0, timeout=60,
+                           default_headers={"X-Session-Id": "b"})
+    off = {"chat_template_kwargs": {"enable_thinking": False}}
+    messages = list(USER)
+    msg = client.chat.completions.create(model="v0", messages=messages, extra_body=off).choices[0].message
+    assert getattr(msg, "reasoning_content", None) is None
+    messages += [{"role": "assistant", "content": msg.content}, {"role": "user", "content": "and 3+4?"}]
+    client.chat.completions.create(model="v0", messages=messages, extra_body=off)
+    first, second = _rows(app)
+    assert second["prompt_token_ids"][:len(first["prompt_token_ids"]) + len(first["output_token_ids"])] == \
+        first["prompt_token_ids"] + first["output_token_ids"]
+    assert first["prompt_text"].endswith(NO_THINK) and second["prompt_text"].endswith(NO_THINK)
+    s = _stats(srv.url)
+    assert s["extend_bridged"] == 1 and s["extend_rendered.first_call"] == 1
 
 
 def test_a_reply_that_left_calls_out_is_not_extended(recorder):

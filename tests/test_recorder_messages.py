@@ -96,6 +96,25 @@ def test_an_anthropic_key_header_is_a_tenant_token(upstream, start_recorder):
     assert httpx.post(r.srv.url + "/v1/messages", json=body, headers={"x-api-key": TOKEN}, timeout=60).status_code == 200
 
 
+def test_count_tokens_is_the_input_the_message_is_sent_as(upstream, start_recorder):
+    """``messages.count_tokens`` (Claude Code's first call) counts what the call's ``usage`` then says
+    it sent, under a session's base URL too; nothing is forwarded or recorded."""
+    r = start_recorder(upstream.url)
+    model = _served(r.srv.url, TOKEN)
+    kw = dict(model=model, system="add", messages=[{"role": "user", "content": "3+4="}])
+    for base in (r.srv.url, r.srv.url + "/s/sess-1"):
+        client = _client(base, TOKEN, "count-1")
+        counted = client.messages.count_tokens(**kw).input_tokens
+        sent = client.messages.create(**kw, max_tokens=2, extra_body={"seed": 1}).usage.input_tokens
+        assert counted == sent > 0
+        client.close()
+    assert len(r.store().read_calls()) == 2  # the two messages, not the counts
+    bad = httpx.post(r.srv.url + "/v1/messages/count_tokens", headers={"x-api-key": TOKEN}, timeout=60,
+                     json={"model": model, "messages": []})
+    assert bad.status_code == 400 and "messages" in bad.json()["error"]["message"], bad.text
+    assert httpx.post(r.srv.url + "/v1/messages/count_tokens", json=kw, timeout=60).status_code == 401
+
+
 @pytest.fixture
 def tools_recorder(scripted, model_dir, tmp_path):
     app = build_recorder_app(RecorderConfig(upstream=scripted.url, store_dir=str(tmp_path / "store"), token=TOOLS_TOKEN,
@@ -134,6 +153,9 @@ def test_tool_use_and_tool_results_round_trip_streamed_and_not(tools_recorder):
     rows = sorted(app.state.recorder.store.read_calls().to_pylist(), key=lambda x: x["call_index"])
     assert [r["call_index"] for r in rows] == [0, 1, 2] and {r["trajectory_id"] for r in rows} == {"agent-1"}
     assert "<tool_response>" in rows[2]["prompt_text"] and "<tool_response>" not in rows[0]["prompt_text"]
+    # the tools and the tool results are counted as the upstream rendered them
+    assert client.messages.count_tokens(model="v0", tools=kw["tools"], messages=kw["messages"]).input_tokens \
+        == first.usage.input_tokens == len(rows[0]["prompt_token_ids"])
     client.close()
 
 

@@ -17,8 +17,9 @@ recorder renders the prompt itself, from the deployment's own chat template, and
 The answer is turned back into a chat answer (the reply parser splits reasoning and tool calls;
 streamed calls get the whole answer as chunks; a Responses call, translated to chat as on the plain
 path, gets a Response or its events). The trade-off: the model sees its own reasoning in history
-where its template would have stripped it. Calls without a session, with ``n`` > 1 or without a
-tokenizer take the plain path (``extend_skipped.<reason>`` counters).
+where its template would have stripped it. Calls without a session, with ``n`` > 1, without a
+tokenizer, or that the plain path would not record or would render otherwise (``extend_refusal``) take
+the plain path (``extend_skipped.<reason>`` counters); ``chat_template_kwargs`` are rendered with.
 """
 
 from __future__ import annotations
@@ -45,6 +46,7 @@ class Turn:
     # the reply left sampled tool calls out (``parallel_tool_calls: false``): its output ids hold calls
     # that never ran, so the next call is rendered from the messages, as the client sent them
     truncated: bool = False
+    template: str = "{}"  # the chat_template_kwargs it was rendered with, as canonical JSON
 
 
 @dataclass
@@ -54,6 +56,8 @@ class Plan:
     messages: list[dict]
     tools: str
     extended: bool  # True: a bridge after the previous call; False: the whole conversation rendered
+    template: str = "{}"  # the chat_template_kwargs rendered with, as canonical JSON
+    thinking: bool = True  # chat_template_kwargs' enable_thinking, as vLLM's reasoning parser reads it
 
 
 def _norm(messages: list[dict]) -> list[dict]:
@@ -105,6 +109,7 @@ class ChatExtender:
             raise ValueError(f"chat_history 'extend': the tokenizer at {tokenizer_dir} has no chat template")
         self.fmt = TOOL_FORMATS.get(reply_parser) if reply_parser and reply_parser != "none" else None
         self.sessions: OrderedDict[str, list[Turn]] = OrderedDict()
+        self.template_vars = _template_variables(self.tok.chat_template)
         try:  # a chat call's default length is what the model's context leaves (completions default to 16)
             cfg = json.loads((Path(tokenizer_dir) / "config.json").read_text())
             self.max_len = int(cfg.get("max_position_embeddings") or 0)
@@ -116,12 +121,25 @@ class ChatExtender:
 
         return plan_tools(body, self.fmt)
 
-    def _render(self, messages: list[dict], tools, generation: bool) -> str:
-        kw = {"tools": tools} if tools else {}
+    def template_kwargs(self, body: dict) -> dict:
+        """The request's ``chat_template_kwargs`` as vLLM 0.32 renders with them: those its template
+        reads (the rest are dropped, as vLLM drops them; the keys that would change the rendering's own
+        mechanics send the call down the plain path: ``extend_refusal``)."""
+        kw = body.get("chat_template_kwargs") or {}
+        return {k: v for k, v in kw.items() if self.template_vars is None or k in self.template_vars}
+
+    def _render(self, messages: list[dict], tools, generation: bool, template_kwargs: dict | None = None) -> str:
+        kw = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         return self.tok.apply_chat_template(messages, tokenize=False, add_generation_prompt=generation, **kw)
 
     def _ids(self, text: str) -> list[int]:
         return self.tok(text, add_special_tokens=False)["input_ids"]
+
+    def rendered_ids(self, body: dict, plan_tools_result) -> list[int]:
+        """The whole conversation of ``body`` as the upstream renders it (what vLLM counts as its input
+        tokens: no session, no forced opening)."""
+        return self._ids(self._render(_norm(body.get("messages") or []), plan_tools_result.tools, True,
+                                      self.template_kwargs(body)))
 
     def plan(self, tid: str, body: dict, plan_tools_result) -> tuple[Plan | None, str]:
         """The prompt of this call: (plan, "") extending the session's last turn (or its turn before,
@@ -130,11 +148,17 @@ class ChatExtender:
 
         messages = _norm(body.get("messages") or [])
         tools_key = json.dumps(plan_tools_result.tools, sort_keys=True)
+        kwargs = self.template_kwargs(body)
+        template = json.dumps(kwargs, sort_keys=True)
+        thinking = bool((body.get("chat_template_kwargs") or {}).get("enable_thinking", True))
         reason = "first_call"
         for turn in reversed(self.sessions.get(tid, [])):
             n = len(turn.messages)
             if turn.tools != tools_key:
                 reason = "tools_changed"
+                continue
+            if turn.template != template:  # e.g. thinking switched off: the prefix was rendered otherwise
+                reason = "template_kwargs_changed"
                 continue
             if len(messages) <= n + 1 or messages[:n] != turn.messages:
                 reason = "history_changed"
@@ -145,22 +169,23 @@ class ChatExtender:
             if turn.truncated:
                 reason = "reply_truncated"
                 continue
-            bridge = self._bridge(turn, messages[n + 1:], plan_tools_result)
+            bridge = self._bridge(turn, messages[n + 1:], plan_tools_result, kwargs)
             if bridge is None:
                 reason = "bridge_mismatch"
                 continue
             text, opening = bridge
-            return Plan(turn.prompt_ids + turn.output_ids + self._ids(text), opening, messages, tools_key, True), ""
-        text = self._render(messages, plan_tools_result.tools, generation=True)
+            return Plan(turn.prompt_ids + turn.output_ids + self._ids(text), opening, messages, tools_key, True,
+                        template, thinking), ""
+        text = self._render(messages, plan_tools_result.tools, True, kwargs)
         opening = forced_opening(plan_tools_result, self.tok, text)
-        return Plan(self._ids(text + opening), opening, messages, tools_key, False), reason
+        return Plan(self._ids(text + opening), opening, messages, tools_key, False, template, thinking), reason
 
-    def _bridge(self, turn: Turn, new: list[dict], tools) -> tuple[str, str] | None:
+    def _bridge(self, turn: Turn, new: list[dict], tools, template_kwargs: dict) -> tuple[str, str] | None:
         """The template's text from the end of the previous output to the next generation prompt."""
         from prodrl_pipelines.engines.chat_tools import forced_opening
 
         history = turn.messages + [{"role": "assistant", "content": PLACEHOLDER}]
-        full = self._render(history + new, tools.tools, generation=True)
+        full = self._render(history + new, tools.tools, True, template_kwargs)
         at = full.rfind(PLACEHOLDER)
         if at < 0:
             return None
@@ -176,7 +201,7 @@ class ChatExtender:
     def remember(self, tid: str, plan: Plan, output_ids: list[int], stopped: bool, reply: dict,
                  truncated: bool = False) -> None:
         turns = self.sessions.pop(tid, [])
-        turn = Turn(plan.messages, plan.tools, plan.prompt_ids, output_ids, stopped, reply, truncated)
+        turn = Turn(plan.messages, plan.tools, plan.prompt_ids, output_ids, stopped, reply, truncated, plan.template)
         self.sessions[tid] = (turns + [turn])[-2:]  # the turn before: a client's retry of the last call
         while len(self.sessions) > MAX_SESSIONS:
             self.sessions.popitem(last=False)
@@ -286,7 +311,7 @@ async def serve_extended(rec, ext: ChatExtender, body: dict, caller, pv: str | N
             row["output_text"] = text  # the sampled text, <think> and <tool_call> blocks included
         except Unrecordable as u:
             reason = u.reason
-        reply = reply_message(tools, text, finish or "stop", plan.opening)
+        reply = reply_message(tools, text, finish or "stop", plan.opening, thinking=plan.thinking)
         logprobs = None
         if ask.n is not None:
             logprobs = chat_logprobs(choice.get("logprobs"), ask.n)
@@ -324,8 +349,28 @@ async def serve_extended(rec, ext: ChatExtender, body: dict, caller, pv: str | N
 
 # request fields that change how the prompt is rendered, which the extend path does not render with:
 # such a call takes the plain path (the upstream renders it as asked)
-RENDERING_FIELDS = ("chat_template", "chat_template_kwargs", "reasoning_effort", "continue_final_message",
-                    "add_generation_prompt", "documents", "mm_processor_kwargs")
+RENDERING_FIELDS = ("chat_template", "reasoning_effort", "continue_final_message", "add_generation_prompt",
+                    "documents", "mm_processor_kwargs")
+# chat_template_kwargs the extend path renders with (Qwen3's enable_thinking, a template's own switches),
+# except these, which would change how it renders (vLLM refuses the last two)
+TEMPLATE_MECHANICS = frozenset({"messages", "conversation", "tools", "documents", "add_generation_prompt",
+                                "continue_final_message", "reasoning_effort", "return_dict",
+                                "return_assistant_tokens_mask", "chat_template", "tokenize"})
+
+
+def _template_variables(template) -> frozenset[str] | None:
+    """The variables a chat template reads (what vLLM keeps of a request's chat_template_kwargs);
+    None when it cannot be parsed here (then every kwarg is passed, as the template decides)."""
+    import jinja2
+    import jinja2.meta
+
+    if not isinstance(template, str):
+        return None
+    try:
+        env = jinja2.Environment(extensions=["jinja2.ext.loopcontrols"])
+        return frozenset(jinja2.meta.find_undeclared_variables(env.parse(template)))
+    except jinja2.TemplateError:
+        return None
 
 
 def extend_refusal(body: dict) -> str | None:
@@ -339,6 +384,9 @@ def extend_refusal(body: dict) -> str | None:
         return "n"
     if unrecordable_reason(body, "chat") is not None:
         return "unrecordable"
+    kw = body.get("chat_template_kwargs")
+    if kw is not None and (not isinstance(kw, dict) or TEMPLATE_MECHANICS & kw.keys()):
+        return "chat_template_kwargs"
     for name in RENDERING_FIELDS:
         if body.get("add_generation_prompt") is False if name == "add_generation_prompt" else body.get(name):
             return name

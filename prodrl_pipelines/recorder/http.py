@@ -159,6 +159,32 @@ async def messages(request: Request) -> Response:
     return await _proxy(request, "messages")
 
 
+async def count_tokens(request: Request) -> Response:
+    """Anthropic's ``messages.count_tokens`` (Claude Code calls it): the input tokens the call would
+    be sent as, its chat translation rendered with the deployment's chat template and counted, as
+    vLLM 0.32 counts them. Not a call: nothing is forwarded or recorded."""
+    rec: Recorder = request.app.state.recorder
+    stats = rec.stats
+    stats.count("count_tokens_requests", tenant=tenant_of(request).name)
+    try:
+        url_session(request)
+        body, _ = await read_call_body(request)
+        chat = MessagesShape({**body, "max_tokens": 1, "stream": False}).chat_request()  # no answer: no length
+    except ProtocolError as exc:
+        return err(str(exc), exc.status, stats, "bad_requests")
+    if rec.tokens is None:
+        await rec.find_tokenizer()
+    ext = extender_of(rec)
+    if ext is None:
+        return err("counting tokens needs the served model's tokenizer, and the upstream has not named it "
+                   "(pass --tokenizer, or follow a deployment)", 503, stats, "count_tokens_unavailable")
+    try:
+        n = len(ext.rendered_ids(chat, ext.tool_plan(chat)))
+    except ProtocolError as exc:
+        return err(str(exc), exc.status, stats, "bad_requests")
+    return JSONResponse({"input_tokens": n})
+
+
 async def models(request: Request) -> Response:
     rec: Recorder = request.app.state.recorder
     assert rec.http is not None
@@ -345,7 +371,8 @@ def build_recorder_app(config: RecorderConfig) -> Starlette:
             await rec.stop()
 
     api = [("/v1/completions", completions, "POST"), ("/v1/chat/completions", chat_completions, "POST"),
-           ("/v1/responses", responses, "POST"), ("/v1/messages", messages, "POST"), ("/v1/models", models, "GET"), ("/v1/feedback", feedback, "POST")]
+           ("/v1/responses", responses, "POST"), ("/v1/messages", messages, "POST"),
+           ("/v1/messages/count_tokens", count_tokens, "POST"), ("/v1/models", models, "GET"), ("/v1/feedback", feedback, "POST")]
     # each OpenAI route also under a session-scoped base URL: /s/<session>/v1/... (calls.SESSION_SOURCES)
     routes = [Route(prefix + path, fn, methods=[method]) for prefix in ("", SESSION_PREFIX) for path, fn, method in api]
     routes += [
