@@ -40,16 +40,23 @@ generation prompt, none in history).
 4. **unrecordable-in-extend**: greedy, penalised, ``min_p``, ``logit_bias`` and JSON-output chat calls
    sent in a session through both recorders; the number recorded as trainable (goal: 0).
 
+5. **prefix-cache hit sticky/least-requests** (bench/_prefix_cache.py): two vLLM replicas with
+   prefix caching behind one extending recorder, 16 multi-turn sessions at once (a pause between
+   turns, as an agent's tool takes), with the recorder's session affinity and without; the fraction of
+   prompt tokens vLLM's counters found cached, summed over the replicas. Needs the vLLM environment;
+   not run at smoke size (two vLLM start-ups), where the value is ``not-run``.
+
 Goals: every SDK >= 0.95 merged with ``extend`` on every template; the streamed ratio no worse than
 plain completions' (also compared with non-streamed chat's); no unrecordable call recorded as
-trainable in either mode.
+trainable in either mode; prefix-cache hits sticky >= 1.5x least-requests.
 
 Last line:
-``agent_traffic: merged/multi-call openai-agents=X openai-agents-responses=X pydantic-ai=X langgraph=X anthropic=X; extend/rerender qwen3=X/Y [llama32=X/Y glm45=X/Y qwen3-nothink=X/Y]; unrecordable-in-extend=N; recorder/direct streaming c=8=X; recorder/direct streaming extend c=8=X``
+``agent_traffic: merged/multi-call openai-agents=X openai-agents-responses=X pydantic-ai=X langgraph=X anthropic=X; extend/rerender qwen3=X/Y [llama32=X/Y glm45=X/Y qwen3-nothink=X/Y]; unrecordable-in-extend=N; prefix-cache hit sticky/least-requests=X/Y; recorder/direct streaming c=8=X; recorder/direct streaming extend c=8=X``
 (the templates served: ``--templates``).
 
 Smoke size (``--smoke``, bench/_smoke.py): the tiny tools policy (10 warm-start steps on 64 tasks: it
-rarely calls the tool right), ``qwen3`` only, one episode per cell, one round of 0.3 s phases.
+rarely calls the tool right), ``qwen3`` only, one episode per cell, one round of 0.3 s phases, no
+prefix-cache measure.
 """
 
 from __future__ import annotations
@@ -316,6 +323,23 @@ def unrecordable_recorded(rec_urls: dict[str, str]) -> int:
     return n
 
 
+def prefix_cache_part(run: bool, work: Path) -> dict[str, str]:
+    """The prefix-cache measure (bench/_prefix_cache.py) as the last line's value and its goal."""
+    from prodrl_pipelines.config import environment
+
+    py = environment.vllm_python()
+    if not run or py is None or not Path(py).exists():
+        why = "not run (smoke size)" if not run else "not run (no vLLM environment)"
+        return {"value": "not-run", "goal": f"prefix-cache hits sticky >= 1.5x least-requests: {why}"}
+    from _prefix_cache import hit_rates
+
+    work.mkdir(parents=True, exist_ok=True)
+    rates = hit_rates(py, work, rounds=2, log=lambda m: print(m, flush=True))
+    st, lr = rates["sticky"], rates["least-requests"]
+    return {"value": f"{st:.2f}/{lr:.2f}", "goal": f"prefix-cache hits sticky >= 1.5x least-requests "
+                                                   f"({st:.2f} vs {lr:.2f}): {'PASS' if st >= 1.5 * lr else 'MISS'}"}
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--episodes", type=int, default=24, help="episodes per cell (SDK, template, history mode)")
@@ -327,8 +351,10 @@ def main() -> None:
     ap.add_argument("--policy-size", default="demo", help="lab size of the tools policy built")
     ap.add_argument("--sft-steps", type=int, default=TOOLS_POLICY_SFT["steps"], help="its warm start")
     ap.add_argument("--sft-tasks", type=int, default=TOOLS_POLICY_SFT["n_tasks"], help="its demonstrated tasks")
+    ap.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
+                    help="measure prefix-cache hits, sticky versus least-requests, on two vLLM replicas")
     args = parse_args(ap, episodes=1, seconds=0.3, rounds=1, templates=["qwen3"], policy_size="tiny", sft_steps=10,
-                      sft_tasks=64)
+                      sft_tasks=64, prefix_cache=False)
     t_start = time.monotonic()
     tmp = Path(tempfile.mkdtemp(prefix="agent-traffic-"))
     procs: list[subprocess.Popen] = []
@@ -382,6 +408,9 @@ def main() -> None:
     finally:
         for p in reversed(procs):
             stop(p)
+    try:
+        prefix = prefix_cache_part(args.prefix_cache, tmp / "prefix-cache")
+    finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
     goal_sdk = all(c["frac"] >= 0.95 for (t, s, h), c in cells.items() if h == "extend")
@@ -390,13 +419,14 @@ def main() -> None:
           f"streamed ratio no worse than plain completions' ({st:.3f} vs {co:.3f}): {'PASS' if st >= co else 'MISS'}, "
           f"than non-streamed chat's ({st:.3f} vs {ch:.3f}): {'PASS' if st >= ch else 'MISS'}; "
           f"streamed through an extending recorder {ratios[EXTEND_KIND]:.3f} vs plain completions' {co:.3f}: "
-          f"{'PASS' if ratios[EXTEND_KIND] >= co else 'MISS'}; "
+          f"{'PASS' if ratios[EXTEND_KIND] >= co else 'MISS'}; {prefix['goal']}; "
           f"{time.monotonic() - t_start:.0f} s in all")
     sdk_part = " ".join(f"{s}={cells[('qwen3', s, 'extend')]['frac']:.2f}" for s in SDK_NAMES)
     tpl_part = " ".join(f"{t}={cells[(t, 'openai-agents', 'extend')]['frac']:.2f}/"
                         f"{cells[(t, 'openai-agents', 'rerender')]['frac']:.2f}" for t in dirs)
     print(f"agent_traffic: merged/multi-call {sdk_part}; extend/rerender {tpl_part}; "
-          f"unrecordable-in-extend={unrecordable}; recorder/direct streaming c=8={ratios['chat streamed']:.2f}; "
+          f"unrecordable-in-extend={unrecordable}; prefix-cache hit sticky/least-requests={prefix['value']}; "
+          f"recorder/direct streaming c=8={ratios['chat streamed']:.2f}; "
           f"recorder/direct streaming extend c=8={ratios[EXTEND_KIND]:.2f}")
 
 

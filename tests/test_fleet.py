@@ -96,6 +96,16 @@ def test_a_session_stays_on_its_replica_within_a_bounded_imbalance():
     assert b.crossings == 0  # every move stayed on the session's version
 
 
+def test_without_session_affinity_each_call_goes_to_the_least_loaded_replica_of_its_version():
+    b, ep = Balancer(sticky=False), _ep("http://a", "http://b")
+    b.started(Choice("http://a", "v0", "v0"))  # a is busy: every call of a session goes to b
+    assert {b.pick(ep, "s1").url for _ in range(4)} == {"http://b"}
+    b.finished(Choice("http://a", "v0", "v0"))
+    b.started(Choice("http://b", "v0", "v0"))  # now b is: the session leaves it, no stickiness held it
+    assert b.pick(ep, "s1").url == "http://a" and b.sticky_moves == 0
+    assert b.version_of("s1") == "v1"  # the episode is still kept on its version
+
+
 def test_canary_slice_is_sticky_per_trajectory_and_its_fraction():
     ids = [f"traj-{i}" for i in range(20000)]
     shares = [canary_share(t) for t in ids]

@@ -68,6 +68,9 @@ def add_record_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--reply-parser", default="none",
                    help="with --chat-history extend: how replies are parsed into reasoning and tool calls "
                         "(the deployment's --reply-parser: none or qwen3)")
+    r.add_argument("--no-session-affinity", dest="session_affinity", action="store_false",
+                   help="send every call to the least loaded replica of its version, instead of a session's "
+                        "calls to the replica that served its last one (whose prefix cache holds its history)")
     r.add_argument("--log-level", default="warning")
     r.set_defaults(fn=cmd_record)
     return r
@@ -94,6 +97,7 @@ def cmd_record(args) -> int:
             default_temperature=args.default_temperature, default_top_p=args.default_top_p,
             default_top_k=args.default_top_k, coordination_url=args.coordination_url,
             chat_history=args.chat_history, reply_parser=args.reply_parser,
+            session_affinity=args.session_affinity,
         )
         app = build_recorder_app(cfg)  # a bad tokens file fails here, before the server starts
     except ValueError as e:

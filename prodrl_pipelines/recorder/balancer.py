@@ -16,7 +16,8 @@ that answered its last one (its prompt extends the last call's, whose prefix tha
 holds) while that replica is healthy, not excluded, and has at most ``sticky_slack`` more calls in
 flight than the least loaded replica it could go to; otherwise it goes to the least loaded one and
 is pinned there (counted: ``sticky_moves``). The pins are keyed by the stored trajectory id, which
-is scoped to the tenant: two tenants' sessions of the same name never share one.
+is scoped to the tenant: two tenants' sessions of the same name never share one. ``sticky=False``
+(``prodrl record --no-session-affinity``): every call to the least loaded replica of its version.
 
 **The canary slice.** A trajectory seen for the first time goes to the canary when
 ``canary_share(trajectory_id) < canary.fraction``: a hash of its id, so the slice is a fixed random
@@ -71,8 +72,8 @@ def canary_share(trajectory_id: str) -> float:
 
 class Balancer:
     def __init__(self, down_s: float = 2.0, clock=time.monotonic, *, endpoints=None, max_pins: int = 100_000,
-                 refusals_to_pause: int = 3, sticky_slack: int = 4) -> None:
-        self.down_s, self.clock, self.sticky_slack = down_s, clock, sticky_slack
+                 refusals_to_pause: int = 3, sticky_slack: int = 4, sticky: bool = True) -> None:
+        self.down_s, self.clock, self.sticky_slack, self.sticky = down_s, clock, sticky_slack, sticky
         self.endpoints = endpoints  # the followed EndpointFile: where a canary that refuses is paused
         self.max_pins, self.refusals_to_pause = max_pins, refusals_to_pause
         self._lock = threading.Lock()
@@ -112,7 +113,7 @@ class Balancer:
             elif canary and trajectory_id and canary_share(trajectory_id) < fraction:
                 tiers.append(canary)
             tiers.append(stable)
-            last_url = self._replicas.get(trajectory_id) if trajectory_id else None
+            last_url = self._replicas.get(trajectory_id) if trajectory_id and self.sticky else None
             choice = self._sticky(tiers[0], last_url, exclude, now) if last_url else None
             if choice is None:
                 choice = self._choose(tiers, exclude, now)

@@ -47,6 +47,9 @@ class RecorderConfig:
     # tokens (recorder.chat_extend); reply_parser: how those replies are read (the deployment's)
     chat_history: str = "rerender"
     reply_parser: str = "none"
+    # a session's next call goes to the replica that served its last one (its prefix is cached there)
+    # while that replica is healthy and not overloaded; False: every call to the least loaded replica
+    session_affinity: bool = True
 
     def __post_init__(self) -> None:
         from prodrl_pipelines.engines.reply_parsers import TOOL_FORMATS

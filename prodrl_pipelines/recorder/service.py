@@ -153,7 +153,8 @@ class Recorder(UpstreamCalls):
         self.chat_k = min(k, self.chat_n - 1) if self.chat_n > 1 else 1
         self.deployment = FollowedEndpoint(config.follow) if config.follow else None
         # the balancer pauses a canary that keeps refusing connections in the followed endpoint file
-        self.balancer = Balancer(endpoints=self.deployment.file if self.deployment is not None else None)
+        self.balancer = Balancer(endpoints=self.deployment.file if self.deployment is not None else None,
+                                 sticky=config.session_affinity)
         self._health: asyncio.Task | None = None
         self.unflushed_segments: int | None = None  # set by stop(): WAL segments not yet in the store
         self._froze = False

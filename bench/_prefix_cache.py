@@ -1,0 +1,160 @@
+"""Prefix-cache hits with and without session affinity: ``agent_traffic``'s ``prefix-cache hit
+sticky/least-requests``, also runnable alone (``python bench/_prefix_cache.py``).
+
+Two vLLM replicas of one dense lab policy (prefix caching on, 32-token blocks; dev mode for
+``/reset_prefix_cache``), listed in one endpoint file; one recorder following it with
+``chat_history: extend`` (a session's prompt is its previous call's prompt and output, exactly), and
+the same multi-turn chat workload sent twice: with the recorder's session affinity (a session's call
+goes to the replica that served its last one) and without (``--no-session-affinity``: every call to
+the least loaded replica). Each session opens with its own question, so sessions share no full
+block. The hit rate is vLLM's own counters summed over both replicas,
+``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`` (prompt tokens), both caches reset
+before each phase; the phases alternate over ``rounds``.
+"""
+
+from __future__ import annotations
+
+import random
+import re
+import subprocess
+import sys
+import tempfile
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import httpx
+import openai
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _vllm import SERVER_ARGS, dense_exports  # noqa: E402
+
+from prodrl_pipelines.deploy_targets.base import Endpoint, wait_healthy  # noqa: E402
+from prodrl_pipelines.deploy_targets.endpoint_store import open_endpoint  # noqa: E402
+from prodrl_pipelines.deploy_targets.processes import pick_port  # noqa: E402
+from prodrl_pipelines.deploy_targets.server_records import stop_process_group  # noqa: E402
+from prodrl_pipelines.engines.server import BackgroundServer  # noqa: E402
+from prodrl_pipelines.engines.vllm_client import vllm_serve_command, vllm_serve_env  # noqa: E402
+from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app  # noqa: E402
+
+TOKEN = "bench-token"
+NAME = "policy"
+CACHE_ARGS = ("--enable-prefix-caching", "--block-size", "32")
+
+
+def _counters(url: str) -> tuple[float, float]:
+    """(prefix-cache hits, queries) in prompt tokens, from a replica's /metrics."""
+    text = httpx.get(url + "/metrics", timeout=60).text
+
+    def total(name: str) -> float:
+        return sum(float(m) for m in re.findall(rf"^vllm:{name}_total(?:{{[^}}]*}})? (\S+)$", text, re.M))
+
+    return total("prefix_cache_hits"), total("prefix_cache_queries")
+
+
+def _session(client: openai.OpenAI, sid: str, i: int, turns: int, max_tokens: int, think_s: float) -> int:
+    """One multi-turn chat session; the calls it made (a call past the model's length ends it).
+    Between turns it "runs a tool" for a random while (mean ``think_s``): without that pause a closed
+    loop sends the next call the moment its replica freed a slot, and least-requests then picks that
+    same replica, an affinity that real agents' tool time breaks."""
+    rng = random.Random(f"prefix_cache:{i}")
+    # an opening of its own (a few blocks' worth), so that no full block is another session's
+    opening = " ".join(f"{rng.randint(0, 99)}+{rng.randint(0, 99)}" for _ in range(12))
+    messages = [{"role": "user", "content": opening + "?"}]
+    for t in range(turns):
+        try:  # each answer its full length: the history grows by the same tokens in both phases
+            # unseeded: vLLM 0.32's CPU build kills its engine when a seeded request's prefill is
+            # chunked ("CPU Generator does not use offset"), which 16 sessions at once make happen
+            r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=max_tokens,
+                                               temperature=1.0, extra_body={"min_tokens": max_tokens},
+                                               extra_headers={"X-Session-Id": sid})
+        except openai.BadRequestError:  # the conversation outgrew the model's positions
+            return t
+        time.sleep(rng.uniform(0.0, 2 * think_s))
+        messages += [{"role": "assistant", "content": r.choices[0].message.content or ""},
+                     {"role": "user", "content": f"then {rng.choice('+-')}{rng.randint(1, 9)}"}]
+    return turns
+
+
+def _routes_of(balancer) -> dict[str, list[str]]:
+    """The replica each session's calls went to, in order (the balancer's picks, watched)."""
+    routes: dict[str, list[str]] = {}
+    pick = balancer.pick
+
+    def watched(endpoint, trajectory_id, exclude=frozenset()):
+        choice = pick(endpoint, trajectory_id, exclude)
+        if choice is not None and trajectory_id:
+            routes.setdefault(trajectory_id, []).append(choice.url)
+        return choice
+
+    balancer.pick = watched
+    return routes
+
+
+def hit_rates(python: str, work: Path, sessions: int = 16, turns: int = 4, concurrency: int = 16,
+              rounds: int = 1, max_tokens: int = 16, think_s: float = 0.5, log=print) -> dict[str, float]:
+    """{"sticky": hit rate, "least-requests": hit rate, "calls": calls per phase}; ``python``: vLLM's."""
+    export = dense_exports(work / "policy", 1)[0]
+    servers = []
+    try:
+        for k in range(2):
+            port = pick_port()
+            env = {**vllm_serve_env("127.0.0.1"), "VLLM_SERVER_DEV_MODE": "1"}
+            cmd = vllm_serve_command(export, port, 20, served_model_name=NAME, python=python,
+                                     extra_args=SERVER_ARGS + CACHE_ARGS)
+            with open(work / f"vllm{k}.log", "ab") as fh:
+                proc = subprocess.Popen(cmd, env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
+            servers.append((proc, f"http://127.0.0.1:{port}"))
+        t0 = time.monotonic()
+        for proc, url in servers:
+            wait_healthy(url, 300, expect_model=NAME, alive=lambda p=proc: p.poll() is None)
+        log(f"prefix cache: two vLLM replicas up in {time.monotonic() - t0:.0f} s")
+        urls = [u for _, u in servers]
+        follow = work / "endpoint.json"
+        open_endpoint(str(follow)).write(Endpoint(urls[0], NAME, "v1", replicas=[
+            {"url": u, "served_model_name": NAME, "policy_version": "v1"} for u in urls]))
+        sums = {"sticky": [0.0, 0.0], "least-requests": [0.0, 0.0]}
+        calls = 0
+        for r in range(rounds):
+            for phase in ("least-requests", "sticky") if r % 2 == 0 else ("sticky", "least-requests"):
+                for u in urls:  # what the other phase cached must not count for this one
+                    httpx.post(u + "/reset_prefix_cache", timeout=60).raise_for_status()
+                before = [_counters(u) for u in urls]
+                cfg = RecorderConfig(upstream="", follow=str(follow), store_dir=str(work / f"store-{phase}-{r}"),
+                                     token=TOKEN, tokenizer_dir=str(export), chat_history="extend",
+                                     session_affinity=phase == "sticky")
+                app = build_recorder_app(cfg)
+                routes = _routes_of(app.state.recorder.balancer)
+                with BackgroundServer(app) as rec:
+                    client = openai.OpenAI(base_url=rec.url + "/v1", api_key=TOKEN, max_retries=0, timeout=120)
+                    with ThreadPoolExecutor(concurrency) as pool:
+                        made = list(pool.map(lambda i: _session(client, f"{phase}-{r}-{i}", i, turns, max_tokens, think_s),
+                                             range(sessions)))
+                after = [_counters(u) for u in urls]
+                hits = sum(a[0] - b[0] for a, b in zip(after, before))
+                queries = sum(a[1] - b[1] for a, b in zip(after, before))
+                sums[phase][0] += hits
+                sums[phase][1] += queries
+                calls = sum(made)
+                pairs = [(a, b) for urls_of in routes.values() for a, b in zip(urls_of, urls_of[1:])]
+                kept = sum(a == b for a, b in pairs) / max(len(pairs), 1)
+                share = max(sum(u == url for us in routes.values() for u in us) for url in urls) / max(sum(made), 1)
+                log(f"prefix cache, {phase:14s} round {r}: {sum(made)} calls, {hits:.0f} of {queries:.0f} prompt "
+                    f"tokens hit ({hits / max(queries, 1):.2f}); a session's next call on its last replica: {kept:.2f}; "
+                    f"calls on the busier replica: {share:.2f}")
+        out = {k: h / max(q, 1.0) for k, (h, q) in sums.items()}
+        out["calls"] = calls
+        return out
+    finally:
+        for proc, _ in servers:
+            stop_process_group(proc.pid)
+
+
+if __name__ == "__main__":
+    from prodrl_pipelines.config import environment
+
+    with tempfile.TemporaryDirectory() as d:
+        work = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(d)  # a directory given: its logs are kept
+        work.mkdir(parents=True, exist_ok=True)
+        rates = hit_rates(environment.vllm_python(), work, rounds=2)
+    print(f"prefix-cache hit sticky/least-requests={rates['sticky']:.2f}/{rates['least-requests']:.2f}")
