@@ -14,6 +14,7 @@ before each phase; the phases alternate over ``rounds``.
 
 from __future__ import annotations
 
+import os
 import random
 import re
 import subprocess
@@ -54,23 +55,25 @@ def _counters(url: str) -> tuple[float, float]:
 
 def _session(client: openai.OpenAI, sid: str, i: int, turns: int, max_tokens: int, think_s: float) -> int:
     """One multi-turn chat session; the calls it made (a call past the model's length ends it).
-    Between turns it "runs a tool" for a random while (mean ``think_s``): without that pause a closed
-    loop sends the next call the moment its replica freed a slot, and least-requests then picks that
-    same replica, an affinity that real agents' tool time breaks."""
+    Each answer has a length of its own (up to ``max_tokens``, the same in both phases) and a "tool"
+    runs between turns (exponential, mean ``think_s``): with equal lengths and no pause, a batch's
+    sessions all finish together and come straight back to the replica that just emptied, a lockstep
+    that makes least-requests look sticky and that real agents' varied turns break."""
     rng = random.Random(f"prefix_cache:{i}")
     # an opening of its own (a few blocks' worth), so that no full block is another session's
     opening = " ".join(f"{rng.randint(0, 99)}+{rng.randint(0, 99)}" for _ in range(12))
     messages = [{"role": "user", "content": opening + "?"}]
     for t in range(turns):
+        n = rng.randint(max(1, max_tokens // 4), max_tokens)
         try:  # each answer its full length: the history grows by the same tokens in both phases
             # unseeded: vLLM 0.32's CPU build kills its engine when a seeded request's prefill is
             # chunked ("CPU Generator does not use offset"), which 16 sessions at once make happen
-            r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=max_tokens,
-                                               temperature=1.0, extra_body={"min_tokens": max_tokens},
+            r = client.chat.completions.create(model=NAME, messages=messages, max_tokens=n,
+                                               temperature=1.0, extra_body={"min_tokens": n},
                                                extra_headers={"X-Session-Id": sid})
         except openai.BadRequestError:  # the conversation outgrew the model's positions
             return t
-        time.sleep(rng.uniform(0.0, 2 * think_s))
+        time.sleep(rng.expovariate(1.0 / think_s))
         messages += [{"role": "assistant", "content": r.choices[0].message.content or ""},
                      {"role": "user", "content": f"then {rng.choice('+-')}{rng.randint(1, 9)}"}]
     return turns
@@ -92,14 +95,17 @@ def _routes_of(balancer) -> dict[str, list[str]]:
 
 
 def hit_rates(python: str, work: Path, sessions: int = 16, turns: int = 4, concurrency: int = 16,
-              rounds: int = 1, max_tokens: int = 16, think_s: float = 0.5, log=print) -> dict[str, float]:
+              rounds: int = 1, max_tokens: int = 24, think_s: float = 1.0, log=print) -> dict[str, float]:
     """{"sticky": hit rate, "least-requests": hit rate, "calls": calls per phase}; ``python``: vLLM's."""
     export = dense_exports(work / "policy", 1)[0]
     servers = []
     try:
         for k in range(2):
             port = pick_port()
-            env = {**vllm_serve_env("127.0.0.1"), "VLLM_SERVER_DEV_MODE": "1"}
+            # a core of its own each, as two machines would have (both on every core, their OpenMP
+            # threads fight and one replica runs ahead: least-requests then sends it most calls)
+            env = {**vllm_serve_env("127.0.0.1"), "VLLM_SERVER_DEV_MODE": "1",
+                   "VLLM_CPU_OMP_THREADS_BIND": str(k % (os.cpu_count() or 1))}
             cmd = vllm_serve_command(export, port, 20, served_model_name=NAME, python=python,
                                      extra_args=SERVER_ARGS + CACHE_ARGS)
             with open(work / f"vllm{k}.log", "ab") as fh:
