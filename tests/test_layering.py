@@ -140,6 +140,7 @@ def test_the_circle_check_finds_a_circle():
 FLOORS = [
     ("storage", "config.environment", "config.preflight"),
     ("rl", "quant", "trajectories", "engines", "evaluation", "rewards", "recorder", "deploy_targets"),
+    ("harnesses",),  # each harness is a suite and a reward source: above both, found by entry point
     ("config.settings",),
     ("loop",),
     ("stack", "cli"),
@@ -156,6 +157,20 @@ def _floor(module: str) -> int | None:
             if (rel == name or rel.startswith(name + ".")) and (best is None or len(name) > len(best[1])):
                 best = (i, name)
     return best[0] if best else None
+
+
+def test_each_harness_is_one_module_registered_as_a_suite_and_a_reward_source():
+    from importlib.metadata import entry_points
+
+    def shipped(group):
+        return {ep.name: ep.value.split(":")[0] for ep in entry_points(group=group)
+                if ep.value.startswith("prodrl_pipelines.harnesses.")}
+
+    suites, sources = shipped("prodrl_pipelines.eval_suites"), shipped("prodrl_pipelines.reward_sources")
+    assert suites == sources and set(suites) == {"command", "inspect", "verifiers"}, (suites, sources)
+    modules = {f"prodrl_pipelines.harnesses.{p.stem}" for p in (PKG / "harnesses").glob("*.py")
+               if p.stem not in ("__init__", "verifiers_bridge")}  # the bridge runs in verifiers' own Python
+    assert set(suites.values()) == modules
 
 
 def test_lower_floors_never_import_upper_ones():

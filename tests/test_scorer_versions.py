@@ -13,7 +13,7 @@ import pytest
 
 from helpers import make_trajectory
 from prodrl_pipelines.rewards.code_version import code_files, files_hash
-from prodrl_pipelines.rewards.command_source import CommandSource
+from prodrl_pipelines.harnesses.command import CommandSource
 from prodrl_pipelines.rewards.config import RewardSettings
 from prodrl_pipelines.rewards.scoring import RewardPlan, rescore, score_missing
 from prodrl_pipelines.rewards.sources import GraderSource

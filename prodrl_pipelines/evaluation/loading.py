@@ -2,11 +2,12 @@
 
 ``eval.suite`` is one of:
 
-- ``NAME`` or ``NAME:ARG`` where NAME is a suite source: a built-in one (``BUILTIN_SOURCES``:
+- ``NAME`` or ``NAME:ARG`` where NAME is a suite source, an entry point of group
+  ``prodrl_pipelines.eval_suites``: the harnesses this project ships (``prodrl_pipelines.harnesses``:
   ``inspect:pkg.module:task`` an inspect-ai task, ``verifiers:<taskset>`` a verifiers taskset,
-  ``command:<command line>`` any harness that prints per-task rewards; ``served``) or an entry point
-  of group ``prodrl_pipelines.eval_suites`` (the lab registers ``lab``: ``lab`` = the lab task of
-  the settings, ``lab:arithmetic``, ``lab:chess``); the source is called as ``factory(ARG, settings)``;
+  ``command:<command line>`` any harness that prints per-task rewards), and plug-ins (the lab
+  registers ``lab``: ``lab`` = the lab task of the settings, ``lab:arithmetic``, ``lab:chess``); the
+  source is called as ``factory(ARG, settings)``;
 - a JSONL file, local or ``s3://bucket/key.jsonl`` (see ``jsonl_suite``), with ``eval.reward_fn``
   naming the reward function ``package.module:function``;
 - ``package.module:Suite``: a class (instantiated without arguments) or an object implementing
@@ -23,24 +24,9 @@ from prodrl_pipelines.evaluation.suite import SuiteError, missing_members
 
 SUITE_GROUP = "prodrl_pipelines.eval_suites"
 
-# suites whose harness is another project's, played over HTTP (``served``)
-BUILTIN_SOURCES = {
-    "command": "prodrl_pipelines.evaluation.command_suite:command_suite",
-    "inspect": "prodrl_pipelines.evaluation.inspect_suite:inspect_suite",
-    "verifiers": "prodrl_pipelines.evaluation.verifiers_suite:verifiers_suite",
-}
-
-
-class _Builtin:
-    def __init__(self, path: str) -> None:
-        self.path = path
-
-    def load(self):
-        return import_object(self.path, "eval.suite")
-
-
 def registered_sources(group: str = SUITE_GROUP) -> dict:
-    return {**{n: _Builtin(p) for n, p in BUILTIN_SOURCES.items()}, **{ep.name: ep for ep in entry_points(group=group)}}
+    """Suite sources by name (entry points, loaded when used)."""
+    return {ep.name: ep for ep in entry_points(group=group)}
 
 
 def import_object(path: str, setting: str):

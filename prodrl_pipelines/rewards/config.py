@@ -16,7 +16,7 @@ class RewardSettings(BaseModel):
     """Errors name the flat setting (``rewards_<field>``), as a settings file writes it."""
 
     model_config = ConfigDict(extra="forbid", frozen=True)
-    # reward sources by name (``rewards.sources.REWARD_SOURCES``), in priority order for ``first``
+    # reward sources by name (``rewards.sources.source_names``), in priority order for ``first``
     sources: tuple[str, ...] = ("feedback",)
     # how several sources' rewards make one (``rewards.combine.COMBINE_RULES``): ``first`` = the first
     # source in ``sources`` that has a reward; ``weighted`` = sum of weight x reward, once every source has one
@@ -42,11 +42,11 @@ class RewardSettings(BaseModel):
     # rest of that scoring pass is not sent (left unscored, asked again next pass): a hung judge costs
     # a few timeouts, not one per trajectory
     judge_breaker_failures: int = Field(5, ge=1)
-    # command: a command line given trajectories as JSON lines on stdin, printing rewards (``command_source``)
+    # command: a command line given trajectories as JSON lines on stdin, printing rewards (``harnesses.command``)
     command: str = ""
     # inspect: an inspect-ai task ``package.module:task``; a trajectory's task_id names its sample
     inspect_task: str = ""
-    # verifiers: a verifiers taskset id, scored in the verifiers environment (``verifiers_suite``)
+    # verifiers: a verifiers taskset id, scored in the verifiers environment (``harnesses.verifiers_tasksets``)
     verifiers_taskset: str = ""
     # an episode is complete, and only then scored, once its client posted feedback (any reward row
     # without a scorer version: the end-of-episode signal) or no call came for this many seconds;
@@ -56,13 +56,13 @@ class RewardSettings(BaseModel):
     @model_validator(mode="after")
     def _sources_are_configured(self) -> "RewardSettings":
         from prodrl_pipelines.rewards.combine import COMBINE_RULES
-        from prodrl_pipelines.rewards.sources import REWARD_SOURCES
+        from prodrl_pipelines.rewards.sources import source_names
 
         if not self.sources:
             raise ValueError("rewards_sources: name at least one reward source")
         for s in self.sources:
-            if s not in REWARD_SOURCES:
-                raise ValueError(f"rewards_sources: unknown reward source {s!r}; known: {', '.join(sorted(REWARD_SOURCES))}")
+            if s not in source_names():
+                raise ValueError(f"rewards_sources: unknown reward source {s!r}; known: {', '.join(source_names())}")
         if len(set(self.sources)) != len(self.sources):
             raise ValueError(f"rewards_sources: {list(self.sources)} names a source twice")
         if self.combine not in COMBINE_RULES:
@@ -95,6 +95,6 @@ class RewardSettings(BaseModel):
     @property
     def scorers(self) -> tuple[str, ...]:
         """The sources that score stored traffic themselves (all but ``feedback``)."""
-        from prodrl_pipelines.rewards.sources import REWARD_SOURCES
+        from prodrl_pipelines.rewards.sources import source_factory
 
-        return tuple(s for s in self.sources if REWARD_SOURCES[s].scores)
+        return tuple(s for s in self.sources if source_factory(s).scores)

@@ -1,4 +1,6 @@
-"""Reward sources, chosen by name (``REWARD_SOURCES``).
+"""Reward sources, chosen by name (``reward_sources()``): the three built here, and those registered
+as entry points of group ``prodrl_pipelines.reward_sources`` (the harnesses this project ships,
+``prodrl_pipelines.harnesses``, and plug-ins).
 
 - ``feedback``: rewards clients post to the recorder (``/v1/feedback``); it scores nothing itself.
   Its rows carry no version.
@@ -8,8 +10,9 @@
   the edit (a long-lived process keeps running, and naming, the code it imported: ``loaded_code_hash``).
 - ``judge``: an LLM behind an OpenAI-compatible endpoint with a rubric (``judge.JudgeSource``).
 - ``command``: any scorer as a command, trajectories in and rewards out as JSON lines
-  (``command_source``); ``verifiers``: a verifiers taskset's rubric through it (``verifiers_suite``).
-- ``inspect``: an inspect-ai task's scorers on each trajectory's sample (``inspect_suite``).
+  (``harnesses.command``); ``verifiers``: a verifiers taskset's rubric through it
+  (``harnesses.verifiers_tasksets``).
+- ``inspect``: an inspect-ai task's scorers on each trajectory's sample (``harnesses.inspect_ai_tasks``).
 
 A source that fails on a trajectory (the grader raises, the judge times out or answers without a
 score) leaves it unscored and reports the error; it never stands in a 0.
@@ -17,10 +20,10 @@ score) leaves it unscored and reports the error; it never stands in a 0.
 
 from __future__ import annotations
 
+from importlib.metadata import entry_points
 from typing import Callable, Sequence
 
 from prodrl_pipelines.rewards.code_version import loaded_code_hash
-from prodrl_pipelines.rewards.command_source import CommandSource
 from prodrl_pipelines.rewards.judge import JudgeSource
 from prodrl_pipelines.rewards.outcome import Outcome, checked
 from prodrl_pipelines.rewards.view import TrajectoryView
@@ -63,27 +66,26 @@ class GraderSource:
         return out
 
 
-def _inspect_source(settings):
-    from prodrl_pipelines.evaluation.inspect_suite import InspectRewardSource
-
-    return InspectRewardSource(settings)
-
-
-def _verifiers_source(settings):
-    from prodrl_pipelines.evaluation.verifiers_suite import verifiers_reward_source
-
-    return verifiers_reward_source(settings)
-
-
-_inspect_source.scores = _verifiers_source.scores = True
-
+SOURCE_GROUP = "prodrl_pipelines.reward_sources"
 # name -> factory(settings); ``scores``: the source scores stored traffic itself
-REWARD_SOURCES: dict = {"feedback": FeedbackSource, "grader": GraderSource, "judge": JudgeSource,
-                        "command": CommandSource, "inspect": _inspect_source, "verifiers": _verifiers_source}
+BUILT_IN: dict = {"feedback": FeedbackSource, "grader": GraderSource, "judge": JudgeSource}
+
+
+def source_names() -> list[str]:
+    """Every reward source's name, without importing any harness."""
+    return sorted({*BUILT_IN, *(ep.name for ep in entry_points(group=SOURCE_GROUP))})
+
+
+def source_factory(name: str):
+    """The factory of the source ``name`` (a harness's module is imported here)."""
+    if name in BUILT_IN:
+        return BUILT_IN[name]
+    found = [ep for ep in entry_points(group=SOURCE_GROUP) if ep.name == name]
+    if not found:
+        raise ValueError(f"unknown reward source {name!r}; known: {', '.join(source_names())}")
+    return found[0].load()
 
 
 def make_source(name: str, settings):
     """The configured source ``name`` (``settings``: ``RewardSettings``)."""
-    if name not in REWARD_SOURCES:
-        raise ValueError(f"unknown reward source {name!r}; known: {', '.join(sorted(REWARD_SOURCES))}")
-    return REWARD_SOURCES[name](settings)
+    return source_factory(name)(settings)

@@ -12,6 +12,8 @@ Reward source: a recorded trajectory's ``task_id`` names the sample it answered.
 a ``TaskState`` of the sample's input followed by the recorded assistant texts (reasoning and tool
 -call markup parsed out, as the chat server would), the last one as the output. Version: the task
 spec and a hash of its module's source as loaded (editing the scorer makes new reward rows).
+
+Registered as the ``inspect`` suite source and reward source (pyproject's entry points).
 """
 
 from __future__ import annotations

@@ -11,7 +11,7 @@ Both modes score through the taskset's own ``Task.score`` on a ``vf.Trace`` of t
 ``suite`` plays each task's prompt as one chat call (the deployment's sampling settings from the
 environment, ``command_suite.endpoint_env``); ``score`` builds the trace from the task's prompt and
 the trajectory's recorded assistant texts, matched to the task by ``task_id``. Output: JSON lines
-on stdout (``command_suite`` and ``command_source`` read them); diagnostics on stderr.
+on stdout (``harnesses.command`` reads them); diagnostics on stderr.
 """
 
 from __future__ import annotations

@@ -15,8 +15,8 @@ import subprocess
 from pathlib import Path
 
 from prodrl_pipelines.config import environment
-from prodrl_pipelines.evaluation.command_suite import CommandSuite
 from prodrl_pipelines.evaluation.suite import SuiteError
+from prodrl_pipelines.harnesses.command import CommandSource, CommandSuite
 
 BRIDGE = Path(__file__).with_name("verifiers_bridge.py")
 
@@ -52,10 +52,11 @@ def verifiers_suite(arg: str, settings=None) -> CommandSuite:
 
 def verifiers_reward_source(settings):
     """The ``verifiers`` reward source: the taskset's rubric on each recorded trajectory."""
-    from prodrl_pipelines.rewards.command_source import CommandSource
-
     taskset = settings.verifiers_taskset.strip()
     argv = bridge_argv("score", taskset)
     src = CommandSource(settings, argv=argv, version=f"verifiers:{taskset}@{verifiers_version(argv[0], taskset)}")
     src.name = "verifiers"
     return src
+
+
+verifiers_reward_source.scores = True  # it scores stored traffic itself (rewards.sources)
