@@ -1,15 +1,15 @@
 """Prefix-cache hits with and without session affinity: ``agent_traffic``'s ``prefix-cache hit
 sticky/least-requests``, also runnable alone (``python bench/_prefix_cache.py``).
 
-Two vLLM replicas of one dense lab policy (prefix caching on, 32-token blocks; dev mode for
-``/reset_prefix_cache``), listed in one endpoint file; one recorder following it with
-``chat_history: extend`` (a session's prompt is its previous call's prompt and output, exactly), and
-the same multi-turn chat workload sent twice: with the recorder's session affinity (a session's call
-goes to the replica that served its last one) and without (``--no-session-affinity``: every call to
-the least loaded replica). Each session opens with its own question, so sessions share no full
-block. The hit rate is vLLM's own counters summed over both replicas,
-``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`` (prompt tokens), both caches reset
-before each phase; the phases alternate over ``rounds``.
+Two vLLM replicas (``--replicas``) of one dense lab policy (prefix caching on, 32-token blocks; dev
+mode for ``/reset_prefix_cache``; each bound to a core, the cores in turn), listed in one endpoint
+file; one recorder following it with ``chat_history: extend`` (a session's prompt is its previous
+call's prompt and output, exactly), and the same multi-turn chat workload sent twice: with the
+recorder's session affinity (a session's call goes to the replica that served its last one) and
+without (``--no-session-affinity``: every call to the least loaded replica). Each session opens with
+its own question, so sessions share no full block. The hit rate is vLLM's own counters summed over
+the replicas, ``vllm:prefix_cache_hits_total / vllm:prefix_cache_queries_total`` (prompt tokens),
+every cache reset before each phase; the phases alternate over ``rounds``.
 """
 
 from __future__ import annotations
@@ -95,12 +95,13 @@ def _routes_of(balancer) -> dict[str, list[str]]:
 
 
 def hit_rates(python: str, work: Path, sessions: int = 16, turns: int = 4, concurrency: int = 16,
-              rounds: int = 1, max_tokens: int = 24, think_s: float = 1.0, log=print) -> dict[str, float]:
+              rounds: int = 1, max_tokens: int = 24, think_s: float = 1.0, replicas: int = 2,
+              log=print) -> dict[str, float]:
     """{"sticky": hit rate, "least-requests": hit rate, "calls": calls per phase}; ``python``: vLLM's."""
     export = dense_exports(work / "policy", 1)[0]
     servers = []
     try:
-        for k in range(2):
+        for k in range(replicas):
             port = pick_port()
             # a core of its own each, as two machines would have (both on every core, their OpenMP
             # threads fight and one replica runs ahead: least-requests then sends it most calls)
@@ -114,7 +115,7 @@ def hit_rates(python: str, work: Path, sessions: int = 16, turns: int = 4, concu
         t0 = time.monotonic()
         for proc, url in servers:
             wait_healthy(url, 300, expect_model=NAME, alive=lambda p=proc: p.poll() is None)
-        log(f"prefix cache: two vLLM replicas up in {time.monotonic() - t0:.0f} s")
+        log(f"prefix cache: {replicas} vLLM replicas up in {time.monotonic() - t0:.0f} s")
         urls = [u for _, u in servers]
         follow = work / "endpoint.json"
         open_endpoint(str(follow)).write(Endpoint(urls[0], NAME, "v1", replicas=[
@@ -157,10 +158,16 @@ def hit_rates(python: str, work: Path, sessions: int = 16, turns: int = 4, concu
 
 
 if __name__ == "__main__":
+    import argparse
+
     from prodrl_pipelines.config import environment
 
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("work", nargs="?", help="a directory whose logs are kept (default: a temporary one)")
+    ap.add_argument("--replicas", type=int, default=2, help="vLLM replicas (bound to the cores in turn)")
+    a = ap.parse_args()
     with tempfile.TemporaryDirectory() as d:
-        work = Path(sys.argv[1]) if len(sys.argv) > 1 else Path(d)  # a directory given: its logs are kept
+        work = Path(a.work or d)
         work.mkdir(parents=True, exist_ok=True)
-        rates = hit_rates(environment.vllm_python(), work, rounds=2)
+        rates = hit_rates(environment.vllm_python(), work, rounds=2, replicas=a.replicas)
     print(f"prefix-cache hit sticky/least-requests={rates['sticky']:.2f}/{rates['least-requests']:.2f}")
