@@ -40,11 +40,12 @@ generation prompt, none in history).
 4. **unrecordable-in-extend**: greedy, penalised, ``min_p``, ``logit_bias`` and JSON-output chat calls
    sent in a session through both recorders; the number recorded as trainable (goal: 0).
 
-5. **prefix-cache hit sticky/least-requests** (bench/_prefix_cache.py): two vLLM replicas with
-   prefix caching behind one extending recorder, 16 multi-turn sessions at once (a pause between
+5. **prefix-cache hit sticky/least-requests** (bench/_prefix_cache.py): ``--prefix-cache-replicas``
+   vLLM replicas (4; each bound to a core, the cores in turn) with prefix caching behind one
+   extending recorder, 16 multi-turn sessions at once (a pause between
    turns, as an agent's tool takes), with the recorder's session affinity and without; the fraction of
    prompt tokens vLLM's counters found cached, summed over the replicas. Needs the vLLM environment;
-   not run at smoke size (two vLLM start-ups), where the value is ``not-run``.
+   not run at smoke size (four vLLM start-ups), where the value is ``not-run``.
 
 Goals: every SDK >= 0.95 merged with ``extend`` on every template; the streamed ratio no worse than
 plain completions' (also compared with non-streamed chat's); no unrecordable call recorded as
@@ -323,7 +324,7 @@ def unrecordable_recorded(rec_urls: dict[str, str]) -> int:
     return n
 
 
-def prefix_cache_part(run: bool, work: Path) -> dict[str, str]:
+def prefix_cache_part(run: bool, work: Path, replicas: int) -> dict[str, str]:
     """The prefix-cache measure (bench/_prefix_cache.py) as the last line's value and its goal."""
     from prodrl_pipelines.config import environment
 
@@ -334,7 +335,7 @@ def prefix_cache_part(run: bool, work: Path) -> dict[str, str]:
     from _prefix_cache import hit_rates
 
     work.mkdir(parents=True, exist_ok=True)
-    rates = hit_rates(py, work, rounds=2, log=lambda m: print(m, flush=True))
+    rates = hit_rates(py, work, rounds=2, replicas=replicas, log=lambda m: print(m, flush=True))
     st, lr = rates["sticky"], rates["least-requests"]
     return {"value": f"{st:.2f}/{lr:.2f}", "goal": f"prefix-cache hits sticky >= 1.5x least-requests "
                                                    f"({st:.2f} vs {lr:.2f}): {'PASS' if st >= 1.5 * lr else 'MISS'}"}
@@ -352,7 +353,8 @@ def main() -> None:
     ap.add_argument("--sft-steps", type=int, default=TOOLS_POLICY_SFT["steps"], help="its warm start")
     ap.add_argument("--sft-tasks", type=int, default=TOOLS_POLICY_SFT["n_tasks"], help="its demonstrated tasks")
     ap.add_argument("--prefix-cache", action=argparse.BooleanOptionalAction, default=True,
-                    help="measure prefix-cache hits, sticky versus least-requests, on two vLLM replicas")
+                    help="measure prefix-cache hits, sticky versus least-requests, on vLLM replicas")
+    ap.add_argument("--prefix-cache-replicas", type=int, default=4, help="vLLM replicas of that measure")
     args = parse_args(ap, episodes=1, seconds=0.3, rounds=1, templates=["qwen3"], policy_size="tiny", sft_steps=10,
                       sft_tasks=64, prefix_cache=False)
     t_start = time.monotonic()
@@ -409,7 +411,7 @@ def main() -> None:
         for p in reversed(procs):
             stop(p)
     try:
-        prefix = prefix_cache_part(args.prefix_cache, tmp / "prefix-cache")
+        prefix = prefix_cache_part(args.prefix_cache, tmp / "prefix-cache", args.prefix_cache_replicas)
     finally:
         shutil.rmtree(tmp, ignore_errors=True)
 
