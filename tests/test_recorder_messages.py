@@ -112,6 +112,9 @@ def test_count_tokens_is_the_input_the_message_is_sent_as(upstream, start_record
     bad = httpx.post(r.srv.url + "/v1/messages/count_tokens", headers={"x-api-key": TOKEN}, timeout=60,
                      json={"model": model, "messages": []})
     assert bad.status_code == 400 and "messages" in bad.json()["error"]["message"], bad.text
+    bad = httpx.post(r.srv.url + "/v1/messages/count_tokens", headers={"x-api-key": TOKEN}, timeout=60,
+                     json={**kw, "chat_template_kwargs": "enable_thinking"})
+    assert bad.status_code == 400 and "chat_template_kwargs" in bad.json()["error"]["message"], bad.text
     assert httpx.post(r.srv.url + "/v1/messages/count_tokens", json=kw, timeout=60).status_code == 401
 
 

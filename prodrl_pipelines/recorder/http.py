@@ -178,10 +178,15 @@ async def count_tokens(request: Request) -> Response:
     if ext is None:
         return err("counting tokens needs the served model's tokenizer, and the upstream has not named it "
                    "(pass --tokenizer, or follow a deployment)", 503, stats, "count_tokens_unavailable")
+    if not isinstance(chat.get("chat_template_kwargs") or {}, dict):
+        return err("`chat_template_kwargs` must be an object", 400, stats, "bad_requests")
     try:
         n = len(ext.rendered_ids(chat, ext.tool_plan(chat)))
     except ProtocolError as exc:
         return err(str(exc), exc.status, stats, "bad_requests")
+    except Exception as exc:  # noqa: BLE001 - the template refused these messages (jinja raises its own errors)
+        return err(f"the chat template cannot render this conversation: {type(exc).__name__}: {exc}", 400, stats,
+                   "bad_requests")
     return JSONResponse({"input_tokens": n})
 
 
