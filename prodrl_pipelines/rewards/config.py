@@ -60,9 +60,10 @@ class RewardSettings(BaseModel):
 
         if not self.sources:
             raise ValueError("rewards_sources: name at least one reward source")
+        known = source_names()
         for s in self.sources:
-            if s not in source_names():
-                raise ValueError(f"rewards_sources: unknown reward source {s!r}; known: {', '.join(source_names())}")
+            if s not in known:
+                raise ValueError(f"rewards_sources: unknown reward source {s!r}; known: {', '.join(known)}")
         if len(set(self.sources)) != len(self.sources):
             raise ValueError(f"rewards_sources: {list(self.sources)} names a source twice")
         if self.combine not in COMBINE_RULES:

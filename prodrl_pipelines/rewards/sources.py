@@ -20,6 +20,7 @@ score) leaves it unscored and reports the error; it never stands in a 0.
 
 from __future__ import annotations
 
+import functools
 from importlib.metadata import entry_points
 from typing import Callable, Sequence
 
@@ -71,19 +72,25 @@ SOURCE_GROUP = "prodrl_pipelines.reward_sources"
 BUILT_IN: dict = {"feedback": FeedbackSource, "grader": GraderSource, "judge": JudgeSource}
 
 
+@functools.cache
+def _registered() -> dict:
+    """The entry points of ``SOURCE_GROUP`` by name, read once per process (settings are validated,
+    and sensor ticks ask which sources score, far more often than packages are installed)."""
+    return {ep.name: ep for ep in entry_points(group=SOURCE_GROUP)}
+
+
 def source_names() -> list[str]:
     """Every reward source's name, without importing any harness."""
-    return sorted({*BUILT_IN, *(ep.name for ep in entry_points(group=SOURCE_GROUP))})
+    return sorted({*BUILT_IN, *_registered()})
 
 
 def source_factory(name: str):
     """The factory of the source ``name`` (a harness's module is imported here)."""
     if name in BUILT_IN:
         return BUILT_IN[name]
-    found = [ep for ep in entry_points(group=SOURCE_GROUP) if ep.name == name]
-    if not found:
+    if name not in _registered():
         raise ValueError(f"unknown reward source {name!r}; known: {', '.join(source_names())}")
-    return found[0].load()
+    return _registered()[name].load()
 
 
 def make_source(name: str, settings):
