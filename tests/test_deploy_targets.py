@@ -4,6 +4,7 @@ parity probe's arithmetic and the round's deployment step with a failing probe."
 from __future__ import annotations
 
 import math
+import subprocess
 import sys
 
 import httpx
@@ -14,7 +15,7 @@ from prodrl_pipelines.deploy_targets import TARGETS, endpoint_file, make_target
 from prodrl_pipelines.deploy_targets.base import DeployError
 from prodrl_pipelines.deploy_targets.probe import compare
 from prodrl_pipelines.deploy_targets.rollout import DeployRejected, roll_out
-from prodrl_pipelines.deploy_targets.server_records import pid_alive
+from prodrl_pipelines.deploy_targets.server_records import process_start, record_alive, same_server, stop_record
 from prodrl_pipelines.deploy_targets.servers import ProdrlServeTarget
 from prodrl_pipelines.engines.server import BackgroundServer
 from prodrl_pipelines.engines.vllm_client import VLLMClient
@@ -23,6 +24,26 @@ from prodrl_pipelines.config.settings import Settings, settings_from_flat
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PROMPTS = [[1, 5, 6, 7, 8], [1, 40, 41, 42, 9, 9], [1, 12, 13]]
+
+
+def test_a_server_record_names_its_process_by_pid_and_start_time():
+    """A record whose pid the kernel has since handed to another process is a stopped server:
+    stopping it leaves that other process alone."""
+    other = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(120)"], start_new_session=True)
+    try:
+        start = process_start(other.pid)
+        assert start is not None
+        recycled = {"pid": other.pid, "pid_start": start - 1}  # the server that had this pid before
+        assert not record_alive(recycled) and not same_server(recycled, {"pid": other.pid, "pid_start": start})
+        stop_record(recycled, grace_s=1)
+        assert other.poll() is None
+        assert record_alive({"pid": other.pid, "pid_start": start}) and record_alive({"pid": other.pid})
+        stop_record({"pid": other.pid, "pid_start": start}, grace_s=5)
+        assert other.poll() is not None and not record_alive({"pid": other.pid, "pid_start": start})
+    finally:
+        if other.poll() is None:
+            other.kill()
+            other.wait()
 
 
 def test_compare_is_the_mean_and_p99_of_absolute_differences():
@@ -81,7 +102,7 @@ def test_prodrl_serve_target_switches_blue_green_and_rolls_back(tiny_exports, tm
         assert tags == {"before": "v1", "after": "v2"}
         recorder.stop()
         assert b.switch.detail["replaces"] == "v1" and b.switch.endpoint.endswith(str(s.deploy.target_port + 1))
-        assert not pid_alive(a.switch.detail["pid"])  # drained and stopped after the switch
+        assert not record_alive(a.switch.detail)  # drained and stopped after the switch
         with VLLMClient(b.switch.endpoint) as c:
             assert c.models() == ["v2"]
         assert endpoint_file(s.home_path).read().policy_version == "v2"
@@ -90,7 +111,7 @@ def test_prodrl_serve_target_switches_blue_green_and_rolls_back(tiny_exports, tm
         with pytest.raises(DeployRejected) as err:
             roll_out(strict, ProdrlServeTarget(strict, strict.home_path), tiny_exports["nvfp4-w4a4"], "v3", PROMPTS)
         assert "probe_mean_bound" in err.value.reason and "v2 kept serving" in err.value.rollback
-        assert err.value.probe.mean_abs > 1e-6 and not pid_alive(err.value.switch.detail["pid"])
+        assert err.value.probe.mean_abs > 1e-6 and not record_alive(err.value.switch.detail)
         assert target.current().policy_version == "v2" and endpoint_file(s.home_path).read().policy_version == "v2"
         # a server that cannot start: the deploy fails with its log, nothing changes
         with pytest.raises(DeployError, match="exited before it was healthy"):

@@ -22,7 +22,7 @@ from prodrl_pipelines.deploy_targets.base import Endpoint
 from prodrl_pipelines.deploy_targets.endpoint_store import endpoint_location
 from prodrl_pipelines.deploy_targets.processes import pick_port_range
 from prodrl_pipelines.deploy_targets.rollout import DeployRejected, roll_out
-from prodrl_pipelines.deploy_targets.server_records import pid_alive
+from prodrl_pipelines.deploy_targets.server_records import record_alive
 from prodrl_pipelines.deploy_targets.servers import ProdrlServeTarget
 from prodrl_pipelines.engines.server import BackgroundServer
 from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
@@ -278,7 +278,7 @@ def test_a_probe_failure_in_the_second_wave_restores_the_first(tiny_exports, tmp
         assert "restored replica 0: v1" in e.rollback, e.rollback
         assert [r.policy_version for r in target.currents()] == ["v1"] * 3
         assert target.current(0).pid != v1_pids[0] and [r.pid for r in target.currents()][1:] == v1_pids[1:]
-        assert not pid_alive(e.switch.detail["pid"])
+        assert not record_alive(e.switch.detail)
         ep = endpoint_file(s.home_path).read()
         assert ep.policy_version == "v1" and [r["policy_version"] for r in ep.replica_list()] == ["v1"] * 3
         assert asdict(ep)["replicas"][0]["url"] == target.current(0).url

@@ -26,7 +26,7 @@ from prodrl_pipelines.deploy_targets import servers as servers_mod
 from prodrl_pipelines.deploy_targets.base import Endpoint, Switch, write_json
 from prodrl_pipelines.deploy_targets.processes import pick_port_range
 from prodrl_pipelines.deploy_targets.rollout import DeployRejected, roll_out, start_canary
-from prodrl_pipelines.deploy_targets.server_records import ServerRecord, pid_alive
+from prodrl_pipelines.deploy_targets.server_records import ServerRecord, record_alive
 from prodrl_pipelines.deploy_targets.servers import ProdrlServeTarget
 from prodrl_pipelines.engines.server import BackgroundServer
 from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
@@ -395,7 +395,7 @@ def test_a_crashed_canary_fails_no_call_is_paused_with_the_reason_and_resumed_wh
     finally:
         os.killpg(back.pid, signal.SIGKILL)
     target.stop_canary()
-    assert endpoint_file(s.home_path).read().canary is None and not pid_alive(server.pid)
+    assert endpoint_file(s.home_path).read().canary is None and not server.alive()
 
 
 def _wide(s, **deploy):
@@ -421,7 +421,7 @@ def test_every_new_server_of_a_wave_is_probed(fleet, tiny_exports):
     e = err.value
     assert "parity probe failed on replica 1" in e.reason, e.reason
     assert [(r.pid, r.policy_version) for r in target.currents()] == before
-    assert not any(pid_alive(x["pid"]) for x in e.switch.detail["slots"])
+    assert not any(record_alive(x) for x in e.switch.detail["slots"])
     ep = endpoint_file(s.home_path).read()
     assert [r["policy_version"] for r in ep.replica_list()] == [v for _, v in before]
 
@@ -448,7 +448,7 @@ def test_a_commit_that_fails_half_way_restores_the_previous_servers(fleet, tiny_
     e = err.value
     assert "commit failed: OSError" in e.reason and "No space left" in e.reason, e.reason
     assert [(r.pid, r.policy_version) for r in target.currents()] == before
-    assert not any(pid_alive(x["pid"]) for x in e.switch.detail["slots"])
+    assert not any(record_alive(x) for x in e.switch.detail["slots"])
     ep = endpoint_file(s.home_path).read()
     assert [r["policy_version"] for r in ep.replica_list()] == [v for _, v in before]
     assert _call(client, "after-commit-failure") == before[0][1]
@@ -466,7 +466,7 @@ def test_a_canary_that_cannot_be_routed_to_is_stopped(tiny_exports, tmp_path):
         with pytest.raises(DeployRejected) as err:
             start_canary(s, target, tiny_exports["bf16"], "lonely", PROMPTS, fraction=0.5)
         assert "canary commit failed" in err.value.reason and "no endpoint file" in err.value.reason, err.value.reason
-        assert target.canary() is None and not pid_alive(err.value.switch.detail["pid"])
+        assert target.canary() is None and not record_alive(err.value.switch.detail)
         assert endpoint_file(s.home_path).read() is None
     finally:
         target.stop()

@@ -17,7 +17,7 @@ from prodrl_pipelines.deploy_targets import endpoint_file, make_target
 from prodrl_pipelines.deploy_targets.base import read_json
 from prodrl_pipelines.deploy_targets.processes import pick_port_range
 from prodrl_pipelines.deploy_targets.rollout import DeployRejected, roll_out
-from prodrl_pipelines.deploy_targets.server_records import pid_alive
+from prodrl_pipelines.deploy_targets.server_records import pid_alive, process_start
 from prodrl_pipelines.deploy_targets.servers import ProdrlServeTarget
 from prodrl_pipelines.engines.server import BackgroundServer
 from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
@@ -55,7 +55,12 @@ def _settings(tmp_path, replicas=3, **deploy) -> Settings:
         "replica_placement": "ray", **deploy})
 
 
-def _leftovers(cluster, prefix: str, pids: set[int]) -> list[str]:
+def _proc(pid: int) -> tuple[int, int]:
+    """A process by pid and start time: a pid the kernel hands out again names another process."""
+    return pid, process_start(pid) or -1
+
+
+def _leftovers(cluster, prefix: str, pids: set[tuple[int, int]]) -> list[str]:
     """Our actors not dead, our placement groups not removed, our server processes still running."""
     import ray
     from ray.util.placement_group import placement_group_table
@@ -67,7 +72,7 @@ def _leftovers(cluster, prefix: str, pids: set[int]) -> list[str]:
     pgs = [f"placement group {p['name']} {p['state']}" for p in placement_group_table().values()
            if p.get("name", "").startswith(prefix) and p["state"] != "REMOVED"]
     assert ray.is_initialized()
-    return actors + pgs + [f"pid {p}" for p in sorted(pids) if pid_alive(p)]
+    return actors + pgs + [f"pid {p}" for p, t in sorted(pids) if pid_alive(p, t)]
 
 
 def _actor_pid(cluster, name: str) -> int:
@@ -114,7 +119,7 @@ def test_a_ray_fleet_through_updates_canaries_and_the_failures_a_cluster_has(ray
 
     target = Broken(s, s.home_path, cluster=ray_driver)
     prefix = target.ray_placement().prefix
-    seen_pids: set[int] = set()
+    seen_pids: set[tuple[int, int]] = set()
     app = build_recorder_app(RecorderConfig(upstream="", follow=str(endpoint_file(s.home_path).path),
                                             store_dir=str(tmp_path / "store"), token="t", top_logprobs=4))
     extra, traffic = 0, None
@@ -127,7 +132,7 @@ def test_a_ray_fleet_through_updates_canaries_and_the_failures_a_cluster_has(ray
         assert len(nodes) == 2 and {r.node for r in v1} == nodes  # replicas on both nodes
         for r in v1:
             assert r.actor.startswith(prefix) and r.url == f"http://{r.host}:{r.port}" and r.host == "127.0.0.1"
-        seen_pids |= {r.pid for r in v1}
+        seen_pids |= {_proc(r.pid) for r in v1}
         assert len(_leftovers(ray_driver, prefix, seen_pids)) == 3 * 3 + 1  # 3 actors, groups, pids; the keeper
 
         with BackgroundServer(app) as rec:
@@ -143,13 +148,13 @@ def test_a_ray_fleet_through_updates_canaries_and_the_failures_a_cluster_has(ray
             assert [r.policy_version for r in v2] == ["v2"] * 3 and {r.node for r in v2} == nodes
             assert not {r.actor for r in v1} & {r.actor for r in v2}
             assert not [r for r in v1 if ray_alive(r)], "an old replica's actor outlived the update"
-            seen_pids |= {r.pid for r in v2}
+            seen_pids |= {_proc(r.pid) for r in v2}
 
             # 2. a canary placed like a replica: probed, then its slice answered by it, then stopped
             start_canary(s, target, bf16, "c1", PROMPTS, fraction=0.3)
             can = target.canary()
             assert can is not None and can.actor.startswith(prefix) and can.policy_version == "c1"
-            seen_pids.add(can.pid)
+            seen_pids.add(_proc(can.pid))
             ids = [t for t in (f"slice-{i}" for i in range(200)) if canary_share(t) < 0.3][:3]
             with httpx.Client(base_url=rec.url, headers={"Authorization": "Bearer t"}, timeout=60) as h:
                 for t in ids:
@@ -176,16 +181,17 @@ def test_a_ray_fleet_through_updates_canaries_and_the_failures_a_cluster_has(ray
             now = target.currents()
             assert [r.policy_version for r in now] == ["v2"] * 3
             assert now[0].pid != v2[0].pid and [r.pid for r in now[1:]] == [r.pid for r in v2[1:]]  # a new server on 0
-            seen_pids.add(now[0].pid)
+            seen_pids.add(_proc(now[0].pid))
 
             # 5. replica 0's server SIGKILLed: its actor brings it back at v2, same URL, new pid
             os.kill(now[0].pid, 9)
             back = until("replica 0 back", lambda: (r := _serving(target, 0, "v2")) and r.pid != now[0].pid and r)
             assert back.actor == now[0].actor and back.url == now[0].url
-            seen_pids.add(back.pid)
+            seen_pids.add(_proc(back.pid))
 
             # 6. replica 1's actor killed with its port taken meanwhile: a restarted actor, another port
             old1 = target.current(1)
+            old1_proc = _proc(old1.pid)
             os.kill(_actor_pid(ray_driver, old1.actor), 9)
             import socket
 
@@ -198,8 +204,8 @@ def test_a_ray_fleet_through_updates_canaries_and_the_failures_a_cluster_has(ray
                                and r)
             finally:
                 squat.close()
-            assert moved.actor == old1.actor and not pid_alive(old1.pid) and keeper_stats(target)["moves"] >= 1
-            seen_pids.add(moved.pid)
+            assert moved.actor == old1.actor and not pid_alive(*old1_proc) and keeper_stats(target)["moves"] >= 1
+            seen_pids.add(_proc(moved.pid))
 
             # 7. the worker node goes away: its replicas come back at v2 (the last on a new node)
             gone = ray_cluster.remove_node()
@@ -207,7 +213,7 @@ def test_a_ray_fleet_through_updates_canaries_and_the_failures_a_cluster_has(ray
             final = [until(f"replica {i} back after the node died", lambda i=i: _serving(target, i, "v2"),
                             timeout_s=240) for i in range(3)]
             assert gone not in {r.node for r in final} and {r.node for r in final} <= nodes - {gone} | {added}
-            seen_pids |= {r.pid for r in final}
+            seen_pids |= {_proc(r.pid) for r in final}
             time.sleep(1.0)
             sent = traffic.finish()
             stats = httpx.get(f"{rec.url}/stats", headers={"Authorization": "Bearer t"}).json()

@@ -18,7 +18,7 @@ import pytest
 from prodrl_pipelines.config.settings import Settings
 from prodrl_pipelines.deploy_targets import endpoint_file
 from prodrl_pipelines.deploy_targets.rollout import probe_and_commit, roll_out
-from prodrl_pipelines.deploy_targets.server_records import pid_alive
+from prodrl_pipelines.deploy_targets.server_records import pid_alive, process_start
 from prodrl_pipelines.deploy_targets.servers import VLLMRestartTarget
 from prodrl_pipelines.engines.local import LocalEngine
 from prodrl_pipelines.engines.types import SamplingParams
@@ -126,8 +126,8 @@ def test_every_export_scheme_serves_on_vllm_through_the_restart_target(vllm_expo
                 cur = target.current()
                 assert cur.policy_version == version and cur.url == ro.switch.endpoint
                 assert endpoint_file(settings.home_path).read().policy_version == version
-                pids.append(cur.pid)
-                assert all(not pid_alive(p) for p in pids[:-1])  # the old server was stopped after the switch
+                pids.append((cur.pid, process_start(cur.pid)))
+                assert all(not pid_alive(*p) for p in pids[:-1])  # the old server was stopped after the switch
                 with VLLMClient(cur.url) as c:
                     recs = c.generate(PROMPTS, params, seed=3)
                 FIGURES[version] = {**logprob_mismatch(recs, vllm_exports[export], params), "switch_s": round(ro.seconds, 1),
@@ -145,7 +145,7 @@ def test_every_export_scheme_serves_on_vllm_through_the_restart_target(vllm_expo
             _explained_by(rows, {"dense2": vllm_exports["dense2-bf16"], "w4a16": vllm_exports["dense-nvfp4-w4a16"]})
         # the next run finds the server again from the state file (a new target object)
         again = VLLMRestartTarget(settings, settings.home_path).current()
-        assert again is not None and again.pid == pids[-1]
+        assert again is not None and again.pid == pids[-1][0]
     finally:
         target.stop()  # first: a server left running would starve every later test
         if traffic is not None:

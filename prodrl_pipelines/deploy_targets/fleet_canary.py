@@ -53,7 +53,7 @@ class FleetCanary:
             raise
         return Switch(self.name, policy_version, str(export_dir), rec.url, policy_version,
                       seconds=time.monotonic() - t0,
-                      detail={"pid": rec.pid, "port": rec.port, "log": rec.log, "actor": rec.actor,
+                      detail={"pid": rec.pid, "pid_start": rec.pid_start, "port": rec.port, "log": rec.log, "actor": rec.actor,
                               "role": "canary", "slots": []})
 
     def commit_canary(self, switch: Switch, fraction: float) -> None:

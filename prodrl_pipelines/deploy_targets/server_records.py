@@ -8,6 +8,7 @@ checks and stops it.
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import time
@@ -17,8 +18,24 @@ from pathlib import Path
 from prodrl_pipelines.deploy_targets.base import read_json
 from prodrl_pipelines.deploy_targets.processes import tail
 
+log = logging.getLogger(__name__)
 
-def pid_alive(pid: int) -> bool:
+
+def process_start(pid: int) -> int | None:
+    """When the process ``pid`` started (clock ticks since boot), or None when none has that pid:
+    with the pid it names one process, where the pid alone may name another once the kernel hands it
+    out again (a busy machine goes round 32768 pids in minutes: threads take them too)."""
+    try:
+        return int(Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[19])
+    except (OSError, IndexError, ValueError):
+        return None
+
+
+def pid_alive(pid: int, started: int = 0) -> bool:
+    """Whether ``pid`` runs (a zombie does not); with ``started`` (``process_start``), whether that
+    very process still does."""
+    if started and process_start(pid) != started:
+        return False
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -31,9 +48,13 @@ def pid_alive(pid: int) -> bool:
         return True
 
 
-def stop_process_group(pid: int, grace_s: float = 20.0) -> None:
-    """TERM the server's session (its own process group), KILL what is left after ``grace_s``."""
-    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 5.0)):
+def stop_process_group(pid: int, grace_s: float = 20.0, started: int = 0) -> None:
+    """TERM the server's session (its own process group), KILL what is left after ``grace_s``, and
+    return once the leader is gone (a killed process with gigabytes mapped takes a while to go on a
+    loaded machine). With ``started``, a pid that now names another process is left alone."""
+    if started and process_start(pid) != started:  # a zombie still has its start time
+        return
+    for sig, wait in ((signal.SIGTERM, grace_s), (signal.SIGKILL, 120.0)):
         try:
             os.killpg(pid, sig)
         except ProcessLookupError:
@@ -44,9 +65,11 @@ def stop_process_group(pid: int, grace_s: float = 20.0) -> None:
                 os.waitpid(pid, os.WNOHANG)  # reap it when it is our child
             except ChildProcessError:
                 pass
-            if not pid_alive(pid):
+            if not pid_alive(pid, started):
                 return
             time.sleep(0.1)
+    # not an error to raise: the switch it ends has already happened; whoever checks it sees it alive
+    log.warning("process %d outlived SIGKILL by 120 s (stuck in the kernel?)", pid)
 
 
 def record_alive(raw: dict) -> bool:
@@ -56,7 +79,7 @@ def record_alive(raw: dict) -> bool:
         from prodrl_pipelines.deploy_targets import ray_placement
 
         return ray_placement.alive(raw["actor"], raw.get("ray_address", ""))
-    return pid_alive(int(raw["pid"]))
+    return pid_alive(int(raw["pid"]), int(raw.get("pid_start") or 0))
 
 
 def stop_record(raw: dict, grace_s: float = 20.0) -> None:
@@ -67,7 +90,7 @@ def stop_record(raw: dict, grace_s: float = 20.0) -> None:
 
         ray_placement.stop(raw["actor"], raw.get("ray_address", ""), grace_s=grace_s)
     else:
-        stop_process_group(int(raw["pid"]), grace_s=grace_s)
+        stop_process_group(int(raw["pid"]), grace_s=grace_s, started=int(raw.get("pid_start") or 0))
 
 
 def stop_recorded(state_dir: Path) -> list[str]:
@@ -100,6 +123,7 @@ class ServerRecord:
     host: str = ""
     actor: str = ""
     ray_address: str = ""
+    pid_start: int = 0  # ``process_start(pid)`` of a server here: the pid alone may name another process later
 
     def alive(self) -> bool:
         return record_alive(asdict(self))
@@ -113,17 +137,18 @@ class ServerRecord:
 
     def slot(self, slot, previous: "ServerRecord | None") -> dict:
         """What a switch keeps of the new server of ``slot`` (enough to commit, roll back or stop it)."""
-        return {"slot": slot, "pid": self.pid, "port": self.port, "url": self.url, "log": self.log,
+        return {"slot": slot, "pid": self.pid, "pid_start": self.pid_start, "port": self.port, "url": self.url, "log": self.log,
                 "actor": self.actor, "ray_address": self.ray_address,
                 "previous": asdict(previous) if previous else None}
 
 
 def same_server(a: dict, b: dict) -> bool:
     """Whether two records name one server: by its actor on Ray (whose server's pid changes when the
-    actor brings it back), else by pid."""
+    actor brings it back), else by pid (and start time, where both know it)."""
     if a.get("actor") or b.get("actor"):
         return a.get("actor", "") == b.get("actor", "")
-    return int(a["pid"]) == int(b["pid"])
+    starts = (int(a.get("pid_start") or 0), int(b.get("pid_start") or 0))
+    return int(a["pid"]) == int(b["pid"]) and (0 in starts or starts[0] == starts[1])
 
 
 def blue_green_port(raw: dict) -> int:

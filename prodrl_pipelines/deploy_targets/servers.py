@@ -32,7 +32,7 @@ from prodrl_pipelines.deploy_targets.base import (
 from prodrl_pipelines.deploy_targets.endpoint_store import endpoint_file
 from prodrl_pipelines.deploy_targets.fleet_canary import FleetCanary
 from prodrl_pipelines.deploy_targets.server_records import (
-    ServerRecord, blue_green_port, record_alive, same_server, stop_record, stop_recorded,
+    ServerRecord, blue_green_port, process_start, record_alive, same_server, stop_record, stop_recorded,
 )
 
 # Requests already accepted by the old server finish before it is stopped (the recorder switched
@@ -155,7 +155,8 @@ class ManagedServerTarget(FleetCanary):
             proc = subprocess.Popen(self.command(export_dir, port, policy_version), env=self.server_environment(port),
                                     stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
         return ServerRecord(pid=proc.pid, port=port, url=f"http://{self.host}:{port}", policy_version=policy_version,
-                            export_dir=str(export_dir), log=str(log), started_at=time.time())
+                            export_dir=str(export_dir), log=str(log), started_at=time.time(),
+                            pid_start=process_start(proc.pid) or 0)
 
     def other_nodes(self, slot) -> tuple[str, ...]:
         """The nodes holding the other slots' servers, current and pending (``replica_spread``)."""
@@ -207,7 +208,7 @@ class ManagedServerTarget(FleetCanary):
         slots = [rec.slot(slot, cur) for slot, rec, cur in started]
         return Switch(self.name, policy_version, str(export_dir), first.url, policy_version,
                       seconds=time.monotonic() - t0, previous=asdict(first_cur) if first_cur else None,
-                      detail={"pid": first.pid, "port": first.port, "log": first.log,
+                      detail={"pid": first.pid, "pid_start": first.pid_start, "port": first.port, "log": first.log,
                               "replaces": first_cur.policy_version if first_cur else "",
                               "wave": wave, "replicas": self.replicas, "slots": slots})
 
