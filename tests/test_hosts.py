@@ -54,6 +54,9 @@ def hosts(tmp_path_factory):
 def test_a_host_sees_its_own_processes_files_and_name(hosts):
     h1, h2 = hosts[1], hosts[2]
     assert h1.run(["hostname"]).stdout.strip() == "h1"
+    # names resolve as a cluster's DNS makes them, on the hosts only
+    assert [h1.run(["getent", "hosts", n]).stdout.split()[:1] for n in ("h1", "h2")] == [[h1.address], [h2.address]]
+    assert f"{h2.address} " not in Path("/etc/hosts").read_text()
     assert h1.run(["ps", "-e", "-o", "pid="]).stdout.split()[0] == "1"  # its own process table
     (h1.tmp / "only-on-h1").write_text("x")
     assert h1.run(["cat", "/tmp/only-on-h1"]).stdout == "x"
@@ -150,6 +153,16 @@ def ray_on_hosts(hosts):
         p.stop(grace_s=30)
 
 
+@pytest.fixture(scope="module")
+def pg_on_hosts(hosts):
+    """PostgreSQL on h4 (Dagster's instance, the endpoint record); a test may stop and start it."""
+    from prodrl_pipelines.cluster.host_services import HostPostgres
+
+    pg = HostPostgres(hosts[4]).init()
+    yield pg
+    pg.stop()
+
+
 def _on_h1(hosts, env: dict, *args: str, timeout_s: float = 600) -> dict:
     res = hosts[1].run([sys.executable, "-m", "prodrl_pipelines.cluster.fleet_driver", *args], env=env,
                        timeout=timeout_s)
@@ -184,6 +197,29 @@ def test_a_fleet_deployed_from_a_host_without_a_raylet_serves_from_the_ray_nodes
     finally:
         left = _on_h1(hosts, ray_on_hosts, "stop", "/tmp/home")
     assert left == {"placement_groups": [], "actors": []}, left
+
+
+
+
+def test_a_round_from_a_host_without_a_raylet_runs_on_the_ray_hosts_and_rolls_the_fleet_there(
+        hosts, ray_on_hosts, pg_on_hosts):
+    """The documented topology: Dagster's run worker on h1 (no raylet; its Dagster instance in
+    PostgreSQL on h4, the store on h4's S3 endpoint) bootstraps and runs a round through the sensor:
+    training as a Ray Train job with a rank on each Ray host (h2, h3), held-out evaluation and reward
+    scoring as Ray jobs, the exports published to S3, the fleet placed on the Ray hosts through Ray
+    Client and rolled to the round's version; lab traffic reaches it through a recorder on h1."""
+    from prodrl_pipelines.cluster.host_services import round_from_host
+
+    dashboard = json.loads(ray_on_hosts["PRODRL_SETTINGS_JSON"])["cluster_address"]
+    got = round_from_host(hosts[1], ray_on_hosts, dashboard, pg_on_hosts.url)
+    assert got["raylet_here"] is False and got["train_hosts"] == ["h2", "h3"] and got["train_nodes"] == 2, got
+    assert got["decision"]["passed"] and got["decision"]["deployed"] and got["live"] == "round-000001", \
+        json.dumps(got)
+    assert {"round-000000", "round-000001"} <= set(got["exports"]), got  # the nodes fetch them from S3
+    for step in ("train", "eval", "score"):
+        assert f"prodrl-{step}-round-000001:SUCCEEDED" in got["jobs"], (step, got["jobs"])
+    assert sorted(u.split("//")[1].split(":")[0] for u in got["replicas"]) == sorted(
+        [hosts[2].address, hosts[3].address]), got
 
 
 # ------------------------------------------------------------------ faults under recorder traffic
@@ -278,19 +314,18 @@ def test_a_partition_between_the_recorder_and_a_replica_fails_only_calls_in_flig
 
 
 def test_a_recorder_follows_the_endpoint_record_in_postgresql_on_another_host_through_a_database_restart(
-        hosts, served_on_hosts):
+        hosts, served_on_hosts, pg_on_hosts):
     """PostgreSQL on h4, the endpoint record written from h5 (no disk in common with the recorder), a
     recorder on h1 following ``URL#NAME``. The database is stopped under traffic (SIGINT: PostgreSQL's
     fast shutdown, connections cut) and started again: no call fails meanwhile (the recorder routes
     on the last record it read), a record written once it is back is followed, and every acknowledged
     call is stored once, filed under the version the record named when it was served."""
-    from prodrl_pipelines.cluster.host_services import HostPostgres
     from prodrl_pipelines.storage.blobstore import LocalBlobStore
     from prodrl_pipelines.trajectories.store import TrajectoryStore
 
-    h1, h4, h5 = hosts[1], hosts[4], hosts[5]
+    h1, h5 = hosts[1], hosts[5]
     _, urls, _ = served_on_hosts
-    pg = HostPostgres(h4).init()
+    pg = pg_on_hosts
     where = f"{pg.url}#fleet"
     write = [sys.executable, "-m", "prodrl_pipelines.cluster.fleet_driver", "endpoint", where]
     h5.run([*write, "v1", json.dumps(urls)], env=_base_env(), check=True)

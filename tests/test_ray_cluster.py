@@ -27,6 +27,23 @@ def test_cluster_settings_validate_early_naming_the_field():
     assert s.cluster_address == "http://127.0.0.1:8265" and s.placement_strategy == "PACK"
 
 
+def test_a_job_on_a_node_without_the_drivers_local_store_stops_naming_the_fix(tmp_path):
+    """A local store is the driver's directory: on a node that does not share the disk the job stops
+    before any work, naming the directory, the node and S3; an S3 store or a shared disk passes."""
+    from prodrl_pipelines.config import environment
+    from prodrl_pipelines.ops.ray_jobs import check_store_here
+
+    elsewhere = tmp_path / "on-the-drivers-disk-only"
+    env = environment.write(settings={"home": str(elsewhere)}, store={"root": ""})
+    with pytest.raises(SystemExit, match=rf"store {elsewhere} .*not on Ray node .*PRODRL_S3_BUCKET"):
+        check_store_here(env)
+    with pytest.raises(SystemExit, match="store /no/such/store"):
+        check_store_here(environment.write(settings={"home": str(tmp_path)}, store={"root": "/no/such/store"}))
+    check_store_here(environment.write(settings={"home": str(elsewhere)}, store={"root": "", "s3_bucket": "b"}))
+    elsewhere.mkdir()
+    check_store_here(env)  # the disk is shared: the directory is there
+
+
 def test_an_unreachable_cluster_fails_check_settings_naming_the_address(tmp_path):
     from prodrl_pipelines.resources.settings import ProdRLSettings
 

@@ -89,7 +89,9 @@ def cmd_record(args) -> int:
             upstream=args.upstream, store_dir=args.store, token=token, wal_dir=args.wal_dir,
             top_logprobs=args.top_logprobs, upstream_max_logprobs=args.upstream_max_logprobs,
             policy_version=args.policy_version, tokenizer_dir=args.tokenizer,
-            upstream_api_key=environment.upstream_api_key(), flush_rows=args.flush_rows, max_body_bytes=args.max_body_bytes,
+            # following a deployment's record, its servers want the deployment's key unless told otherwise
+            upstream_api_key=environment.upstream_api_key() or (environment.deploy_api_key() if args.follow else None),
+            flush_rows=args.flush_rows, max_body_bytes=args.max_body_bytes,
             flush_interval_s=args.flush_interval, upstream_timeout_s=args.upstream_timeout,
             s3_bucket=args.s3_bucket, s3_prefix=args.s3_prefix, s3_endpoint_url=args.s3_endpoint_url,
             s3_region=args.s3_region, record_extra_draw=args.record_extra_draw,

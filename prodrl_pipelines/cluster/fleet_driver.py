@@ -4,6 +4,7 @@ bench/hosts.py on the simulated hosts (``cluster/hosts.py``):
     python -m prodrl_pipelines.cluster.fleet_driver deploy HOME EXPORT VERSION   # publish EXPORT to S3, roll it out
     python -m prodrl_pipelines.cluster.fleet_driver stop HOME                    # stop the fleet, list what is left
     python -m prodrl_pipelines.cluster.fleet_driver endpoint WHERE VERSION URLS  # write an endpoint record listing URLS
+    python -m prodrl_pipelines.cluster.fleet_driver round-report HOME ROUND      # where a round's steps ran, what is live
 
 The store (``PRODRL_S3_*``), the cluster (``PRODRL_SETTINGS_JSON``: cluster ray, the head's dashboard)
 and the deployment's key (``PRODRL_DEPLOY_API_KEY``) come from the environment, as in a run worker.
@@ -77,7 +78,38 @@ def endpoint(where: str, version: str, urls: str) -> dict:
     return {"where": where, "version": version, "replicas": len(listed)}
 
 
+def round_report(home: str, rkey: str) -> dict:
+    """What a round run from this host did (read back from the store, the ledger, the Ray dashboard
+    and the endpoint record): the hosts its training ranks ran on, its Ray jobs, its decision, the
+    exports published to the store, the live version and the replicas serving it."""
+    import httpx
+
+    from prodrl_pipelines.config import environment
+    from prodrl_pipelines.deploy_targets import endpoint_file
+    from prodrl_pipelines.deploy_targets.ray_placement import local_raylet
+    from prodrl_pipelines.resources.settings import make_resources, open_services
+    from prodrl_pipelines.storage import documents, keys
+
+    flat = json.loads((Path(home) / "settings.json").read_text())
+    store = {k: v for k, v in environment.read_store().items() if k != "root"}
+    res = make_resources(flat, s3=store)
+    svc = open_services(res["settings"], res["store"])
+    s = svc.settings
+    ranks = [documents.get_json(svc.blobs, keys.train_worker(rkey, r)) for r in range(int(flat.get("cluster_workers", 1)))]
+    jobs = httpx.get(f"{flat['cluster_address']}/api/jobs/", timeout=30).json()
+    decision = svc.ledger.decision(rkey) or {}
+    summary = svc.ledger.round_summary(rkey)
+    return {"train_hosts": sorted(w["host"] for w in ranks), "train_nodes": len({w["node"] for w in ranks}),
+            "decision": {k: decision.get(k) for k in ("passed", "deployed", "reasons", "warnings")},
+            "heldout_reward": summary.get("heldout_reward"), "num_trajectories": summary.get("num_trajectories"),
+            "live": svc.ledger.live().policy_version,
+            "exports": [] if svc.exports_store is None else sorted(svc.exports_store.names()),
+            "jobs": sorted(f"{(j.get('submission_id') or '').rsplit('-', 1)[0]}:{j['status']}" for j in jobs),
+            "replicas": [r["url"] for r in endpoint_file(s.home_path, s.deploy).read().replica_list()],
+            "raylet_here": local_raylet("x:6379")}
+
+
 if __name__ == "__main__":
     cmd, *args = sys.argv[1:]
-    out = {"deploy": deploy, "stop": stop, "endpoint": endpoint}[cmd](*args)
+    out = {"deploy": deploy, "stop": stop, "endpoint": endpoint, "round-report": round_report}[cmd](*args)
     print(json.dumps(out), flush=True)

@@ -102,3 +102,44 @@ class HostPostgres:
                 self.proc.kill()
                 self.proc.wait(30)
             self.proc = None
+
+
+# A lab round small enough for simulated hosts on 2 shared cores: what is shown is where each step
+# runs, not learning. Training ranks one per Ray host, evaluation and scoring on Ray, the fleet of two
+# replicas placed on the Ray hosts.
+ROUND_SETTINGS = {
+    "lab_size": "tiny", "lab_sft_steps": 5, "steps_per_round": 2, "batch_size": 8, "heldout_size": 8,
+    "max_tokens": 8, "learning_rate": 1e-3, "gate_tolerance": 1.0,
+    "cluster": "ray", "cluster_workers": 2, "cluster_cpus_per_worker": 0.5, "cluster_placement": "spread",
+    "cluster_eval_workers": 2, "cluster_scoring_workers": 1,
+    "target": "prodrl-serve", "target_port": 18100, "replicas": 2, "max_unavailable": 1, "probe_prompts": 2,
+    "export_scheme": "bf16", "replica_placement": "ray", "replica_spread": True,
+}
+
+
+def round_from_host(host: Host, env: dict, dashboard: str, pg_url: str, bucket: str = "round",
+                    name: str = "round", timeout_s: float = 1800.0) -> dict:
+    """Bootstrap and one round run on ``host`` as Dagster's run worker runs them (``prodrl demo``: the
+    data-volume sensor's evaluation, then the round job in process), its Dagster instance in
+    PostgreSQL at ``pg_url``, its store in ``bucket`` on the S3 endpoint of ``env``
+    (``PRODRL_S3_ENDPOINT_URL``), its heavy steps and its fleet on the Ray cluster at ``dashboard``.
+    Returns ``fleet_driver round-report`` of round 1, with the seconds it all took."""
+    env = {k: v for k, v in env.items() if k != "PRODRL_SETTINGS_JSON"}
+    env.update({"PRODRL_S3_BUCKET": bucket, "PRODRL_DAGSTER_HOME": str(Path(__file__).resolve().parents[2]),
+                "DAGSTER_PG_URL": pg_url.replace("postgresql://", "postgresql+psycopg2://")})
+    (host.tmp / f"{name}-settings.json").write_text(json.dumps({**ROUND_SETTINGS, "cluster_address": dashboard}))
+    python = sys.executable
+    host.run([python, "-c", "import boto3, os, sys; boto3.client('s3', endpoint_url=os.environ["
+              "'PRODRL_S3_ENDPOINT_URL']).create_bucket(Bucket=sys.argv[1])", bucket], env=env, check=True)
+    t0 = time.monotonic()
+    res = host.run([str(Path(python).with_name("prodrl")), "demo", "--settings", f"/tmp/{name}-settings.json",
+                    "--runs-dir", "/tmp/runs", "--name", name, "--rounds", "1"], env=env, timeout=timeout_s)
+    if res.returncode != 0:
+        raise RuntimeError(f"the round on {host.name} exited {res.returncode}:\n{res.stdout[-3000:]}\n"
+                           f"{res.stderr[-6000:]}")
+    seconds = time.monotonic() - t0
+    rep = host.run([python, "-m", "prodrl_pipelines.cluster.fleet_driver", "round-report", f"/tmp/runs/{name}",
+                    "round-000001"], env=env, timeout=300)
+    if rep.returncode != 0:
+        raise RuntimeError(f"round-report on {host.name} exited {rep.returncode}:\n{rep.stderr[-4000:]}")
+    return {**json.loads(rep.stdout.strip().splitlines()[-1]), "seconds": round(seconds, 1)}

@@ -54,13 +54,17 @@ FIRST = 10
 # adopts them) until the host is killed
 INIT = r"""
 import json, os, signal, socket, subprocess, sys
-tmp, name, shared = sys.argv[1], sys.argv[2], json.loads(sys.argv[3])
+tmp, name, shared, names = sys.argv[1], sys.argv[2], json.loads(sys.argv[3]), sys.argv[4]
 for path in shared:
     inside = os.path.join(tmp, os.path.relpath(path, "/tmp"))
     os.makedirs(inside, exist_ok=True)
     subprocess.run(["mount", "--bind", path, inside], check=True)
 subprocess.run(["mount", "--rbind", tmp, "/tmp"], check=True)
 subprocess.run(["mount", "-t", "tmpfs", "-o", "size=8g", "tmpfs", "/dev/shm"], check=True)
+# the hosts' names resolve as a cluster's DNS makes them (Gloo, for one, binds to what its own name resolves to)
+with open("/tmp/.hosts", "w") as f:
+    f.write(names)
+subprocess.run(["mount", "--bind", "/tmp/.hosts", "/etc/hosts"], check=True)
 socket.sethostname(name)
 signal.pthread_sigmask(signal.SIG_BLOCK, [signal.SIGCHLD])
 print("up", flush=True)
@@ -189,6 +193,7 @@ class Host:
     netns: str
     switch: str  # the switch namespace; the host's port on the bridge is named after the host
     root: Path  # this host's directory seen from outside; its /tmp is root/"tmp"
+    names: str = ""  # its /etc/hosts: every host's name and address
     init: subprocess.Popen | None = None
     processes: list[HostProcess] = field(default_factory=list)
 
@@ -223,7 +228,8 @@ class Host:
         self.tmp.chmod(0o1777)  # as a machine's /tmp: services that run as their own user write there
         self.init = subprocess.Popen(
             ["ip", "netns", "exec", self.netns, "unshare", "--pid", "--fork", "--kill-child", "--mount-proc",
-             "--uts", sys.executable, "-c", INIT, str(self.tmp), self.name, json.dumps(software_under_tmp())],
+             "--uts", sys.executable, "-c", INIT, str(self.tmp), self.name, json.dumps(software_under_tmp()),
+             self.names or f"127.0.0.1 localhost\n{self.address} {self.name}\n"],
             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True)
         line = self.init.stdout.readline()  # "up" once mounted and named; "" when it died
         if line.strip() != "up":
@@ -304,6 +310,9 @@ class SimulatedHosts:
         self.prefix = prefix or f"{PREFIX_HEAD}{os.getpid()}-{secrets.token_hex(2)}"
         self.switch = f"{self.prefix}-sw"
         self.hosts = [Host(f"h{i}", i, f"{self.prefix}-h{i}", self.switch, self.root / f"h{i}") for i in range(1, n + 1)]
+        names = "127.0.0.1 localhost\n" + "".join(f"{h.address} {h.name}\n" for h in self.hosts)
+        for h in self.hosts:
+            h.names = names
 
     def __getitem__(self, i: int) -> Host:
         """Host ``i`` (1-based, as named)."""

@@ -19,7 +19,8 @@ stores from these variables:
   default: the venv ``make vllm`` builds, when present);
 - ``PRODRL_DEPLOY_API_KEY``: bearer token of the deployment's endpoint (parity probe, reloads);
 - ``PRODRL_RECORDER_TOKEN``: the recorder's bearer token (``prodrl record``; ``prodrl up`` makes one);
-- ``PRODRL_UPSTREAM_API_KEY``: the recorder's key for its upstream server;
+- ``PRODRL_UPSTREAM_API_KEY``: the recorder's key for its upstream server (following a deployment's record:
+  default ``PRODRL_DEPLOY_API_KEY``);
 - ``PRODRL_NODE_CACHE``: where a Ray node keeps exports fetched from the store (default
   ``~/.cache/prodrl/node-exports``).
 """

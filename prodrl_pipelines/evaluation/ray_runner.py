@@ -1,8 +1,9 @@
 """Held-out episodes on a Ray cluster: a pool of actors, each with its own local engine.
 
 Each actor reserves ``cluster_cpus_per_worker`` CPUs (spread over the nodes), runs torch on that
-many threads (at least one), and keeps the engines it loaded (the export read from the path the
-driver names, so the path must be readable on every node: a shared or fetched store). The batches
+many threads (at least one), and keeps the engines it loaded: the export at the path the driver names
+when the node holds it there (a shared disk), else a verified copy fetched from the exports store
+on S3 into the node's cache (``deploy_targets.node_exports``, as a fleet's replicas fetch theirs). The batches
 of ``batches.EpisodeWork`` go to whichever actor is free, and the episodes come back in batch order,
 so the merged evaluation is the in-process one (``batches``: why the batch is the unit).
 
@@ -35,19 +36,29 @@ class EpisodeWorker:
 
         return ray.get_runtime_context().get_node_id()
 
-    def _engine(self, export_dir: str):
+    def _engine(self, export_dir: str, source: dict | None):
+        from prodrl_pipelines.deploy_targets.node_exports import locate
+
         try:
-            return self._cache.get(export_dir)
+            return self._cache.get(locate(export_dir, source))
         except Exception as e:  # noqa: BLE001 - said with the path, whatever the loader raised
             raise RuntimeError(f"cannot load the policy at {export_dir}: {type(e).__name__}: {e}") from e
 
-    def load(self, export_dir: str) -> bool:
-        self._engine(export_dir)
+    def load(self, export_dir: str, source: dict | None = None) -> bool:
+        self._engine(export_dir, source)
         return True
 
-    def play(self, work: EpisodeWork, b: int) -> list:
-        engine, stops = self._engine(work.export_dir)
+    def play(self, work: EpisodeWork, b: int, source: dict | None = None) -> list:
+        engine, stops = self._engine(work.export_dir, source)
         return play_batch(engine, stops, work, b)
+
+
+def _source(export_dir: str) -> dict | None:
+    """Where the nodes fetch ``export_dir`` from when their disk lacks it: the exports store on S3 of
+    this process's environment (a Ray job's runtime env carries it); None for a local store."""
+    from prodrl_pipelines.deploy_targets.node_exports import export_source
+
+    return export_source(None, export_dir)
 
 
 def _cause(e: Exception) -> str:
@@ -101,7 +112,8 @@ class RayEpisodeRunner:
         import ray
 
         self._start()
-        refs = {a.load.remote(str(export_dir)): w for w, a in enumerate(self._actors)}
+        source = _source(str(export_dir))
+        refs = {a.load.remote(str(export_dir), source): w for w, a in enumerate(self._actors)}
         for ref, w in refs.items():
             try:
                 ray.get(ref)
@@ -118,7 +130,7 @@ class RayEpisodeRunner:
             log.warning(f"{len(batches)} episode batch(es) for {len(self._actors)} Ray evaluation workers: "
                         f"{len(self._actors) - len(batches)} idle (eval.episode_batch sets the batch size; it "
                         "is part of what the evaluation samples, like its seed)")
-        ref = ray.put(work)
+        ref, source = ray.put(work), _source(work.export_dir)
         todo, free = deque(range(len(batches))), deque(range(len(self._actors)))
         pending: dict = {}
         results: list = [None] * len(batches)
@@ -126,7 +138,7 @@ class RayEpisodeRunner:
         while todo or pending:
             while todo and free:
                 b, w = todo.popleft(), free.popleft()
-                pending[self._actors[w].play.remote(ref, b)] = (b, w)
+                pending[self._actors[w].play.remote(ref, b, source)] = (b, w)
             [done], _ = ray.wait(list(pending), num_returns=1)
             b, w = pending.pop(done)
             try:

@@ -57,7 +57,12 @@ def run_loop(home: Path, settings: dict, rounds: int, log=print, instance=None, 
     from prodrl_pipelines.definitions import build_definitions
     from prodrl_pipelines.resources.settings import make_resources, open_services
 
-    res = make_resources({**settings, "home": str(home)})
+    from prodrl_pipelines.config import environment
+
+    # the demo's files live in its home; its store is S3 where the environment names a bucket
+    # (PRODRL_S3_*), as a cluster whose nodes do not share this disk needs
+    s3 = {k: v for k, v in environment.read_store().items() if k != "root"}
+    res = make_resources({**settings, "home": str(home)}, s3=s3 if s3.get("s3_bucket") else None)
     defs = build_definitions(res)
     instance = instance or DagsterInstance.get()
     svc = open_services(res["settings"], res["store"])

@@ -37,6 +37,8 @@ def bootstrap_base_policy(svc: Services, progress: bool = True) -> dict:
     with meter.phase("export"):
         exp = export_policy(ckpt, s.exports_root / BASE_VERSION, scheme,
                             calibration_prompts=calibration_prompts(svc, None) if scheme == "nvfp4-w4a4" else None)
+        # published before it is deployed: a fleet's nodes without this host's disk fetch it from the store
+        exp["source"] = publish_export(svc, BASE_VERSION, Path(exp["export_dir"]))
     with meter.phase("evaluate"):
         ev = evaluate_export(svc, s.exports_root / BASE_VERSION, BASE_VERSION)
         svc.ledger.record_eval(BASE_VERSION, ev)
@@ -66,8 +68,7 @@ def bootstrap(svc: Services) -> dict:
     s = svc.settings
     run_id = svc.lineage.round_run(BASE_VERSION, params={"base_model": s.base_model, "eval_suite": s.eval.suite,
                                                          "export_scheme": s.deploy.export_scheme})
-    source = publish_export(svc, BASE_VERSION, Path(stats["export"]["export_dir"]))
-    version = svc.lineage.register_candidate(source, run_id, BASE_VERSION, {
+    version = svc.lineage.register_candidate(stats["export"]["source"], run_id, BASE_VERSION, {
         **state_tags(DEPLOYED, base=True), "format": s.deploy.export_scheme,
         "heldout_reward": f"{stats['heldout_reward']:.4f}", "base_model": s.base_model})
     svc.lineage.log_metrics(run_id, {"heldout_reward": stats["heldout_reward"],

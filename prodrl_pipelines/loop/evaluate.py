@@ -103,6 +103,8 @@ def evaluate(svc: Services, rkey: str) -> dict:
 
     live = svc.live()
     export_dir = ensure_local(svc, "exports", rkey)
+    # the live export where its deploy recorded it, fetched when this machine (a Ray job's node) lacks it
+    live_dir = ensure_local(svc, "exports", live.policy_version, Path(live.export_dir))
     cand, smoke_error = None, ""
     calls: list = []
     try:
@@ -115,7 +117,7 @@ def evaluate(svc: Services, rkey: str) -> dict:
     live_eval = svc.ledger.eval(live.policy_version)
     if (live_eval is None or "facts" not in live_eval
             or (cand is not None and not same_tasks(live_eval, cand["task_ids"]))):
-        live_eval = evaluate_export(svc, Path(live.export_dir), live.policy_version)
+        live_eval = evaluate_export(svc, live_dir, live.policy_version)
         svc.ledger.record_eval(live.policy_version, live_eval)
     if cand is not None:  # paired by task, not by the order a harness reported them in
         live_eval = _paired(live_eval, cand["task_ids"])
@@ -123,7 +125,7 @@ def evaluate(svc: Services, rkey: str) -> dict:
     if cand is not None:
         mon = svc.settings.monitors
         if "kl" in mon.enabled:
-            cand.update(kl_to_reference(svc, calls, Path(live.export_dir)))
+            cand.update(kl_to_reference(svc, calls, live_dir))
         from prodrl_pipelines.evaluation.monitors import run_monitors
 
         monitors = [m.as_dict() for m in run_monitors(cand, live_eval, mon, svc.settings.eval.gate_tolerance,

@@ -13,7 +13,9 @@ from __future__ import annotations
 import importlib
 import json
 import os
+import socket
 import sys
+from pathlib import Path
 
 STEPS = {
     "train": "prodrl_pipelines.ops.ray_train:train_job",
@@ -23,9 +25,23 @@ STEPS = {
 }
 
 
+def check_store_here(environ=os.environ) -> None:
+    """A local store (no S3 bucket) is a directory of the driver's disk: a node that does not share
+    that disk would read nothing and write where nobody looks, so the job stops naming the fix."""
+    from prodrl_pipelines.config import environment
+
+    store = environment.read_store(environ)
+    where = store["root"] or environment.read_settings(environ).get("home", "")
+    if not store["s3_bucket"] and where and Path(where).is_absolute() and not Path(where).is_dir():
+        raise SystemExit(f"the store {where} (a local directory) is not on Ray node {socket.gethostname()}: a local "
+                         f"store serves a cluster whose nodes share the driver's disk only; give the round an S3 "
+                         f"store (PRODRL_S3_BUCKET, PRODRL_S3_ENDPOINT_URL)")
+
+
 def run_step(step: str, args: list[str]) -> dict:
     if step not in STEPS:
         raise SystemExit(f"unknown Ray job step {step!r}; known: {', '.join(sorted(STEPS))}")
+    check_store_here()
     module, fn = STEPS[step].split(":")
     return getattr(importlib.import_module(module), fn)(args)
 
