@@ -26,14 +26,20 @@ that are not in the store once the recorder has stopped (SIGTERM: it flushes).
   ``failed``, and ``capacity`` (answered calls per second during the rollout over the
   ``--fault-s`` steady seconds before it).
 
-Not measured yet, printed as ``not-run``: a round from a raylet-less Dagster.
+- **round from raylet-less dagster**: on the same Ray cluster, h1 (no raylet) bootstraps the lab policy
+  and runs one round as Dagster's run worker does (``cluster/host_services.round_from_host``: its
+  Dagster instance in PostgreSQL on h4, its store on h4's S3 endpoint): training ranks on h2 and h3,
+  evaluation and scoring as Ray jobs, the fleet placed on h2 and h3 and rolled to the round's
+  version. ``ok`` when all of that is read back (``fleet_driver round-report``), else what was not.
+
 Last line:
 
 ``hosts: hosts=N; round from raylet-less dagster=X; redeploy failed=X capacity=Y; partition failed=X lost=Z; host loss failed=X lost=Z; pg restart lost=Z; s3 outage lost=Z``
 
 Smoke size (``--smoke``, bench/_smoke.py): 3 s faults, 10 calls before and after each, no redeploy
-(with it the smoke run took ~105 s on a quiet machine and 337 s beside a full test run, without it
-~35 s quiet; ``tests/test_hosts.py`` deploys the same fleet from the same raylet-less host).
+and no round (with the redeploy the smoke run took ~105 s on a quiet machine and 337 s beside a full
+test run, without it ~35 s quiet; ``tests/test_hosts.py`` deploys the same fleet and runs the same
+round from the same raylet-less host).
 """
 
 from __future__ import annotations
@@ -130,12 +136,11 @@ def under_traffic(hs, recorder: str, name: str, calls: int, fault, undo, fault_s
     return res, {k: after.get(k, 0) - before.get(k, 0) for k in SEEN if after.get(k, 0) - before.get(k, 0)}
 
 
-def redeploy(hs, export: Path, s3: str, steady_s: float, calls: int) -> str:
+def redeploy(hs, dashboard: str, export: Path, s3: str, steady_s: float, calls: int) -> str:
     """A Ray-placed fleet (head on h2, worker on h3) rolled out v1 -> v2 from h1, which runs no raylet,
     under traffic through a recorder on h1 that follows its endpoint file: ``failed=X capacity=Y``
     (capacity: answered calls per second during the rollout over the ``steady_s`` just before it)."""
-    h1, h2, h3, h5 = hs[1], hs[2], hs[3], hs[5]
-    dashboard, _ = start_ray(h2, [h3], {**env(), "PRODRL_NODE_CACHE": "/tmp/node-exports"})
+    h1, h5 = hs[1], hs[5]
     driver = {**env(), "PRODRL_S3_BUCKET": "exports", "PRODRL_S3_ENDPOINT_URL": s3,
               "PRODRL_SETTINGS_JSON": json.dumps({"cluster": "ray", "cluster_address": dashboard})}
 
@@ -172,6 +177,29 @@ def redeploy(hs, export: Path, s3: str, steady_s: float, calls: int) -> str:
     return f"{len(res['failed'])} capacity={during / steady:.2f}" if steady > 0 else f"{len(res['failed'])} capacity=0"
 
 
+def round_from(hs, dashboard: str, s3: str, pg: HostPostgres) -> str:
+    """``ok`` when h1's round ran where the topology puts each step, else what did not."""
+    from prodrl_pipelines.cluster.host_services import round_from_host
+
+    try:
+        got = round_from_host(hs[1], {**env(), "PRODRL_S3_ENDPOINT_URL": s3, "PRODRL_S3_PREFIX": "prod",
+                                      "PRODRL_DEPLOY_API_KEY": "bench-deploy-key"}, dashboard, pg.url)
+    except RuntimeError as e:
+        print(f"round: {e}", flush=True)
+        return "failed"
+    expected = {"train on h2 and h3": got["train_hosts"] == ["h2", "h3"],
+                "no raylet on h1": got["raylet_here"] is False,
+                "deployed": bool(got["decision"].get("deployed")) and got["live"] == "round-000001",
+                "replicas on h2 and h3": sorted(u.split("//")[1].split(":")[0] for u in got["replicas"])
+                == sorted([hs[2].address, hs[3].address]),
+                **{f"{step} job": f"prodrl-{step}-round-000001:SUCCEEDED" in got["jobs"]
+                   for step in ("train", "eval", "score")}}
+    print(f"round: {got['seconds']:.0f} s on h1; {json.dumps({k: got[k] for k in ('train_hosts', 'decision', 'jobs')})}",
+          flush=True)
+    missing = [k for k, ok in expected.items() if not ok]
+    return "ok" if not missing else "failed(" + ",".join(m.replace(" ", "-") for m in missing) + ")"
+
+
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--hosts", type=int, default=5)
@@ -179,7 +207,9 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--calls", type=int, default=60, help="calls answered before each fault, and again after it")
     ap.add_argument("--no-redeploy", dest="redeploy", action="store_false",
                     help="skip the Ray-placed redeploy (printed not-run)")
-    a = parse_args(ap, argv, fault_s=3.0, calls=10, redeploy=False)
+    ap.add_argument("--no-round", dest="round", action="store_false",
+                    help="skip the round from the raylet-less host (printed not-run)")
+    a = parse_args(ap, argv, fault_s=3.0, calls=10, redeploy=False, round=False)
     if a.hosts < 5:
         ap.error("--hosts: at least 5 (recorder, two replicas, S3, clients)")
     why = simhosts.unavailable()
@@ -244,8 +274,13 @@ def main(argv: list[str] | None = None) -> int:
                                                                   if failed else str(kept["lost"]))
         for p in servers:
             p.stop()
-        out["redeploy failed"] = redeploy(hs, export, s3, a.fault_s, a.calls) if a.redeploy \
-            else "not-run capacity=not-run"
+        out["redeploy failed"] = "not-run capacity=not-run"
+        if a.redeploy or a.round:
+            dashboard, _ = start_ray(h2, [h3], {**env(), "PRODRL_NODE_CACHE": "/tmp/node-exports"})
+            if a.redeploy:
+                out["redeploy failed"] = redeploy(hs, dashboard, export, s3, a.fault_s, a.calls)
+            if a.round:
+                out["round from raylet-less dagster"] = round_from(hs, dashboard, s3, pg)
     shutil.rmtree(work, ignore_errors=True)
     print(f"hosts: hosts={a.hosts}; round from raylet-less dagster={out['round from raylet-less dagster']}; "
           f"redeploy failed={out['redeploy failed']}; partition failed={out['partition failed']}; "
