@@ -120,14 +120,16 @@ ROUND_SETTINGS = {
 def round_from_host(host: Host, env: dict, dashboard: str, pg_url: str, bucket: str = "round",
                     name: str = "round", timeout_s: float = 1800.0) -> dict:
     """Bootstrap and one round run on ``host`` as Dagster's run worker runs them (``prodrl demo``: the
-    data-volume sensor's evaluation, then the round job in process), its Dagster instance in
-    PostgreSQL at ``pg_url``, its store in ``bucket`` on the S3 endpoint of ``env``
+    data-volume sensor's evaluation, then the round job in process), its Dagster instance and the
+    fleet's endpoint record in PostgreSQL at ``pg_url``, its store in ``bucket`` on the S3 endpoint of ``env``
     (``PRODRL_S3_ENDPOINT_URL``), its heavy steps and its fleet on the Ray cluster at ``dashboard``.
     Returns ``fleet_driver round-report`` of round 1, with the seconds it all took."""
     env = {k: v for k, v in env.items() if k != "PRODRL_SETTINGS_JSON"}
     env.update({"PRODRL_S3_BUCKET": bucket, "PRODRL_DAGSTER_HOME": str(Path(__file__).resolve().parents[2]),
                 "DAGSTER_PG_URL": pg_url.replace("postgresql://", "postgresql+psycopg2://")})
-    (host.tmp / f"{name}-settings.json").write_text(json.dumps({**ROUND_SETTINGS, "cluster_address": dashboard}))
+    # the endpoint record in PostgreSQL: the recorder and the fleet keeper (a Ray actor on h2 or h3) read it
+    (host.tmp / f"{name}-settings.json").write_text(json.dumps({**ROUND_SETTINGS, "cluster_address": dashboard,
+                                                                "endpoint_store": pg_url, "endpoint_name": name}))
     python = sys.executable
     host.run([python, "-c", "import boto3, os, sys; boto3.client('s3', endpoint_url=os.environ["
               "'PRODRL_S3_ENDPOINT_URL']).create_bucket(Bucket=sys.argv[1])", bucket], env=env, check=True)
