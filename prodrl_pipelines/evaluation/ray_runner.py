@@ -30,6 +30,7 @@ class EpisodeWorker:
 
         torch.set_num_threads(threads)
         self._cache = EngineCache()
+        self._located: dict[str, str] = {}  # export path the driver names -> where this node holds it
 
     def node(self) -> str:
         import ray
@@ -40,7 +41,9 @@ class EpisodeWorker:
         from prodrl_pipelines.deploy_targets.node_exports import locate
 
         try:
-            return self._cache.get(locate(export_dir, source))
+            if export_dir not in self._located:  # once per export: a cached copy is checked in full
+                self._located[export_dir] = locate(export_dir, source)
+            return self._cache.get(self._located[export_dir])
         except Exception as e:  # noqa: BLE001 - said with the path, whatever the loader raised
             raise RuntimeError(f"cannot load the policy at {export_dir}: {type(e).__name__}: {e}") from e
 
