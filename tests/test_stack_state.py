@@ -104,3 +104,24 @@ def test_the_stacks_recorder_renders_chat_as_the_deploy_settings_ask():
         deploy = settings_from_flat(flat).deploy
         args = parser.parse_args(recorder_args(deploy, "/h/endpoint.json", ["--store", "/h/store"], 8123))
         assert (args.chat_history, args.reply_parser, args.follow, args.port) == (*want, "/h/endpoint.json", 8123)
+
+
+def test_a_recorder_following_a_deployment_sends_the_deployments_key_upstream(monkeypatch):
+    """Replicas started with ``PRODRL_DEPLOY_API_KEY`` refuse calls without it: a recorder following
+    that deployment's record sends it, unless ``PRODRL_UPSTREAM_API_KEY`` names another; a recorder
+    in front of one ``--upstream`` server sends only the upstream key."""
+    import argparse
+
+    from prodrl_pipelines.cli.record import add_record_parser, recorder_config
+
+    parser = argparse.ArgumentParser()
+    add_record_parser(parser.add_subparsers(dest="cmd"))
+    follow = parser.parse_args(["record", "--follow", "/h/endpoint.json", "--store", "/h/store"])
+    upstream = parser.parse_args(["record", "--upstream", "http://127.0.0.1:9", "--store", "/h/store"])
+    monkeypatch.delenv("PRODRL_UPSTREAM_API_KEY", raising=False)
+    monkeypatch.setenv("PRODRL_DEPLOY_API_KEY", "fleet-key")
+    assert recorder_config(follow, "t").upstream_api_key == "fleet-key"
+    assert recorder_config(upstream, "t").upstream_api_key is None
+    monkeypatch.setenv("PRODRL_UPSTREAM_API_KEY", "own-key")
+    assert recorder_config(follow, "t").upstream_api_key == "own-key"
+    assert recorder_config(upstream, "t").upstream_api_key == "own-key"

@@ -76,6 +76,26 @@ def add_record_parser(sub) -> argparse.ArgumentParser:
     return r
 
 
+def recorder_config(args, token: str | None) -> RecorderConfig:
+    """The recorder's configuration from ``prodrl record``'s arguments and the environment."""
+    return RecorderConfig(
+        upstream=args.upstream, store_dir=args.store, token=token, wal_dir=args.wal_dir,
+        top_logprobs=args.top_logprobs, upstream_max_logprobs=args.upstream_max_logprobs,
+        policy_version=args.policy_version, tokenizer_dir=args.tokenizer,
+        # following a deployment's record, its servers want the deployment's key unless told otherwise
+        upstream_api_key=environment.upstream_api_key() or (environment.deploy_api_key() if args.follow else None),
+        flush_rows=args.flush_rows, max_body_bytes=args.max_body_bytes,
+        flush_interval_s=args.flush_interval, upstream_timeout_s=args.upstream_timeout,
+        s3_bucket=args.s3_bucket, s3_prefix=args.s3_prefix, s3_endpoint_url=args.s3_endpoint_url,
+        s3_region=args.s3_region, record_extra_draw=args.record_extra_draw,
+        upstream_keepalive_s=args.upstream_keepalive, follow=args.follow, tokens_file=args.tokens_file,
+        default_temperature=args.default_temperature, default_top_p=args.default_top_p,
+        default_top_k=args.default_top_k, coordination_url=args.coordination_url,
+        chat_history=args.chat_history, reply_parser=args.reply_parser,
+        session_affinity=args.session_affinity,
+    )
+
+
 def cmd_record(args) -> int:
     import uvicorn
 
@@ -85,22 +105,7 @@ def cmd_record(args) -> int:
               file=sys.stderr)
         return 2
     try:
-        cfg = RecorderConfig(
-            upstream=args.upstream, store_dir=args.store, token=token, wal_dir=args.wal_dir,
-            top_logprobs=args.top_logprobs, upstream_max_logprobs=args.upstream_max_logprobs,
-            policy_version=args.policy_version, tokenizer_dir=args.tokenizer,
-            # following a deployment's record, its servers want the deployment's key unless told otherwise
-            upstream_api_key=environment.upstream_api_key() or (environment.deploy_api_key() if args.follow else None),
-            flush_rows=args.flush_rows, max_body_bytes=args.max_body_bytes,
-            flush_interval_s=args.flush_interval, upstream_timeout_s=args.upstream_timeout,
-            s3_bucket=args.s3_bucket, s3_prefix=args.s3_prefix, s3_endpoint_url=args.s3_endpoint_url,
-            s3_region=args.s3_region, record_extra_draw=args.record_extra_draw,
-            upstream_keepalive_s=args.upstream_keepalive, follow=args.follow, tokens_file=args.tokens_file,
-            default_temperature=args.default_temperature, default_top_p=args.default_top_p,
-            default_top_k=args.default_top_k, coordination_url=args.coordination_url,
-            chat_history=args.chat_history, reply_parser=args.reply_parser,
-            session_affinity=args.session_affinity,
-        )
+        cfg = recorder_config(args, token)
         app = build_recorder_app(cfg)  # a bad tokens file fails here, before the server starts
     except ValueError as e:
         print(f"prodrl record: {e}", file=sys.stderr)
