@@ -84,19 +84,16 @@ def round_report(home: str, rkey: str) -> dict:
     exports published to the store, the live version and the replicas serving it."""
     import httpx
 
-    from prodrl_pipelines.config import environment
     from prodrl_pipelines.deploy_targets import endpoint_file
     from prodrl_pipelines.deploy_targets.ray_placement import local_raylet
-    from prodrl_pipelines.resources.settings import make_resources, open_services
+    from prodrl_pipelines.resources.settings import open_services, resources_from_env
     from prodrl_pipelines.storage import documents, keys
 
-    flat = json.loads((Path(home) / "settings.json").read_text())
-    store = {k: v for k, v in environment.read_store().items() if k != "root"}
-    res = make_resources(flat, s3=store)
-    svc = open_services(res["settings"], res["store"])
+    res = resources_from_env(json.loads((Path(home) / "settings.json").read_text()))  # the store the round used
+    svc, cluster = open_services(res["settings"], res["store"]), res["settings"].cluster_config()
     s = svc.settings
-    ranks = [documents.get_json(svc.blobs, keys.train_worker(rkey, r)) for r in range(int(flat.get("cluster_workers", 1)))]
-    jobs = httpx.get(f"{flat['cluster_address']}/api/jobs/", timeout=30).json()
+    ranks = [documents.get_json(svc.blobs, keys.train_worker(rkey, r)) for r in range(cluster.cluster_workers)]
+    jobs = httpx.get(f"{cluster.cluster_address}/api/jobs/", timeout=30).json()
     decision = svc.ledger.decision(rkey) or {}
     summary = svc.ledger.round_summary(rkey)
     return {"train_hosts": sorted(w["host"] for w in ranks), "train_nodes": len({w["node"] for w in ranks}),
