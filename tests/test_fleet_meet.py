@@ -22,6 +22,7 @@ import pytest
 
 from prodrl_pipelines.config.settings import Settings
 from prodrl_pipelines.deploy_targets import endpoint_file, make_target
+from prodrl_pipelines.deploy_targets import fleet_canary as fleet_canary_mod
 from prodrl_pipelines.deploy_targets import servers as servers_mod
 from prodrl_pipelines.deploy_targets.base import Endpoint, Switch, write_json
 from prodrl_pipelines.deploy_targets.processes import pick_port_range
@@ -169,6 +170,7 @@ def test_concurrent_endpoint_writers_cannot_resurrect_a_stopped_canary(tmp_path,
     """A deploy rewriting the endpoint file (``write_endpoint``) from several threads while a canary is
     committed and stopped over and over: once ``stop_canary`` returned, the canary stays gone."""
     monkeypatch.setattr(servers_mod, "DRAIN_S", 0.0)
+    monkeypatch.setattr(fleet_canary_mod, "CANARY_DRAIN_S", 0.0)  # the drain is not what is tested
     s = Settings(home=str(tmp_path / "home"), deploy={"target": "prodrl-serve", "target_port": 20000,
                                                       "replicas": 2})
     target = ProdrlServeTarget(s, s.home_path)
