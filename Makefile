@@ -32,7 +32,7 @@ VERIFIERS_VERSION := 0.4.0
 VERIFIERS_VENV ?= $(HOME)/.cache/prodrl/verifiers-$(VERIFIERS_VERSION)
 export PRODRL_VERIFIERS_PYTHON ?= $(VERIFIERS_VENV)/bin/python
 verifiers:
-	bash scripts/build_verifiers_venv.sh $(VERIFIERS_VENV) $(VERIFIERS_VERSION)
+	bash scripts/build_verifiers_venv.sh $(VERIFIERS_VENV) $(VERIFIERS_VERSION) support/verifiers-constraints.txt
 
 demo: $(STAMP)
 	rm -rf runs/demo
