@@ -9,11 +9,11 @@ UI: ``ui_url``, else the tracking server itself when it is one.
 from __future__ import annotations
 
 import tempfile
+import time
 from pathlib import Path
 
-from mlflow.entities import Metric, Param
-from mlflow.exceptions import MlflowException
-from mlflow.tracking import MlflowClient
+# MLflow is imported where it is used: it costs ~1.3 s, paid by every process that loads the Dagster
+# definitions (code servers, run workers) even when it never opens the lineage
 
 ROUND_TAG = "prodrl.round"
 CHALLENGER = "challenger"
@@ -37,6 +37,9 @@ def open_lineage(settings, tracking_uri: str = "", experiment: str = "prodrl", m
 class Lineage:
     def __init__(self, tracking_uri: str, experiment: str = "prodrl", model_name: str = "prodrl-policy",
                  artifact_location: str | None = None, registry_uri: str | None = None, ui_url: str = ""):
+        from mlflow.exceptions import MlflowException
+        from mlflow.tracking import MlflowClient
+
         self.client = MlflowClient(tracking_uri=tracking_uri, registry_uri=registry_uri or tracking_uri)
         self.tracking_uri = tracking_uri
         self.ui_url = (ui_url or (tracking_uri if tracking_uri.startswith("http") else "")).rstrip("/")
@@ -53,6 +56,8 @@ class Lineage:
     # --- runs -----------------------------------------------------------------------------
     def round_run(self, round_key: str, params: dict | None = None) -> str:
         """The run of this round (re-materialising a round reuses it)."""
+        from mlflow.entities import Param
+
         found = self.client.search_runs(
             [self.experiment_id], filter_string=f"tags.`{ROUND_TAG}` = '{round_key}'", max_results=1
         )
@@ -64,7 +69,7 @@ class Lineage:
         return run.info.run_id
 
     def log_metrics(self, run_id: str, metrics: dict[str, float], step: int, timestamp_ms: int | None = None) -> None:
-        import time
+        from mlflow.entities import Metric
 
         ts = timestamp_ms if timestamp_ms is not None else int(time.time() * 1000)
         self.client.log_batch(run_id, metrics=[Metric(k, float(v), ts, step) for k, v in metrics.items()])
@@ -97,6 +102,8 @@ class Lineage:
 
     # --- registry ----------------------------------------------------------------------------
     def _ensure_model(self) -> None:
+        from mlflow.exceptions import MlflowException
+
         try:
             self.client.get_registered_model(self.model_name)
         except MlflowException:
@@ -133,6 +140,8 @@ class Lineage:
 
     def versions(self) -> list:
         """Every registered version of the model (with its tags), oldest first."""
+        from mlflow.exceptions import MlflowException
+
         try:
             found = self.client.search_model_versions(f"name = '{self.model_name}'")
         except MlflowException:
@@ -143,6 +152,8 @@ class Lineage:
         return dict(self.client.get_model_version(self.model_name, version).tags)
 
     def model_tags(self) -> dict[str, str]:
+        from mlflow.exceptions import MlflowException
+
         try:
             return dict(self.client.get_registered_model(self.model_name).tags)
         except MlflowException:
@@ -155,6 +166,8 @@ class Lineage:
         self.client.set_registered_model_alias(self.model_name, CHAMPION, version)
 
     def alias_version(self, alias: str) -> str | None:
+        from mlflow.exceptions import MlflowException
+
         try:
             return str(self.client.get_model_version_by_alias(self.model_name, alias).version)
         except MlflowException:
