@@ -194,10 +194,10 @@ def test_concurrent_endpoint_writers_cannot_resurrect_a_stopped_canary(tmp_path,
                 while not stop.is_set() or writes[i] < 3:
                     target.write_endpoint("v1", str(tmp_path))
                     writes[i] += 1
-                    # flock wakes its waiters with no order: three writers retaking it back to back (each
-                    # write fsyncs, slow on a loaded disk) kept stop_canary waiting ~20 s a round in the
-                    # suite (seen in a stack dump). A deploy never writes in a tight loop; the race tested
-                    # (a writer's replicas read before the lock, stop_canary between) is the same
+                    # flock wakes its waiters in no order: writers retaking it back to back (each write
+                    # fsyncs) kept stop_canary waiting in a stack dump of a suite worker. A deploy never
+                    # writes in a tight loop; the race tested (a writer's replicas read before the lock,
+                    # stop_canary between) is the same
                     time.sleep(rng.uniform(0.005, 0.03))
 
             with ThreadPoolExecutor(3) as pool:
