@@ -10,7 +10,6 @@ through the recorder as a client's would."""
 from __future__ import annotations
 
 import os
-import random
 import signal
 import subprocess
 import threading
@@ -190,15 +189,9 @@ def test_concurrent_endpoint_writers_cannot_resurrect_a_stopped_canary(tmp_path,
             stop, writes = threading.Event(), [0, 0, 0]
 
             def writer(i):
-                rng = random.Random(i)
                 while not stop.is_set() or writes[i] < 3:
                     target.write_endpoint("v1", str(tmp_path))
                     writes[i] += 1
-                    # flock wakes its waiters in no order: writers retaking it back to back (each write
-                    # fsyncs) kept stop_canary waiting in a stack dump of a suite worker. A deploy never
-                    # writes in a tight loop; the race tested (a writer's replicas read before the lock,
-                    # stop_canary between) is the same
-                    time.sleep(rng.uniform(0.005, 0.03))
 
             with ThreadPoolExecutor(3) as pool:
                 futs = [pool.submit(writer, i) for i in range(3)]

@@ -58,9 +58,13 @@ def test_refuses_on_cpu_before_touching_the_server(tmp_path):
 
 
 @pytest.fixture(scope="module")
-def wt_server(vllm_server):
+def wt_server(vllm_server, vllm_exports):
     """The session's dev-mode vLLM (the nccl weight-transfer backend configured), serving the dense
-    bf16 export: what a failed transfer leaves is restored from that export's directory."""
+    bf16 export: what a failed transfer leaves is restored from that export's directory. The server
+    has a history (test_vllm reloads other weights in place, which vLLM's CPU backend applies only in
+    part), so the module starts from that export's disk reload, the state a rollback restores."""
+    WeightTransferClient(vllm_server.url, timeout_s=60).request(
+        "POST", "/collective_rpc", {"method": "reload_weights", "kwargs": {"weights_path": str(vllm_exports["dense-bf16"])}})
     return vllm_server
 
 
@@ -97,10 +101,6 @@ def test_a_failed_transfer_is_rolled_back_and_resumed(wt_server, vllm_exports):
     left the weights on the meta device."""
     client = WeightTransferClient(wt_server.url, timeout_s=60)
     version0, _ = state(client)
-    # the session's server has a history (test_vllm reloads other weights in place, which vLLM's CPU
-    # backend applies only in part): start from what the rollback restores, the export's disk reload
-    client.request("POST", "/collective_rpc", {"method": "reload_weights",
-                                                "kwargs": {"weights_path": str(vllm_exports["dense-bf16"])}})
     ref = first_logprobs(client)
     client.calls.clear()
     client.initialized = True  # the bypass: skip init_weight_transfer_engine
