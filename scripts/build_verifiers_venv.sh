@@ -8,9 +8,8 @@ py=${PY:-python3.11}
 mkdir -p "$(dirname "$venv")"
 exec 9>"$venv.lock"
 flock 9
-pins=none cflag=()
-if [ -n "$constraints" ]; then pins=$(sha1sum < "$constraints" | cut -c1-12); cflag=(-c "$constraints"); fi
-if [ ! -f "$venv/.complete" ] || [ "$(cat "$venv/.complete")" != "$pins" ]; then
+source "$(dirname "$0")/venv_pins.sh"
+if venv_stale "$venv" "$constraints"; then
   echo "building verifiers $version in $venv (once: ~60 s, ~600 MB)"
   rm -rf "$venv"
   "$py" -m venv "$venv"

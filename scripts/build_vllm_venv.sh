@@ -10,9 +10,8 @@ py=${PY:-python3.11}
 mkdir -p "$(dirname "$venv")"
 exec 9>"$venv.lock"
 flock 9  # two builds at once (parallel CI runs) wait for each other
-pins=none cflag=()
-if [ -n "$constraints" ]; then pins=$(sha1sum < "$constraints" | cut -c1-12); cflag=(-c "$constraints"); fi
-if [ ! -f "$venv/.complete" ] || [ "$(cat "$venv/.complete")" != "$pins" ]; then
+source "$(dirname "$0")/venv_pins.sh"
+if venv_stale "$venv" "$constraints"; then
   echo "building vLLM $version (CPU) in $venv (once: ~70 s, ~3.4 GB)"
   rm -rf "$venv"
   "$py" -m venv "$venv"
