@@ -2,6 +2,7 @@
 
 import os
 import shutil
+import signal
 import socket
 import subprocess
 import sys
@@ -345,16 +346,40 @@ def pytest_unconfigure(config):
         shutil.rmtree(root, ignore_errors=True)
 
 
+# Dagster's in-process execution ends by mapping SIGTERM to SIGINT's disposition, which an xdist
+# worker ignores: from then on every process the worker starts (a server, a stand-in ``sleep``)
+# would ignore SIGTERM and wait out each stop's grace period before SIGKILL. The product keeps it
+# (lab.demo.keeping_sigterm); here the worker's own disposition is put back after every phase.
+_SIGTERM_AT_START = signal.getsignal(signal.SIGTERM)
+
+
+def _restore_sigterm() -> None:
+    if _SIGTERM_AT_START is not None and signal.getsignal(signal.SIGTERM) is not _SIGTERM_AT_START:
+        signal.signal(signal.SIGTERM, _SIGTERM_AT_START)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_setup(item):
+    yield
+    _restore_sigterm()
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_call(item):
+    yield
+    _restore_sigterm()
+
+
 @pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     yield  # after the test's own fixtures (a module's Ray connection) are torn down
+    _restore_sigterm()
     if _group(item.path) == "tests/test_ray_*.py" and (nextitem is None or _group(nextitem.path) != _group(item.path)):
         _stop_test_ray(Path(os.environ[RAY_ROOT_ENV]))
 
 
 def _stop_test_ray(root: Path) -> None:
     import json
-    import signal
     import time
 
     info = root / "cluster.json"

@@ -263,3 +263,43 @@ def test_build_base_policy_tiny_loadable_and_deterministic(tmp_path):
     ids = tk.apply_chat_template(msgs, add_generation_prompt=True, tokenize=True, return_dict=True)["input_ids"]
     out = ma.generate(torch.tensor([ids]), max_new_tokens=3, do_sample=False)
     assert out.shape[1] >= len(ids) + 1
+
+
+# ------------------------------------------------------------------------------------ the demo's process
+
+
+def test_the_demo_still_stops_on_sigterm_after_running_dagster_where_sigint_is_ignored():
+    """A shell's background job ignores SIGINT. Dagster's in-process execution ends by giving SIGTERM
+    SIGINT's disposition, so there ``kill`` would no longer stop the demo and every server it started
+    afterwards would ignore SIGTERM too; the demo runs its jobs under ``keeping_sigterm``."""
+    import signal
+    import subprocess
+
+    from dagster import job, op
+
+    from prodrl_pipelines.lab.demo import keeping_sigterm
+
+    @op
+    def one():
+        return 1
+
+    @job
+    def tiny():
+        one()
+
+    saved = signal.getsignal(signal.SIGINT), signal.getsignal(signal.SIGTERM)
+    try:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        assert tiny.execute_in_process().success
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_IGN  # what Dagster leaves without it
+        signal.signal(signal.SIGTERM, signal.SIG_DFL)
+        with keeping_sigterm():
+            assert tiny.execute_in_process().success
+        assert signal.getsignal(signal.SIGTERM) is signal.SIG_DFL
+        child = subprocess.Popen(["sleep", "600"])  # a process started afterwards dies of SIGTERM
+        child.terminate()
+        assert child.wait(60) == -signal.SIGTERM
+    finally:
+        signal.signal(signal.SIGINT, saved[0])
+        signal.signal(signal.SIGTERM, saved[1])

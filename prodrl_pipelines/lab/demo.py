@@ -10,8 +10,10 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import time
+from contextlib import contextmanager
 from pathlib import Path
 
 DEMO_SETTINGS = {
@@ -23,6 +25,20 @@ DEMO_SETTINGS = {
 
 # The demo prints its own one-line-per-step story; the full event log is in the Dagster instance.
 QUIET = {"loggers": {"console": {"config": {"log_level": "CRITICAL"}}}}
+
+
+@contextmanager
+def keeping_sigterm():
+    """Run Dagster in-process and leave SIGTERM's disposition as it was. When Dagster's execution
+    ends it maps SIGTERM to SIGINT's handler (``capture_interrupts``): in a process that ignores
+    SIGINT (a shell's background job, a test worker) SIGTERM is then ignored, so ``kill`` stops this
+    process no more and every server it starts afterwards inherits the ignored SIGTERM."""
+    before = signal.getsignal(signal.SIGTERM)
+    try:
+        yield
+    finally:
+        if before is not None:  # None: set outside Python, nothing to put back
+            signal.signal(signal.SIGTERM, before)
 
 
 def _use_home(home: Path, settings: dict) -> None:
@@ -70,7 +86,8 @@ def run_loop(home: Path, settings: dict, rounds: int, log=print, instance=None, 
     if svc.ledger.live() is None:
         t0 = time.time()
         log(f"round 0 from base_model={s.base_model!r} (the lab: tokenizer, model, SFT warm start) ...")
-        defs.resolve_job_def("bootstrap").execute_in_process(instance=instance, run_config=QUIET)
+        with keeping_sigterm():
+            defs.resolve_job_def("bootstrap").execute_in_process(instance=instance, run_config=QUIET)
         log(f"  base policy ready in {time.time() - t0:.0f}s, held-out reward "
             f"{svc.ledger.round_summary('round-000000').get('heldout_reward', float('nan')):.3f}")
 
@@ -150,8 +167,9 @@ def run_round(defs, instance, key: str, tags: dict) -> dict:
     """Execute the round job for one partition; returns the round's summary once the gate decided."""
     from prodrl_pipelines.resources.settings import open_services
 
-    out = defs.resolve_job_def("prod_rl_round").execute_in_process(
-        instance=instance, partition_key=key, raise_on_error=False, tags=tags, run_config=QUIET)
+    with keeping_sigterm():
+        out = defs.resolve_job_def("prod_rl_round").execute_in_process(
+            instance=instance, partition_key=key, raise_on_error=False, tags=tags, run_config=QUIET)
     res = defs.resources
     summ = open_services(res["settings"], res["store"]).ledger.round_summary(key)
     if "gate_passed" not in summ:
