@@ -191,3 +191,29 @@ def test_cancelling_the_dagster_run_while_training_stops_the_ray_job(tmp_path, p
                 client.stop_job(j.submission_id)
     assert (f"Will terminate RayJob {job.submission_id}" in log
             or f"stopped Ray job {job.submission_id}" in log), log[-3000:]
+
+
+def test_only_workers_whose_placement_group_ray_removed_are_retried():
+    """Ray Train's placement-group cleaner has removed a live run's group on a loaded cluster (it took
+    the controller for dead) after training finished: that round resumes under the retry policy;
+    a worker killed or raising is for a person to look at first."""
+    from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
+
+    from prodrl_pipelines.ops.ray_train import removed_from_under
+
+    def died(exit_type: str, detail: str) -> WorkerHealthCheckFailedError:
+        return WorkerHealthCheckFailedError("A worker health check failed.", RuntimeError(
+            "The actor died unexpectedly before finishing this task.\n\tpid: 29017\nThe actor is dead because its "
+            f"worker process has died. Worker exit type: {exit_type} Worker exit detail: {detail} Placement group "
+            "id: 9e7c, bundle index: 0"))
+
+    class Failed(Exception):
+        def __init__(self, failures):
+            self.worker_failures = failures
+
+    removed = died("INTENDED_SYSTEM_EXIT", "Destroying worker since its placement group was removed.")
+    killed = died("SYSTEM_ERROR", "Worker unexpectedly exits with a connection error code 2. End of file.")
+    assert removed_from_under(Failed({0: removed, 1: removed}))
+    assert not removed_from_under(Failed({0: removed, 1: killed}))
+    assert not removed_from_under(Failed({0: removed, 1: ValueError("placement group was removed.")}))
+    assert not removed_from_under(Failed({}))

@@ -9,7 +9,8 @@ runs ``train_worker.run_rank``: FSDP2, the in-round resume state, the checkpoint
 rank 0. Rank 0's figures come back as the job's result, the metadata torchrun's rank 0 reports.
 A worker that dies fails the job naming it (rank, node, pid, how it exited), in the job's log and in
 the store (``keys.train_failure``) for the asset's error; Ray Train does not retry (re-materialising
-resumes from the in-round checkpoint instead).
+resumes from the in-round checkpoint instead). Only workers whose placement group Ray removed from
+under them (``removed_from_under``) let the round's retry policy resume at once.
 """
 
 from __future__ import annotations
@@ -54,6 +55,17 @@ def _died(exc: BaseException) -> bool:
     from ray.train.v2._internal.exceptions import WorkerHealthCheckFailedError
 
     return isinstance(exc, (ray.exceptions.RayActorError, WorkerHealthCheckFailedError))
+
+
+def removed_from_under(error: BaseException) -> bool:
+    """Whether every worker of the failed run died because Ray removed its placement group, not of
+    the training: Ray Train's own placement-group cleaner does that when it judges the controller
+    dead, and on a loaded cluster it has judged a live controller so (its state query came back
+    empty) after training had finished. Such a round is retried, resuming from its checkpoint."""
+    failures = dict(getattr(error, "worker_failures", {}) or {})
+    return bool(failures) and all(_died(exc) and any(m[1] == "INTENDED_SYSTEM_EXIT" and "placement group was removed"
+                                                     in m[2] for m in _EXIT.finditer(str(exc)))
+                                  for exc in failures.values())
 
 
 def describe_failure(svc, rkey: str, error: BaseException) -> str:
@@ -110,7 +122,8 @@ def train_job(argv: list[str]) -> dict:
         trainer.fit()
     except TrainingFailedError as e:
         message = describe_failure(svc, args.round, e)
-        documents.put_json(svc.blobs, keys.train_failure(args.round), {"message": message})  # for the asset
+        documents.put_json(svc.blobs, keys.train_failure(args.round),  # for the asset
+                           {"message": message, "retry": removed_from_under(e)})
         raise TrainingWorkerFailed(message) from None
     stats = documents.get_json(svc.blobs, keys.train_result(args.round))
     return {"metadata": report_metadata(stats, cluster.cluster_workers)}

@@ -51,10 +51,11 @@ def _ray(context, svc: Services, rkey: str, cluster: ClusterSettings, settings_f
     except RuntimeError as e:  # the job failed: name the worker (the job recorded which) rather than quote the log
         if not svc.blobs.exists(keys.train_failure(rkey)):
             raise
-        why = documents.get_json(svc.blobs, keys.train_failure(rkey))["message"]
-        # not retried here: Ray Train's failure_config is where a cluster retries; a person looks first
-        raise Failure(description=f"{why} (re-materialise to resume from the in-round checkpoint)",
-                      metadata={"ray_job_error": str(e)[-4000:]}, allow_retries=False) from None
+        failure = documents.get_json(svc.blobs, keys.train_failure(rkey))
+        # not retried here: Ray Train's failure_config is where a cluster retries; a person looks
+        # first, unless Ray took the workers' resources away from under a healthy training
+        raise Failure(description=f"{failure['message']} (re-materialise to resume from the in-round checkpoint)",
+                      metadata={"ray_job_error": str(e)[-4000:]}, allow_retries=bool(failure.get("retry"))) from None
     return dict(out["metadata"])
 
 
