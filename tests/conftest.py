@@ -353,27 +353,15 @@ def pytest_unconfigure(config):
 _SIGTERM_AT_START = signal.getsignal(signal.SIGTERM)
 
 
-def _restore_sigterm() -> None:
+def pytest_runtest_logreport(report):
+    """After each phase of a test (setup, call, teardown), before the next one starts."""
     if _SIGTERM_AT_START is not None and signal.getsignal(signal.SIGTERM) is not _SIGTERM_AT_START:
         signal.signal(signal.SIGTERM, _SIGTERM_AT_START)
 
 
 @pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_setup(item):
-    yield
-    _restore_sigterm()
-
-
-@pytest.hookimpl(hookwrapper=True)
-def pytest_runtest_call(item):
-    yield
-    _restore_sigterm()
-
-
-@pytest.hookimpl(hookwrapper=True)
 def pytest_runtest_teardown(item, nextitem):
     yield  # after the test's own fixtures (a module's Ray connection) are torn down
-    _restore_sigterm()
     if _group(item.path) == "tests/test_ray_*.py" and (nextitem is None or _group(nextitem.path) != _group(item.path)):
         _stop_test_ray(Path(os.environ[RAY_ROOT_ENV]))
 

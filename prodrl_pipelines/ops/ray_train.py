@@ -57,21 +57,28 @@ def _died(exc: BaseException) -> bool:
     return isinstance(exc, (ray.exceptions.RayActorError, WorkerHealthCheckFailedError))
 
 
+def _worker_failures(error: BaseException) -> dict:
+    """Rank -> the exception of each failed worker, from Ray Train's ``TrainingFailedError``."""
+    return dict(getattr(error, "worker_failures", {}) or {})
+
+
 def removed_from_under(error: BaseException) -> bool:
     """Whether every worker of the failed run died because Ray removed its placement group, not of
     the training: Ray Train's own placement-group cleaner does that when it judges the controller
     dead, and on a loaded cluster it has judged a live controller so (its state query came back
     empty) after training had finished. Such a round is retried, resuming from its checkpoint."""
-    failures = dict(getattr(error, "worker_failures", {}) or {})
-    return bool(failures) and all(_died(exc) and any(m[1] == "INTENDED_SYSTEM_EXIT" and "placement group was removed"
-                                                     in m[2] for m in _EXIT.finditer(str(exc)))
-                                  for exc in failures.values())
+    def removed(exc: BaseException) -> bool:
+        m = _EXIT.search(str(exc)) if _died(exc) else None
+        return m is not None and m[1] == "INTENDED_SYSTEM_EXIT" and "placement group was removed" in m[2]
+
+    failures = _worker_failures(error)
+    return bool(failures) and all(removed(exc) for exc in failures.values())
 
 
 def describe_failure(svc, rkey: str, error: BaseException) -> str:
     """``error`` (Ray Train's ``TrainingFailedError``) as one sentence per failed worker, those whose
     process died first (the others usually only lost their peer in a collective)."""
-    failures = dict(getattr(error, "worker_failures", {}) or {})
+    failures = _worker_failures(error)
     if not failures:
         return f"training of {rkey} on Ray failed: {error}"
     lines = []
