@@ -346,9 +346,10 @@ def pytest_unconfigure(config):
         shutil.rmtree(root, ignore_errors=True)
 
 
-# Dagster's in-process execution ends by mapping SIGTERM to SIGINT's disposition, which an xdist
-# worker ignores: from then on every process the worker starts (a server, a stand-in ``sleep``)
-# would ignore SIGTERM and wait out each stop's grace period before SIGKILL. The product keeps it
+# Dagster's in-process execution ends by mapping SIGTERM to SIGINT's disposition, which the workers
+# ignore when the suite runs as a background job (``make test &``, a CI step in a non-interactive
+# shell): from then on every process the worker starts (a server, a stand-in ``sleep``) would
+# ignore SIGTERM and wait out each stop's grace period before SIGKILL. The product keeps it
 # (lab.demo.keeping_sigterm); here the worker's own disposition is put back after every phase.
 _SIGTERM_AT_START = signal.getsignal(signal.SIGTERM)
 
