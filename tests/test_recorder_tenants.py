@@ -75,7 +75,7 @@ def test_tenants_own_their_trajectories_and_see_their_own_counters(fake, start_r
     assert set(everyone.json()["tenants"]) == {"alice", "bob"}
     assert everyone.json()["tenants"]["alice"]["recorded_calls"] == 2
     metrics = ops.get("/metrics").text
-    assert 'prodrl_recorder_tenant_recorded_calls{tenant="alice"} 2' in metrics
+    assert 'prodrl_recorder_tenant_recorded_calls_total{tenant="alice"} 2.0' in metrics
     for secret in (ALICE, BOB, OPS):
         assert secret not in everyone.text and secret not in metrics
     for c in (alice, bob, ops):

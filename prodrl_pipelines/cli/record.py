@@ -82,6 +82,11 @@ def add_record_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--no-session-affinity", dest="session_affinity", action="store_false",
                    help="send every call to the least loaded replica of its version, instead of a session's "
                         "calls to the replica that served its last one (whose prefix cache holds its history)")
+    r.add_argument("--request-log", default=None, metavar="PATH",
+                   help="one JSON line per API request (route, tenant, version, replica, status, latencies, token "
+                        "counts, trajectory id; never prompt or output text) appended to PATH; - for standard output")
+    r.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="json: the server's own log lines as JSON objects too (the request log's shape)")
     r.add_argument("--log-level", default="warning")
     r.set_defaults(fn=cmd_record)
     return r
@@ -105,13 +110,14 @@ def recorder_config(args, token: str | None) -> RecorderConfig:
         default_temperature=args.default_temperature, default_top_p=args.default_top_p,
         default_top_k=args.default_top_k, coordination_url=args.coordination_url,
         chat_history=args.chat_history, reply_parser=args.reply_parser,
-        session_affinity=args.session_affinity,
+        session_affinity=args.session_affinity, request_log=args.request_log,
     )
 
 
 def cmd_record(args) -> int:
     import uvicorn
 
+    from prodrl_pipelines.observability.json_logs import log_config_kwargs
     from prodrl_pipelines.recorder.http import build_recorder_app
 
     token = environment.recorder_token()
@@ -127,7 +133,8 @@ def cmd_record(args) -> int:
         return 2
     server = uvicorn.Server(uvicorn.Config(app, host=args.host, port=args.port, log_level=args.log_level,
                                            access_log=False, timeout_graceful_shutdown=10,
-                                           timeout_keep_alive=args.timeout_keep_alive))
+                                           timeout_keep_alive=args.timeout_keep_alive,
+                                           **log_config_kwargs(args.log_format, "recorder")))
     stopped_by = serve_until_signal(server)
     if not server.started:
         return 3  # uvicorn's startup failure (it logged why)

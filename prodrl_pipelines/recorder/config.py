@@ -50,6 +50,8 @@ class RecorderConfig:
     # a session's next call goes to the replica that served its last one (its prefix is cached there)
     # while that replica is healthy and not overloaded; False: every call to the least loaded replica
     session_affinity: bool = True
+    # one JSON line per API request (recorder.request_log): a file, "-" for standard output, None: off
+    request_log: str | None = None
 
     def __post_init__(self) -> None:
         from prodrl_pipelines.engines.reply_parsers import TOOL_FORMATS

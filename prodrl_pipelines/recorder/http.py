@@ -5,7 +5,6 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import re
 import time
 from contextlib import asynccontextmanager
 
@@ -41,6 +40,9 @@ from prodrl_pipelines.recorder.indexer import IndexerUnavailable
 from prodrl_pipelines.recorder.counters import Stats
 from prodrl_pipelines.recorder.requests import Unrecordable, client_ask, is_json_number, unrecordable_reason
 from prodrl_pipelines.recorder.messages import MessagesShape
+from prodrl_pipelines.recorder.metrics import CONTENT_TYPE
+from prodrl_pipelines.recorder.request_context import RequestObserver
+from prodrl_pipelines.recorder.request_log import RequestLog
 from prodrl_pipelines.recorder.responses import ResponsesShape
 from prodrl_pipelines.recorder.service import Recorder, RecorderConfig
 from prodrl_pipelines.recorder.streaming import proxy_stream
@@ -265,20 +267,9 @@ async def stats_route(request: Request) -> Response:
 
 
 async def metrics(request: Request) -> Response:
+    """Prometheus text (recorder.metrics): open, like vLLM's, for a scraper without a tenant's token."""
     rec: Recorder = request.app.state.recorder
-    counters, tenants = _visible_counters(rec, tenant_of(request))
-    lines = []
-    for name, value in counters.items():
-        metric = "prodrl_recorder_" + re.sub(r"[^a-zA-Z0-9_]", "_", name)
-        lines.append(f"# TYPE {metric} counter\n{metric} {value}")
-    by_counter: dict[str, list[str]] = {}
-    for t, cs in sorted(tenants.items()):
-        for c, v in cs.items():
-            by_counter.setdefault(c, []).append(f'{{tenant="{t}"}} {v}')
-    for c, samples in sorted(by_counter.items()):
-        metric = "prodrl_recorder_tenant_" + re.sub(r"[^a-zA-Z0-9_]", "_", c)
-        lines.append(f"# TYPE {metric} counter\n" + "\n".join(metric + s for s in samples))
-    return Response("\n".join(lines) + "\n", media_type="text/plain; version=0.0.4")
+    return Response(rec.metrics.exposition(), media_type=CONTENT_TYPE)
 
 
 async def health(request: Request) -> Response:
@@ -294,22 +285,13 @@ async def health_ready(request: Request) -> Response:
     """Readiness: 200 when calls can be answered and recorded, else 503; each check says why. No
     token, no rate limit."""
     rec: Recorder = request.app.state.recorder
-    checks = {name: {"ok": ok, "detail": detail} for name, (ok, detail) in rec.ingestor.readiness().items()}
-    if rec.deployment is not None:  # following a deployment: some replica must answer
-        ep = rec.deployment.current()
-        if ep is None:
-            checks["upstream"] = {"ok": False, "detail": "no deployment yet (bootstrap first)"}
-        else:
-            stable, canary, _ = rec.balancer.groups(ep)
-            down = set(rec.balancer.down())
-            up = [c.url for c in stable + canary if c.url not in down]
-            checks["upstream"] = {"ok": bool(up), "detail": f"{len(up)} of {len(stable) + len(canary)} replicas up"}
+    checks = {name: {"ok": ok, "detail": detail} for name, (ok, detail) in rec.readiness().items()}
     ready = all(c["ok"] for c in checks.values())
     return JSONResponse({"ready": ready, "checks": checks}, status_code=200 if ready else 503)
 
 
-# routes a probe reaches without a token or a rate limit (the rest, /health included, need one)
-OPEN_PATHS = frozenset({"/health/live", "/health/ready"})
+# routes a probe or a scraper reaches without a token or a rate limit (the rest, /health included, need one)
+OPEN_PATHS = frozenset({"/health/live", "/health/ready", "/metrics"})
 
 
 class _BearerAuth:
@@ -366,6 +348,12 @@ SESSION_PREFIX = f"/s/{{{SESSION_PARAM}:prodrl_session}}"
 
 def build_recorder_app(config: RecorderConfig) -> Starlette:
     rec = Recorder(config)
+    log = RequestLog(config.request_log) if config.request_log else None
+
+    def request_done(ctx) -> None:
+        rec.metrics.observe(ctx)
+        if log is not None:
+            log.write(ctx)
 
     @asynccontextmanager
     async def lifespan(app):
@@ -374,6 +362,8 @@ def build_recorder_app(config: RecorderConfig) -> Starlette:
             yield
         finally:
             await rec.stop()
+            if log is not None:
+                log.close()
 
     api = [("/v1/completions", completions, "POST"), ("/v1/chat/completions", chat_completions, "POST"),
            ("/v1/responses", responses, "POST"), ("/v1/messages", messages, "POST"),
@@ -392,4 +382,6 @@ def build_recorder_app(config: RecorderConfig) -> Starlette:
         405: lambda request, exc: err(f"{request.method} is not allowed on {clip(request.url.path)}", 405)})
     app.state.recorder = rec
     app.add_middleware(_BearerAuth, tenants=rec.tenants, stats=rec.stats)
+    # outermost: a request refused by the token check or the rate limit is timed and counted too
+    app.add_middleware(RequestObserver, on_start=rec.metrics.started, on_done=request_done)
     return app

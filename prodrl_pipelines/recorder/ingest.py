@@ -102,8 +102,11 @@ class Ingestor:
         flush_interval_s: float = 2.0,
         stats: Stats | None = None,
         indexer=None,
+        on_group_commit=None,
     ) -> None:
         self.store = store
+        # called from the writer thread after each durable group: (append seconds, each entry's wait)
+        self.on_group_commit = on_group_commit
         self.wal = WriteAheadLog(wal_dir)
         self.flush_rows = max(int(flush_rows), 1)
         self.flush_interval_s = float(flush_interval_s)
@@ -214,11 +217,15 @@ class Ingestor:
             self._cond.notify_all()
         return ev.wait(timeout)
 
+    def backlog(self) -> int:
+        """Sealed WAL segments waiting for the store."""
+        return self._flushq.qsize()
+
     def readiness(self) -> dict[str, tuple[bool, str]]:
         """What a readiness probe asks of the storage path: the WAL accepts records, and the store
         takes the sealed segments (none failing, at most a bounded backlog waiting)."""
         accepting = not self._stopping and self._writer is not None and self._writer.is_alive()
-        backlog = self._flushq.qsize()
+        backlog = self.backlog()
         out = {"wal": (accepting, "accepting records" if accepting else "not accepting records (stopped)")}
         if self.failing_since is not None:
             out["store"] = (False, f"flushes to the store failing for {time.monotonic() - self.failing_since:.0f} s "
@@ -333,9 +340,12 @@ class Ingestor:
                     t1 = time.perf_counter()
                     # time_us.wal_append / wal_fsyncs: mean encode + write + fdatasync of a group;
                     # time_us.wal_entry_wait / wal_appends: mean time an entry waited to be durable.
+                    waits = [t1 - p.t for p in batch]
                     self.stats.add_many((("wal_appends", len(batch)), ("wal_fsyncs", 1),
                                          ("time_us.wal_append", int((t1 - t0) * 1e6)),
-                                         ("time_us.wal_entry_wait", int(sum(t1 - p.t for p in batch) * 1e6))))
+                                         ("time_us.wal_entry_wait", int(sum(waits) * 1e6))))
+                    if self.on_group_commit is not None:
+                        self.on_group_commit(t1 - t0, waits)
                     self._settle(batch, None)
             due = bool(pending) and (len(pending) >= self.flush_rows
                                      or time.monotonic() - since >= self.flush_interval_s)

@@ -108,6 +108,8 @@ from prodrl_pipelines.recorder.balancer import Balancer
 from prodrl_pipelines.recorder.config import TOKEN_ENV, UPSTREAM_KEY_ENV, RecorderConfig
 from prodrl_pipelines.recorder.counters import Stats
 from prodrl_pipelines.recorder.ingest import Attempt, Ingestor
+from prodrl_pipelines.recorder.metrics import RecorderMetrics
+from prodrl_pipelines.recorder.request_context import note_record
 from prodrl_pipelines.recorder.requests import Ask, Unrecordable, is_json_int
 from prodrl_pipelines.recorder.tenants import Tenants
 from prodrl_pipelines.recorder.upstream_calls import UpstreamCalls
@@ -141,9 +143,11 @@ class Recorder(UpstreamCalls):
         self.store = TrajectoryStore(config.blob_store())
         from prodrl_pipelines.recorder.indexer import make_indexer
 
+        self.metrics = RecorderMetrics(self)
         self.ingestor = Ingestor(self.store, config.wal_path, flush_rows=config.flush_rows,
                                  flush_interval_s=config.flush_interval_s, stats=self.stats,
-                                 indexer=make_indexer(config.coordination_url))
+                                 indexer=make_indexer(config.coordination_url),
+                                 on_group_commit=self.metrics.observe_wal)
         self.tokens = TokenStrings(config.tokenizer_dir) if config.tokenizer_dir else None
         self.tokenizer_source = config.tokenizer_dir or ""
         self._tokenizer_retry_at = 0.0
@@ -448,4 +452,20 @@ class Recorder(UpstreamCalls):
         if retried:
             counters.append("retried_calls")
         self.stats.count(*counters, tenant=tenant)
+        note_record(tid, row)
         return index
+
+    def readiness(self) -> dict[str, tuple[bool, str]]:
+        """What ``/health/ready`` checks (name -> (ok, why)): the WAL and the store, and with
+        ``--follow`` that some replica of the deployment answers."""
+        checks = dict(self.ingestor.readiness())
+        if self.deployment is not None:
+            ep = self.deployment.current()
+            if ep is None:
+                checks["upstream"] = (False, "no deployment yet (bootstrap first)")
+            else:
+                stable, canary, _ = self.balancer.groups(ep)
+                down = set(self.balancer.down())
+                up = [c.url for c in stable + canary if c.url not in down]
+                checks["upstream"] = (bool(up), f"{len(up)} of {len(stable) + len(canary)} replicas up")
+        return checks

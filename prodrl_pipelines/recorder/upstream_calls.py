@@ -9,6 +9,7 @@ import aiohttp
 
 from prodrl_pipelines.recorder.balancer import NoDeploymentYet
 from prodrl_pipelines.recorder.calls import dumps
+from prodrl_pipelines.recorder.request_context import upstream_done, upstream_started
 
 _JSON = {"Content-Type": "application/json"}
 _RESET_ERRORS = tuple(e for e in (getattr(aiohttp, "ServerDisconnectedError", None), getattr(aiohttp, "ClientOSError", None),
@@ -55,6 +56,7 @@ class UpstreamCalls:
         """
         assert self.http is not None
         kw = {"timeout": timeout} if timeout is not None else {}
+        upstream_started()
         if self.deployment is None:
             data = dumps(up)
             try:
@@ -106,7 +108,9 @@ class UpstreamCalls:
             return resp, choice
 
     def finished(self, choice) -> None:
-        """The call on ``choice`` (from ``post_upstream``) has ended."""
+        """The call on ``choice`` (from ``post_upstream``) has ended: its answer read or its stream
+        over (the upstream's time for the request's metrics and log line ends here)."""
+        upstream_done(choice.url if choice is not None else None)
         if choice is not None:
             self.balancer.finished(choice)
 

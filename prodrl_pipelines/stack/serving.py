@@ -146,7 +146,8 @@ class LiveServing:
         exe = [sys.executable, "-m", "prodrl_pipelines.cli"]
         store = recorder_store_args(svc, self.home / "recorder_wal")
         record = ManagedProcess("prodrl record", exe + recorder_args(
-            svc.settings.deploy, endpoint_location(self.home, svc.settings.deploy), store, self.record_port),
+            svc.settings.deploy, endpoint_location(self.home, svc.settings.deploy), store, self.record_port)
+            + ["--request-log", str(self.home / "logs" / "requests.jsonl")],
             self.env, self.home / "logs" / "record.log")
         try:
             record.wait_http(f"{self.record_url}/health", timeout_s=120,
