@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 import math
 import threading
 import time
@@ -356,3 +357,43 @@ def test_probes_are_open_and_readiness_says_a_model_is_loading(engine, model_dir
         assert busy.result().status_code == 200 and load.result().json()["model"] == "v1"
         ready = h.get("/health/ready")
         assert ready.status_code == 200 and ready.json()["checks"]["model"]["served"] == "v1"
+
+
+def _samples(text: str) -> dict:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    return {(s.name, tuple(sorted(s.labels.items()))): s.value for f in text_string_to_metric_families(text)
+            for s in f.samples}
+
+
+def test_metrics_carry_vllms_names_and_count_what_was_served(engine, model_dir):
+    """``/metrics`` is open (the key guards /v1); while the engine thread holds one request the
+    gauges say 1 running and 2 waiting; afterwards vLLM's counters and histograms hold the three
+    requests' tokens and latencies, and a refused request is in none of them."""
+    gated = GatedEngine(engine)
+    app = build_app(gated, model_dir=model_dir, served_model_name="v0", api_key="k", batch_wait_ms=0)
+    key = {"Authorization": "Bearer k"}
+    body = {"model": "v0", "prompt": PROMPT, "max_tokens": 3}
+    with BackgroundServer(app) as srv, httpx.Client(base_url=srv.url, timeout=120) as h, ThreadPoolExecutor(3) as pool:
+        first = pool.submit(h.post, "/v1/completions", json=body, headers=key)
+        assert gated.entered.wait(120)
+        rest = [pool.submit(h.post, "/v1/completions", json=body, headers=key) for _ in range(2)]
+        running = ("vllm:num_requests_running", (("model_name", "v0"),))
+        waiting = ("vllm:num_requests_waiting", (("model_name", "v0"),))
+        m = until("two requests queue behind the busy engine",
+                  lambda: (x := _samples(h.get("/metrics").text))[waiting] == 2 and x, 120, every_s=0.05)
+        assert m[running] == 1
+        gated.gate.set()
+        answers = [f.result().json() for f in (first, *rest)]
+        assert h.post("/v1/completions", json={**body, "max_tokens": -1}, headers=key).status_code == 400
+        m = _samples(h.get("/metrics").text)
+    v0 = (("model_name", "v0"),)
+    assert m[running] == 0 and m[waiting] == 0
+    assert m[("vllm:prompt_tokens_total", v0)] == sum(a["usage"]["prompt_tokens"] for a in answers)
+    assert m[("vllm:generation_tokens_total", v0)] == sum(a["usage"]["completion_tokens"] for a in answers)
+    reasons = Counter(a["choices"][0]["finish_reason"] for a in answers)
+    assert {r: m[("vllm:request_success_total", (("finished_reason", r), ("model_name", "v0")))] for r in reasons} == reasons
+    for h_ in ("vllm:e2e_request_latency_seconds", "vllm:time_to_first_token_seconds", "vllm:request_queue_time_seconds",
+               "vllm:request_inference_time_seconds"):
+        assert m[(h_ + "_count", v0)] == 3, h_
+    assert m[("vllm:e2e_request_latency_seconds_sum", v0)] >= m[("vllm:time_to_first_token_seconds_sum", v0)]

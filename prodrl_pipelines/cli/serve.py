@@ -41,12 +41,16 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="the model's reasoning and tool-call format (vLLM's --reasoning-parser and "
                         "--tool-call-parser): replies are parsed into reasoning and tool_calls, and "
                         "tool_choice auto / required / a named function are served; none: plain replies")
+    s.add_argument("--log-format", choices=("text", "json"), default="text",
+                   help="json: the server's log lines as JSON objects (the recorder's request-log shape)")
     s.set_defaults(fn=cmd_serve)
     return s
 
 
 def cmd_serve(args) -> int:
     import uvicorn
+
+    from prodrl_pipelines.observability.json_logs import log_config_kwargs
 
     if args.threads:
         import torch
@@ -59,5 +63,5 @@ def cmd_serve(args) -> int:
                     batch_quiet_ms=args.batch_quiet_ms, max_body_bytes=args.max_body_bytes,
                     return_routed_experts=args.enable_return_routed_experts, reply_parser=args.reply_parser)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
-                timeout_keep_alive=args.timeout_keep_alive)
+                timeout_keep_alive=args.timeout_keep_alive, **log_config_kwargs(args.log_format, "serve"))
     return 0

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -19,6 +20,7 @@ class _Job:
     params: SamplingParams
     seed: int | None
     future: asyncio.Future
+    queued_at: float = 0.0  # perf_counter when it was queued
 
 
 @dataclass
@@ -44,6 +46,7 @@ class EngineBatcher:
         self.quiet_gap_s = max(float(quiet_gap_ms), 0.0) / 1000.0
         self.max_batch_size = max(int(max_batch_size), 1)
         self.stats = BatcherStats()
+        self.metrics = None  # serve_metrics.ServeMetrics: told when jobs queue, start and end
         self._executor: ThreadPoolExecutor | None = None
         self._queue: asyncio.Queue[_Job] | None = None
         self._task: asyncio.Task | None = None
@@ -81,7 +84,9 @@ class EngineBatcher:
             raise RuntimeError("EngineBatcher.start() was not called")
         fut = asyncio.get_running_loop().create_future()
         self.stats.requests += 1
-        await self._queue.put(_Job(prompts, params, seed, fut))
+        if self.metrics is not None:
+            self.metrics.queued(len(prompts))
+        await self._queue.put(_Job(prompts, params, seed, fut, time.perf_counter()))
         return await fut
 
     async def call(self, fn, *args):
@@ -127,13 +132,20 @@ class EngineBatcher:
                 params, seed = group[0].params, group[0].seed
                 self.stats.generate_calls += 1
                 self.stats.prompts += len(prompts)
+                t0 = time.perf_counter()
+                if self.metrics is not None:
+                    self.metrics.batch_started(len(prompts), [t0 - j.queued_at for j in group for _ in j.prompts])
                 try:
                     records = await loop.run_in_executor(self._executor, self._generate, prompts, params, seed)
                 except Exception as exc:  # the group's requests fail; the loop keeps serving
+                    if self.metrics is not None:
+                        self.metrics.batch_failed(len(prompts))
                     for j in group:
                         if not j.future.done():
                             j.future.set_exception(exc)
                     continue
+                if self.metrics is not None:
+                    self.metrics.batch_done(len(prompts), time.perf_counter() - t0, records)
                 at = 0
                 for j in group:
                     if not j.future.done():

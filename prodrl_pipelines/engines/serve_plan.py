@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from prodrl_pipelines.engines.openai_protocol import (
     ROUTED_EXPERTS_START_FIELD, ProtocolError, position_entries, token_id_string,
 )
+from prodrl_pipelines.engines.serve_metrics import first_token
 from prodrl_pipelines.engines.serve_state import ServeState
 from prodrl_pipelines.engines.types import CallRecord, SamplingParams
 
@@ -157,10 +158,13 @@ async def run_plan(state: ServeState, plan: RequestPlan) -> list[list[CallRecord
     if plan.seed is None:
         flat = [p for p in plan.prompts for _ in range(plan.n)]
         recs = await b.generate(flat, plan.params, None)
-        return [recs[i * plan.n : (i + 1) * plan.n] for i in range(len(plan.prompts))]
-    # Seeded: each prompt on its own with the request's seed (vLLM: seeded outputs do not depend on
-    # the other requests in the batch).
-    return list(await asyncio.gather(*(b.generate([p] * plan.n, plan.params, plan.seed) for p in plan.prompts)))
+        out = [recs[i * plan.n : (i + 1) * plan.n] for i in range(len(plan.prompts))]
+    else:
+        # Seeded: each prompt on its own with the request's seed (vLLM: seeded outputs do not depend
+        # on the other requests in the batch).
+        out = list(await asyncio.gather(*(b.generate([p] * plan.n, plan.params, plan.seed) for p in plan.prompts)))
+    first_token()  # the whole completion is there: a stream's first chunk can go out
+    return out
 
 
 @dataclass

@@ -102,6 +102,7 @@ class ServeState:
         self.return_routed_experts = bool(return_routed_experts)
         # the model's reasoning and tool-call format (``reply_parsers.ToolFormat``; None: plain replies)
         self.tool_format = None
+        self.metrics = None  # serve_metrics.ServeMetrics (build_app)
 
     @property
     def engine(self):

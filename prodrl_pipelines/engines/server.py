@@ -3,7 +3,8 @@
 Routes: ``POST /v1/completions`` (prompt as text, token ids, or a list of either),
 ``POST /v1/chat/completions`` (messages and tools rendered with the tokenizer's chat template,
 ``chat_endpoint``), both streaming (SSE) and not; ``GET /v1/models``; ``GET /health`` (and the probes
-``/health/live``, ``/health/ready``, open like it); ``POST /v1/load_model {"model_dir": ...}`` to
+``/health/live``, ``/health/ready``, open like it); ``GET /metrics`` (vLLM's metric names, open:
+``serve_metrics``); ``POST /v1/load_model {"model_dir": ...}`` to
 redeploy a new checkpoint in place. Responses carry vLLM's fields (``prompt_token_ids`` /
 ``token_ids`` with ``return_token_ids``, vLLM's ``logprobs`` layouts, see ``openai_protocol``), and
 logprobs are processed logprobs, as from ``vllm serve --logprobs-mode processed_logprobs``.
@@ -78,6 +79,8 @@ from prodrl_pipelines.engines.serve_plan import (
     token_formatter,
     usage_block,
 )
+from prodrl_pipelines.engines.serve_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
+from prodrl_pipelines.engines.serve_metrics import RequestTimer, ServeMetrics
 from prodrl_pipelines.engines.serve_state import ModelInfo, ServeState, TokenDecoder, load_engine
 
 __all__ = ["build_app", "BackgroundServer", "KEEP_ALIVE_S"]
@@ -278,6 +281,11 @@ async def load_model(request: Request) -> Response:
     return JSONResponse({"status": "ok", "model": info.name, "model_dir": info.model_dir})
 
 
+async def metrics(request: Request) -> Response:
+    """vLLM's metric names for what this server has (``serve_metrics``); open, as vLLM's is."""
+    return Response(request.app.state.serve.metrics.exposition(), media_type=METRICS_CONTENT_TYPE)
+
+
 async def stats(request: Request) -> Response:
     s = request.app.state.serve.batcher.stats
     return JSONResponse({"requests": s.requests, "generate_calls": s.generate_calls, "prompts": s.prompts})
@@ -328,6 +336,8 @@ def build_app(
                        batch_quiet_ms=batch_quiet_ms, max_body_bytes=max_body_bytes,
                        return_routed_experts=return_routed_experts)
     state.tool_format = TOOL_FORMATS.get(reply_parser or "none")
+    state.metrics = ServeMetrics(lambda: state.info.name)
+    state.batcher.metrics = state.metrics
 
     from contextlib import asynccontextmanager
 
@@ -348,9 +358,11 @@ def build_app(
         Route("/health/live", health_live, methods=["GET"]),
         Route("/health/ready", health_ready, methods=["GET"]),
         Route("/stats", stats, methods=["GET"]),
+        Route("/metrics", metrics, methods=["GET"]),
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.serve = state
+    app.add_middleware(RequestTimer, metrics=state.metrics)
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, key=api_key)
     return app
