@@ -12,6 +12,7 @@ from prodrl_pipelines.cluster.config import CLUSTER_FIELDS
 from prodrl_pipelines.config import environment
 from prodrl_pipelines.engines.types import SamplingParams
 from prodrl_pipelines.evaluation.monitor_config import MonitorSettings
+from prodrl_pipelines.observability.config import ObservabilitySettings
 from prodrl_pipelines.rewards.config import RewardSettings
 from prodrl_pipelines.rl.config import Recipe, registered
 
@@ -224,6 +225,7 @@ class Settings(BaseModel):
     rewards: RewardSettings = RewardSettings()
     monitors: MonitorSettings = MonitorSettings()
     lab: LabSettings = LabSettings()
+    observability: ObservabilitySettings = ObservabilitySettings()
 
     @model_validator(mode="after")
     def _sampled_needs_extra_draw(self) -> "Settings":
@@ -323,7 +325,7 @@ def load_settings_file(path: str | Path) -> dict:
 # deploy fields by their own names, eval fields as eval_<name> (the gate's historic names stay bare),
 # lab fields as lab_<name>; home and base_model at the top.
 SECTIONS = {"recipe": Recipe, "deploy": DeploySettings, "eval": EvalSettings, "rewards": RewardSettings,
-            "monitors": MonitorSettings, "lab": LabSettings}
+            "monitors": MonitorSettings, "lab": LabSettings, "observability": ObservabilitySettings}
 _EVAL_BARE = {"heldout_size", "gate_tolerance", "gate_z", "eval_seed"}
 TOP_FIELDS = ("home", "base_model")
 

@@ -70,12 +70,22 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
         torch.distributed.barrier()
     else:
         in_round.pull(svc.blobs, resume, state_name)
-    res = train_round(trained, opt, trajs, np.asarray(batch["advantages"]), batch["plan"], s.recipe, state,
-                      pad_id, round_seed(s, rkey), on_step=on_step, progress=progress, reference_model=reference,
-                      resume_path=resume, rank=rank, world_size=world_size,
-                      behavior_steps=behavior_steps,
-                      on_saved=_mirror_sharded(svc, state_name, rank) if sharded else
-                      (lambda p: in_round.push(svc.blobs, p, state_name)))
+    exporter = None
+    if rank == 0 and s.observability.trainer_metrics_port:  # Prometheus gauges while the round trains
+        from prodrl_pipelines.observability.trainer_metrics import TrainerMetrics
+
+        exporter = TrainerMetrics(rkey).start(s.observability.trainer_metrics_host, s.observability.trainer_metrics_port)
+        on_step = _both(exporter.on_step, on_step)
+    try:
+        res = train_round(trained, opt, trajs, np.asarray(batch["advantages"]), batch["plan"], s.recipe, state,
+                          pad_id, round_seed(s, rkey), on_step=on_step, progress=progress, reference_model=reference,
+                          resume_path=resume, rank=rank, world_size=world_size,
+                          behavior_steps=behavior_steps,
+                          on_saved=_mirror_sharded(svc, state_name, rank) if sharded else
+                          (lambda p: in_round.push(svc.blobs, p, state_name)))
+    finally:
+        if exporter is not None:
+            exporter.close()
     out = Path(out_dir) if out_dir is not None else s.checkpoints_root / rkey
     whole = {}
     if sharded:  # gathered by every rank (collectives), written whole by rank 0
@@ -107,6 +117,16 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
         "tokens_per_s": float(np.mean([m["tokens_per_s"] for m in done])) if done else float("nan"),
         "steps": res.steps,
     }
+
+
+def _both(first, second):
+    """A step callback calling ``first`` then ``second`` (when given)."""
+    def on_step(step: int, metrics: dict) -> None:
+        first(step, metrics)
+        if second is not None:
+            second(step, metrics)
+
+    return on_step
 
 
 def _mirror_sharded(svc: Services, name: str, rank: int):
