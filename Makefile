@@ -4,7 +4,7 @@ VENV := .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 
-.PHONY: setup vllm verifiers demo test bench up clean
+.PHONY: setup vllm verifiers prometheus demo test bench up clean
 
 # vLLM (CPU build) in its own venv, cached outside the clone and keyed by version (DESIGN.md s.10)
 VLLM_VERSION := 0.32.0
@@ -34,6 +34,14 @@ export PRODRL_VERIFIERS_PYTHON ?= $(VERIFIERS_VENV)/bin/python
 verifiers:
 	bash scripts/build_verifiers_venv.sh $(VERIFIERS_VENV) $(VERIFIERS_VERSION) support/verifiers-constraints.txt
 
+# Debian's Prometheus and promtool, unpacked into a cache outside the clone (scripts/build_prometheus.sh):
+# the tests scrape a running stack with it and check docs/observability's alert rules with promtool
+PROMETHEUS_VERSION := 2.42.0+ds-5+deb12u1
+PROMETHEUS_DIR ?= $(HOME)/.cache/prodrl/prometheus-2.42.0
+export PRODRL_PROMETHEUS_DIR ?= $(PROMETHEUS_DIR)
+prometheus:
+	bash scripts/build_prometheus.sh $(PROMETHEUS_DIR) $(PROMETHEUS_VERSION)
+
 demo: $(STAMP)
 	rm -rf runs/demo
 	# every lab call carries its own seed: the printed table is the same run to run (docs/setup.md)
@@ -46,7 +54,7 @@ demo: $(STAMP)
 # OpenMP threads wait passively: spinning ones starve the other workers on two cores);
 # the 25 slowest tests are listed at the end (what to cut first; --durations=0 or --junitxml=FILE for all).
 TEST_WORKERS ?= 3
-test: $(STAMP) vllm verifiers
+test: $(STAMP) vllm verifiers prometheus
 	bash scripts/ensure_postgres.sh
 	$(BIN)/ruff check .
 	OMP_WAIT_POLICY=PASSIVE $(BIN)/python -m pytest -q -n $(TEST_WORKERS) --dist loadfile --no-loadscope-reorder --durations=25

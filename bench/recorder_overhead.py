@@ -45,6 +45,13 @@ continuously): both make the comparison pessimistic for a recorder in front of a
 from another source tree (e.g. ``mkdir /tmp/base && git archive <rev> prodrl_pipelines | tar -x -C
 /tmp/base``), in front of the same upstream, interleaved with the others: before/after in one run.
 
+Observability: a third recorder, ``recorder+obs``, runs with its per-request metrics (histograms, the
+in-flight gauge) and its JSON request log on; ``recorder`` runs with ``--no-request-metrics`` and no
+log, as before they existed. Interleaved with the others; the line before the last:
+``observability: recorder/direct metrics+logs on/off c=8=X; added latency p50/p99 ms=X/Y; erase 1 tenant of 10 over 100k calls s=X``
+(X of the first part: ``recorder+obs`` requests/s over ``recorder``'s, goal >= 0.97; the added
+latency: ``recorder+obs`` minus ``direct``, client side; erasure is not built: ``not-built``).
+
 Last line: ``recorder_overhead: throughput recorder/direct c=1=X c=8=X c=32=X; added p50 ms c=1=X c=8=X c=32=X;
 all goals=PASS`` (MISS when one is missed; the concurrencies measured).
 
@@ -242,9 +249,10 @@ def main() -> None:
     up_port, rec_port, base_port = free_port(), free_port(), free_port()
     procs: list[subprocess.Popen] = []
 
-    def record(upstream_port: int, port: int, store: str, src: str | None = None) -> subprocess.Popen:
+    def record(upstream_port: int, port: int, store: str, src: str | None = None,
+               extra: tuple[str, ...] = ("--no-request-metrics",)) -> subprocess.Popen:
         p = spawn(["record", "--upstream", f"http://127.0.0.1:{upstream_port}", "--store", str(tmp / store),
-                   "--port", str(port), "--tokenizer", model_dir], port, env, auth, src=src)
+                   "--port", str(port), "--tokenizer", model_dir, *extra], port, env, auth, src=src)
         procs.append(p)
         return p
 
@@ -258,6 +266,11 @@ def main() -> None:
         # name -> (url, api key, recorder process or None, upstream process, seconds)
         phases = {"direct": (f"http://127.0.0.1:{up_port}", "EMPTY", None, up_proc, args.seconds),
                   "recorder": (f"http://127.0.0.1:{rec_port}", TOKEN, rec_proc, up_proc, args.seconds)}
+        # the same recorder with its per-request metrics and its JSON request log on (the one above: off)
+        obs_port = free_port()
+        phases["recorder+obs"] = (f"http://127.0.0.1:{obs_port}", TOKEN,
+                                  record(up_port, obs_port, "store-obs", extra=("--request-log", str(tmp / "requests.jsonl"))),
+                                  up_proc, args.seconds)
         if args.compare_src:
             phases["recorder (base)"] = (f"http://127.0.0.1:{base_port}", TOKEN,
                                          record(up_port, base_port, "store-base", args.compare_src), up_proc,
@@ -336,6 +349,12 @@ def main() -> None:
     if args.json:
         Path(args.json).write_text(json.dumps(summary, indent=1))
     goals = {c: summary["goals"][f"recorder c{c}"] for c in args.concurrency}
+    c = 8 if 8 in args.concurrency else args.concurrency[0]
+    on, off = summary["phases"][f"recorder+obs c{c}"], summary["phases"][f"recorder c{c}"]
+    d = summary["phases"][f"direct c{c}"]
+    print(f"observability: recorder/direct metrics+logs on/off c={c}={on['req_per_s'] / off['req_per_s']:.3f} "
+          f"(goal >= 0.97); added latency p50/p99 ms={on['p50_ms'] - d['p50_ms']:.2f}/{on['p99_ms'] - d['p99_ms']:.2f}; "
+          "erase 1 tenant of 10 over 100k calls s=not-built")
     print("recorder_overhead: throughput recorder/direct " + " ".join(
         f"c={c}={g['throughput_ratio']:.3f}" for c, g in goals.items()) + "; added p50 ms " + " ".join(
         f"c={c}={g['added_p50_ms']:.2f}" for c, g in goals.items())

@@ -29,6 +29,10 @@ from prodrl_pipelines.lab.tasks import ARITHMETIC
 from prodrl_pipelines.config.preflight import libpq_dsn
 
 from conftest import PG_URL, REPO
+from prometheus_support import PrometheusServer
+from test_observability_docs import dashboard_queries
+from prodrl_pipelines.deploy_targets.processes import pick_port
+from prodrl_pipelines.stack.prometheus_config import config_text
 
 RUNS = """query($name: String!) { runsOrError(filter: {pipelineName: $name}) {
   ... on Runs { results { runId status tags { key value } } } } }"""
@@ -253,6 +257,29 @@ def _mlflow(url: str, path: str, **params) -> dict:
     return r.json()
 
 
+def _prometheus_saw_the_stack(prom: PrometheusServer, up: MakeUp) -> None:
+    """The stack's targets are up (the recorder, both replicas); the recorder's p99 added latency and
+    round 1's trainer's last-step age answer; every dashboard query runs; the alert rules loaded."""
+    def targets_up():
+        jobs = [r["metric"]["job"] for r in prom.query('up{job=~"prodrl-recorder|prodrl-serve"} == 1')]
+        return jobs.count("prodrl-recorder") == 1 and jobs.count("prodrl-serve") >= 2
+    up.wait(targets_up, "Prometheus scraping the recorder and both replicas", 300)
+    # a call answered by round 1's replicas (the background traffic saw one) reaches their counters
+    up.wait(lambda: prom.query('sum(vllm:request_success_total{job="prodrl-serve"}) > 0'), "the replicas' counters", 300)
+    p99 = prom.query("histogram_quantile(0.99, sum by (le) (rate(prodrl_recorder_added_latency_seconds_bucket[15m])))")
+    assert len(p99) == 1 and float(p99[0]["value"][1]) >= 0, p99
+    age = prom.query("time() - last_over_time(prodrl_trainer_last_step_timestamp_seconds[1h])")
+    assert [r["metric"].get("job") for r in age] == ["prodrl-trainer"] and float(age[0]["value"][1]) >= 0, age
+    steps = prom.query('last_over_time(prodrl_trainer_round_step[1h]) * on (instance) group_left(round) '
+                       'last_over_time(prodrl_trainer_info[1h])')
+    # its steps taken (of 2; a step without learning signal is skipped, not counted)
+    assert [r["metric"]["round"] for r in steps] == ["round-000001"] and 0 <= float(steps[0]["value"][1]) <= 2, steps
+    for q in dashboard_queries():
+        prom.query(q)  # valid, and the series it names exist under these names
+    rules = [r for g in httpx.get(prom.url + "/api/v1/rules", timeout=30).json()["data"]["groups"] for r in g["rules"]]
+    assert len(rules) == 6 and all(r["health"] == "ok" for r in rules), rules
+
+
 @pytest.mark.long(seconds=330)
 def test_make_up_runs_the_loop_and_continues_after_a_restart(tmp_path, fresh_database):
     home = tmp_path / "stack"
@@ -273,10 +300,18 @@ def _loop_and_restart(home, tmp_path, fresh_database, started):
     settings = tmp_path / "stack-settings.json"
     settings.write_text(json.dumps({**json.loads((REPO / "examples" / "lab-demo.json").read_text()),
                                     "steps_per_round": 2, "batch_size": 32, "heldout_size": 32,
-                                    "gate_tolerance": 1.0}))
+                                    "gate_tolerance": 1.0,
+                                    # rank 0 serves its gauges while a round trains, until scraped once more
+                                    "observability_trainer_metrics_port": pick_port(),
+                                    "observability_trainer_metrics_final_scrape_s": 300}))
     # with a local two-node Ray cluster: the rounds train, evaluate and score there as Ray jobs
     up = MakeUp(home, fresh_database, tmp_path / "make_up.log", settings, cluster="ray")
     started.append(up)
+    # a real Prometheus scrapes the stack from the start: the stack's own scrape targets, every second
+    assert (home / "prometheus" / "prometheus.yml").is_file() and "prometheus --config.file" in up.log.read_text()
+    (tmp_path / "prometheus.yml").write_text(config_text(home, scrape_interval_s=1))
+    prom = PrometheusServer(tmp_path / "prometheus.yml", tmp_path)
+    started.append(prom)
     figures["startup_s"] = round(up.startup_s, 1)
     urls = up.state["urls"]
     assert f"Ray dashboard {urls['ray']}" in up.log.read_text() and "ray cluster" in up.state["pids"]
@@ -351,6 +386,7 @@ def _loop_and_restart(home, tmp_path, fresh_database, started):
                for r in range(2)]
     assert workers[0]["node"] != workers[1]["node"], workers
     deployed_1 = champion["version"] == challenger["version"]
+    _prometheus_saw_the_stack(prom, up)
     up.wait(lambda: "prodrl serve" in up.current_state()["pids"] and "prodrl record" in up.current_state()["pids"],
             "the deployment after round 1")
     figures["rss_mb"] = _rss_mb(up.current_state()["pids"])

@@ -173,3 +173,11 @@ def test_json_log_lines_have_the_request_logs_shape():
     assert [(x["level"], x["service"], x["logger"], x["event"]) for x in lines] == [
         ("warning", "recorder", "uvicorn.error", "Started server process [42]"), ("error", "recorder", "prodrl", "flush failed")]
     assert "ZeroDivisionError" in lines[1]["error"] and lines[0]["ts"].endswith("+00:00")
+
+
+def test_without_request_metrics_only_the_scrape_time_series_remain(fake, start_recorder):
+    r = start_recorder(fake.url, tokenizer_dir=None, request_metrics=False)
+    assert r.http.post("/v1/completions", json={"prompt": PROMPT, "max_tokens": 2}).status_code == 200
+    m = scrape(r.srv.url)
+    assert one(m, "prodrl_recorder_requests_total") == 1 and one(m, "prodrl_recorder_requests_in_flight") == 0
+    assert not m.get("prodrl_recorder_request_duration_seconds_count") and not m.get("prodrl_recorder_responses_total")

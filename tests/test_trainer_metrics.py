@@ -59,3 +59,22 @@ def test_rank_0_serves_step_loss_throughput_mismatch_and_last_step_time_while_a_
         again = train.train(svc, key, progress=False, out_dir=tmp_path / "again")
     assert again["steps_taken"] == out["steps_taken"]
     assert f"trainer metrics not served on 127.0.0.1:{port}" in caplog.text
+
+
+def test_the_final_values_wait_for_a_scrape_before_the_exporter_closes():
+    import threading
+
+    from prodrl_pipelines.observability.trainer_metrics import TrainerMetrics
+
+    port = _free_port()
+    tm = TrainerMetrics("round-000003").start("127.0.0.1", port)
+    tm.on_step(41, {"loss": 0.5, "tokens_per_s": 100.0})
+    closing = threading.Thread(target=tm.close, kwargs={"final_scrape_s": 300})
+    closing.start()
+    closing.join(0.5)
+    assert closing.is_alive()  # nothing scraped since the last step: it waits (up to 300 s)
+    g = _gauges(port)
+    closing.join(60)
+    assert not closing.is_alive() and g["prodrl_trainer_step"] == 41 and g["prodrl_trainer_loss"] == 0.5
+    t = TrainerMetrics("round-000004").start("127.0.0.1", port)  # no wait asked: closes at once
+    t.close(final_scrape_s=0)

@@ -85,6 +85,8 @@ def add_record_parser(sub) -> argparse.ArgumentParser:
     r.add_argument("--request-log", default=None, metavar="PATH",
                    help="one JSON line per API request (route, tenant, version, replica, status, latencies, token "
                         "counts, trajectory id; never prompt or output text) appended to PATH; - for standard output")
+    r.add_argument("--no-request-metrics", dest="request_metrics", action="store_false",
+                   help="no per-request histograms or in-flight gauge on /metrics (its counters and gauges stay)")
     r.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="json: the server's own log lines as JSON objects too (the request log's shape)")
     r.add_argument("--log-level", default="warning")
@@ -111,6 +113,7 @@ def recorder_config(args, token: str | None) -> RecorderConfig:
         default_top_k=args.default_top_k, coordination_url=args.coordination_url,
         chat_history=args.chat_history, reply_parser=args.reply_parser,
         session_affinity=args.session_affinity, request_log=args.request_log,
+        request_metrics=args.request_metrics,
     )
 
 

@@ -85,7 +85,7 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
                           (lambda p: in_round.push(svc.blobs, p, state_name)))
     finally:
         if exporter is not None:
-            exporter.close()
+            exporter.close(s.observability.trainer_metrics_final_scrape_s)
     out = Path(out_dir) if out_dir is not None else s.checkpoints_root / rkey
     whole = {}
     if sharded:  # gathered by every rank (collectives), written whole by rank 0

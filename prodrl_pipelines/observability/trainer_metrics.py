@@ -11,6 +11,7 @@ mismatch), ``prodrl_trainer_last_step_timestamp_seconds`` (for "no step for 10 m
 from __future__ import annotations
 
 import logging
+import threading
 import time
 
 from prometheus_client import CollectorRegistry, Gauge, start_http_server
@@ -40,6 +41,9 @@ class TrainerMetrics:
         self.last_step.set(time.time())  # the round started: its age counts from here until a step ends
         self._server = None
         self._taken = 0
+        self._scraped = threading.Condition()
+        self._scrapes = 0
+        self.registry.register(_ScrapeCounter(self))
 
     def start(self, host: str, port: int) -> "TrainerMetrics":
         try:
@@ -60,8 +64,30 @@ class TrainerMetrics:
         self.round_step.set(self._taken)
         self.last_step.set(time.time())
 
-    def close(self) -> None:
+    def scraped(self) -> None:
+        with self._scraped:
+            self._scrapes += 1
+            self._scraped.notify_all()
+
+    def close(self, final_scrape_s: float = 0.0) -> None:
+        """Stop serving; with ``final_scrape_s``, first wait (at most so long) for a scrape that reads
+        the values as they are now."""
+        if self._server is not None and final_scrape_s > 0:
+            with self._scraped:
+                seen = self._scrapes
+                self._scraped.wait_for(lambda: self._scrapes > seen, timeout=final_scrape_s)
         if self._server is not None:
             self._server.shutdown()
             self._server.server_close()
             self._server = None
+
+
+class _ScrapeCounter:
+    """A collector with no series: it tells the exporter each time it is scraped."""
+
+    def __init__(self, exporter: TrainerMetrics) -> None:
+        self.exporter = exporter
+
+    def collect(self):
+        self.exporter.scraped()
+        return iter(())

@@ -52,6 +52,9 @@ class RecorderConfig:
     session_affinity: bool = True
     # one JSON line per API request (recorder.request_log): a file, "-" for standard output, None: off
     request_log: str | None = None
+    # per-request histograms and the in-flight gauge on /metrics (False: counters and gauges read at
+    # scrape time only, no work per request)
+    request_metrics: bool = True
 
     def __post_init__(self) -> None:
         from prodrl_pipelines.engines.reply_parsers import TOOL_FORMATS

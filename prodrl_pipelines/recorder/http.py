@@ -350,8 +350,13 @@ def build_recorder_app(config: RecorderConfig) -> Starlette:
     rec = Recorder(config)
     log = RequestLog(config.request_log) if config.request_log else None
 
+    def request_started(ctx) -> None:
+        if config.request_metrics:
+            rec.metrics.started(ctx)
+
     def request_done(ctx) -> None:
-        rec.metrics.observe(ctx)
+        if config.request_metrics:
+            rec.metrics.observe(ctx)
         if log is not None:
             log.write(ctx)
 
@@ -382,6 +387,7 @@ def build_recorder_app(config: RecorderConfig) -> Starlette:
         405: lambda request, exc: err(f"{request.method} is not allowed on {clip(request.url.path)}", 405)})
     app.state.recorder = rec
     app.add_middleware(_BearerAuth, tenants=rec.tenants, stats=rec.stats)
-    # outermost: a request refused by the token check or the rate limit is timed and counted too
-    app.add_middleware(RequestObserver, on_start=rec.metrics.started, on_done=request_done)
+    if config.request_metrics or log is not None:
+        # outermost: a request refused by the token check or the rate limit is counted and logged too
+        app.add_middleware(RequestObserver, on_start=request_started, on_done=request_done)
     return app

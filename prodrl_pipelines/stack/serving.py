@@ -128,6 +128,7 @@ class LiveServing:
         if self.record is None or not self.record.alive():
             self._start_recorder()
         svc = self._services()
+        self._publish_scrape_targets(svc)
         if svc.ledger.live() is None:
             return
         target = self.target()
@@ -138,6 +139,18 @@ class LiveServing:
         roll_out(svc.settings, target, Path(live.export_dir), live.policy_version, prompts=[])
         self.log(f"deployment: {live.policy_version} serving again on {target.replicas} replica(s) "
                  f"({time.monotonic() - t0:.1f}s)")
+
+    def _publish_scrape_targets(self, svc) -> None:
+        """What Prometheus scrapes (``stack.prometheus_config``): the recorder, the replicas the
+        endpoint file lists now, and a training round's rank 0 where its port is set."""
+        from prodrl_pipelines.deploy_targets import endpoint_file
+        from prodrl_pipelines.stack.prometheus_config import serving_targets, write_targets
+
+        obs = svc.settings.observability
+        write_targets(self.home, "prodrl-recorder", [f"127.0.0.1:{self.record_port}"])
+        write_targets(self.home, "prodrl-serve", serving_targets(endpoint_file(self.home, svc.settings.deploy).read()))
+        trainer = [f"{obs.trainer_metrics_host.replace('0.0.0.0', '127.0.0.1')}:{obs.trainer_metrics_port}"]
+        write_targets(self.home, "prodrl-trainer", trainer if obs.trainer_metrics_port else [])
 
     def _start_recorder(self) -> None:
         from prodrl_pipelines.deploy_targets.endpoint_store import endpoint_location

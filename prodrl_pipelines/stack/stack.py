@@ -153,6 +153,9 @@ class Stack:
             settings = settings_from_flat({**self.settings, "home": str(self.home)})
             return build_services(settings, StoreLocation(**s3_store))
 
+        from prodrl_pipelines.stack.prometheus_config import write_config
+
+        write_config(self.home)  # scrape targets kept current by the live serving's polls
         self.serving = LiveServing(env=self._env, home=self.home, record_port=self.ports["recorder"], token=token,
                                    services=round_services, log=self.log).start()
         self.startup_s = time.monotonic() - t0
@@ -243,7 +246,9 @@ class Stack:
             f"PostgreSQL    {redact(self.pg_url)}   (schemas {self.schemas['dagster']}, {self.schemas['mlflow']})",
             *([f"Ray dashboard {u['ray']}   (2 local nodes; the rounds' training, evaluation and scoring jobs)"]
               if "ray" in u else []),
-            f"state, logs   {self.home / 'stack.json'}, {self.home / 'logs'}",
+            f"state, logs   {self.home / 'stack.json'}, {self.home / 'logs'} (requests.jsonl: one line per call)",
+            f"metrics       {u['recorder']}/metrics, each replica's /metrics; Prometheus: prometheus "
+            f"--config.file={self.home / 'prometheus' / 'prometheus.yml'} (docs/observability.md)",
         ])
 
 
