@@ -8,9 +8,11 @@ import json
 import os
 import socket
 import subprocess
+import time
 from datetime import datetime, timezone
 from pathlib import Path
 
+import httpx
 import numpy as np
 import pytest
 import torch
@@ -21,6 +23,7 @@ from prodrl_pipelines.loop import bootstrap
 from prodrl_pipelines.config import environment
 from prodrl_pipelines.loop import train
 from prodrl_pipelines.config.environment import KILL_RANK_AT_STEP
+from prodrl_pipelines.deploy_targets.processes import pick_port
 from prodrl_pipelines.ops.training import torchrun_command
 from prodrl_pipelines.rl.checkpoint import load_policy, load_trainer_state
 from prodrl_pipelines.rl.trainer import build_optimizer
@@ -51,6 +54,28 @@ def _round_with_data(tmp_path, pg_instance, **extra):
     return res, svc, key
 
 
+def trainer_gauges(port: int) -> dict[str, float]:
+    """The trainer's /metrics (observability.trainer_metrics): name -> value (``..._info`` keyed by round)."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    text = httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=30).text
+    return {(f"{s.name}{{round={s.labels['round']}}}" if "round" in s.labels else s.name): s.value
+            for f in text_string_to_metric_families(text) for s in f.samples}
+
+
+def _gauges_followed_the_steps(seen: list, t0: float, key: str) -> None:
+    """Scraped from the step callback (after the exporter took the step): each step's values."""
+    taken = [x for x in seen if not x[1].get("skipped")]
+    assert len(taken) >= 1
+    for n, (step, metrics, g, at) in enumerate(taken, start=1):
+        assert g["prodrl_trainer_round_step"] == n and g["prodrl_trainer_step"] == step
+        assert g["prodrl_trainer_loss"] == pytest.approx(metrics["loss"])
+        assert g["prodrl_trainer_tokens_per_second"] == pytest.approx(metrics["tokens_per_s"])
+        assert g["prodrl_trainer_engine_mismatch"] == pytest.approx(metrics["engine_mismatch"])
+        assert t0 <= g["prodrl_trainer_last_step_timestamp_seconds"] <= at
+        assert g[f"prodrl_trainer_info{{round={key}}}"] == 1
+
+
 def _same_weights(a_dir, b_dir, atol=2e-5, rtol=1e-4):
     a, b = load_file(a_dir / "model.safetensors"), load_file(b_dir / "model.safetensors")
     assert a.keys() == b.keys()
@@ -59,9 +84,16 @@ def _same_weights(a_dir, b_dir, atol=2e-5, rtol=1e-4):
 
 
 def test_two_rank_torchrun_matches_single_process(tmp_path, pg_instance):
-    res, svc, key = _round_with_data(tmp_path, pg_instance)
-    single = train.train(svc, key, progress=False, out_dir=tmp_path / "single")
+    # rank 0 serves the trainer's Prometheus gauges while it trains (both runs; scraped in the first)
+    port = pick_port()
+    res, svc, key = _round_with_data(tmp_path, pg_instance, observability_trainer_metrics_port=port)
+    t0, seen = time.time(), []
+    single = train.train(svc, key, progress=False, out_dir=tmp_path / "single",
+                         on_step=lambda step, m: seen.append((step, m, trainer_gauges(port), time.time())))
     assert single["steps_taken"] == 2
+    _gauges_followed_the_steps(seen, t0, key)
+    with pytest.raises(httpx.ConnectError):  # the round is trained: nothing serves its gauges any more
+        httpx.get(f"http://127.0.0.1:{port}/metrics", timeout=5)
 
     out = materialize([recorded_trajectories, training_batch, trained_checkpoint], selection=[trained_checkpoint],
                       instance=pg_instance, partition_key=key, resources=res)

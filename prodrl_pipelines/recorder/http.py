@@ -358,7 +358,10 @@ def build_recorder_app(config: RecorderConfig) -> Starlette:
         if config.request_metrics:
             rec.metrics.observe(ctx)
         if log is not None:
-            log.write(ctx)
+            try:
+                log.write(ctx)
+            except (OSError, ValueError):  # a full disk: the call was answered and recorded all the same
+                rec.stats.inc("request_log_errors")
 
     @asynccontextmanager
     async def lifespan(app):
