@@ -50,7 +50,8 @@ in-flight gauge) and its JSON request log on; ``recorder`` runs with ``--no-requ
 log, as before they existed. Interleaved with the others; the line before the last:
 ``observability: recorder/direct metrics+logs on/off c=8=X; added latency p50/p99 ms=X/Y; erase 1 tenant of 10 over 100k calls s=X``
 (X of the first part: ``recorder+obs`` requests/s over ``recorder``'s, goal >= 0.97; the added
-latency: ``recorder+obs`` minus ``direct``, client side; erasure is not built: ``not-built``).
+latency: ``recorder+obs`` minus ``direct``, client side; the erasure: ``prodrl data erase --tenant``
+of one tenant of 10 in a local store of ``--erase-calls`` calls, files removed, checked gone).
 
 Last line: ``recorder_overhead: throughput recorder/direct c=1=X c=8=X c=32=X; added p50 ms c=1=X c=8=X c=32=X;
 all goals=PASS`` (MISS when one is missed; the concurrencies measured).
@@ -226,7 +227,10 @@ def main() -> None:
     ap.add_argument("--compare-src", default=None,
                     help="source tree of another prodrl_pipelines (e.g. the previous commit's): adds 'recorder (base)'")
     ap.add_argument("--json", default=None, help="also write the results here")
-    args = parse_args(ap, rounds=1, seconds=0.3, concurrency=[2], instant_seconds=0.3, max_tokens=4)
+    ap.add_argument("--erase-calls", type=int, default=100_000,
+                    help="calls in the store of the erasure measure (one tenant of 10 erased)")
+    args = parse_args(ap, rounds=1, seconds=0.3, concurrency=[2], instant_seconds=0.3, max_tokens=4,
+                      erase_calls=2000)
     t_start = time.monotonic()
 
     import prodrl_pipelines
@@ -352,13 +356,51 @@ def main() -> None:
     c = 8 if 8 in args.concurrency else args.concurrency[0]
     on, off = summary["phases"][f"recorder+obs c{c}"], summary["phases"][f"recorder c{c}"]
     d = summary["phases"][f"direct c{c}"]
+    erase_s = erase_one_tenant(args.erase_calls, tmp / "erase-store")
     print(f"observability: recorder/direct metrics+logs on/off c={c}={on['req_per_s'] / off['req_per_s']:.3f} "
           f"(goal >= 0.97); added latency p50/p99 ms={on['p50_ms'] - d['p50_ms']:.2f}/{on['p99_ms'] - d['p99_ms']:.2f}; "
-          "erase 1 tenant of 10 over 100k calls s=not-built")
+          f"erase 1 tenant of 10 over {args.erase_calls // 1000}k calls s={erase_s:.2f}")
     print("recorder_overhead: throughput recorder/direct " + " ".join(
         f"c={c}={g['throughput_ratio']:.3f}" for c, g in goals.items()) + "; added p50 ms " + " ".join(
         f"c={c}={g['added_p50_ms']:.2f}" for c, g in goals.items())
         + f"; all goals={'PASS' if summary['all_goals_pass'] else 'MISS'}")
+
+
+def erase_one_tenant(n_calls: int, root: Path) -> float:
+    """Seconds for ``prodrl data erase --tenant`` (``trajectories.erasure``) of one tenant of 10 in a
+    local store of ``n_calls`` calls (4 per trajectory, 32 tokens each, one reward each), the files
+    removed included; checked gone afterwards."""
+    from datetime import datetime, timezone
+
+    import pyarrow as pa
+
+    from prodrl_pipelines.storage.blobstore import LocalBlobStore
+    from prodrl_pipelines.trajectories.erasure import Erasure, erase
+    from prodrl_pipelines.trajectories.schema import CALL_SCHEMA
+    from prodrl_pipelines.trajectories.store import TrajectoryStore
+
+    store = TrajectoryStore(LocalBlobStore(root))
+    now = datetime.now(timezone.utc)
+    n_traj = max(n_calls // 4, 10)
+    tids = [f"t{i % 10}/traj-{i}" for i in range(n_traj)]
+    for lo in range(0, n_traj, 5000):  # several commits, as a recorder's flushes make
+        part = tids[lo:lo + 5000]
+        n = 4 * len(part)
+        out = [list(range(32))] * n
+        cols = {"trajectory_id": [t for t in part for _ in range(4)], "call_index": [k for _ in part for k in range(4)],
+                "task_id": ["task"] * n, "policy_version": ["v0"] * n, "prompt_token_ids": [list(range(16))] * n,
+                "output_token_ids": out, "output_logprobs": [[-1.0] * 32] * n, "top_token_ids": None,
+                "top_logprobs": None, "support_complete": [False] * n, "temperature": [1.0] * n, "top_p": [1.0] * n,
+                "top_k": [0] * n, "prompt_text": ["p"] * n, "output_text": ["o"] * n, "created_at": [now] * n}
+        store.write_calls(pa.table({f.name: pa.array(cols.get(f.name) or [None] * n, f.type) for f in CALL_SCHEMA},
+                                   schema=CALL_SCHEMA))
+        store.write_rewards([{"trajectory_id": t, "reward": 1.0, "source": "bench", "created_at": now} for t in part])
+    t0 = time.perf_counter()
+    report = erase(store, Erasure(tenant="t3", requested_by="bench"))
+    took = time.perf_counter() - t0
+    left = store.read_calls(columns=["trajectory_id"]).column("trajectory_id").to_pylist()
+    assert report["trajectories"] == sum(t.startswith("t3/") for t in tids) and not any(t.startswith("t3/") for t in left)
+    return took
 
 
 def report(args, phases: dict, results: dict, rec_counters: dict) -> dict:

@@ -15,6 +15,7 @@ from prodrl_pipelines.evaluation.monitor_config import MonitorSettings
 from prodrl_pipelines.observability.config import ObservabilitySettings
 from prodrl_pipelines.rewards.config import RewardSettings
 from prodrl_pipelines.rl.config import Recipe, registered
+from prodrl_pipelines.trajectories.data_config import DataSettings
 
 
 # parity probe bounds (mean, p99 of |log mu_new - log pi_trainer| in nats) per export scheme
@@ -226,6 +227,7 @@ class Settings(BaseModel):
     monitors: MonitorSettings = MonitorSettings()
     lab: LabSettings = LabSettings()
     observability: ObservabilitySettings = ObservabilitySettings()
+    data: DataSettings = DataSettings()
 
     @model_validator(mode="after")
     def _sampled_needs_extra_draw(self) -> "Settings":
@@ -325,7 +327,8 @@ def load_settings_file(path: str | Path) -> dict:
 # deploy fields by their own names, eval fields as eval_<name> (the gate's historic names stay bare),
 # lab fields as lab_<name>; home and base_model at the top.
 SECTIONS = {"recipe": Recipe, "deploy": DeploySettings, "eval": EvalSettings, "rewards": RewardSettings,
-            "monitors": MonitorSettings, "lab": LabSettings, "observability": ObservabilitySettings}
+            "monitors": MonitorSettings, "lab": LabSettings, "observability": ObservabilitySettings,
+            "data": DataSettings}
 _EVAL_BARE = {"heldout_size", "gate_tolerance", "gate_z", "eval_seed"}
 TOP_FIELDS = ("home", "base_model")
 
