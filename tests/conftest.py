@@ -226,13 +226,13 @@ def mlflow_server(s3_endpoint, tmp_path_factory):
     """A real `mlflow server` as `prodrl up` starts it: runs and registry in a PostgreSQL schema of
     this session's own, artifacts proxied to a bucket on the S3 endpoint. Yields its URL."""
     import boto3
-    import httpx
     import psycopg2
 
     from prodrl_pipelines.config.preflight import libpq_dsn
     from prodrl_pipelines.stack.postgres import with_schema
     from prodrl_pipelines.deploy_targets.processes import pick_port
     from prodrl_pipelines.stack.stack import mlflow_server_command
+    from tests.helpers import wait_healthy
 
     schema = f"prodrl_test_{os.getpid()}_mlflow"
     conn = psycopg2.connect(libpq_dsn(PG_URL))
@@ -249,18 +249,7 @@ def mlflow_server(s3_endpoint, tmp_path_factory):
                                 env=env, stdout=fh, stderr=subprocess.STDOUT, start_new_session=True)
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 180
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"mlflow server exited with {proc.returncode}: {log.read_text()[-3000:]}")
-            try:
-                if httpx.get(f"{url}/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"mlflow server did not come up: {log.read_text()[-3000:]}")
-            time.sleep(0.5)
+        wait_healthy(proc, f"{url}/health", timeout_s=180, what="mlflow server", log=log, kill=False)
         yield url
     finally:
         os.killpg(proc.pid, 15)

@@ -71,24 +71,30 @@ def make_reward(trajectory_id: str, reward: float = 1.0, *, minutes: int = 0, so
     }
 
 
-def wait_healthy(proc, url: str, headers: dict | None = None, timeout_s: float = 120.0, what: str = "the service"):
-    """Poll ``url`` until it answers 200; raise (with the process's stderr) if ``proc`` exits or it times out."""
+def wait_healthy(proc, url: str, headers: dict | None = None, timeout_s: float = 120.0, what: str = "the service",
+                 log: Path | None = None, kill: bool = True):
+    """Poll ``url`` until it answers 200; raise (with the process's stderr, or the tail of ``log``
+    where its output goes) if ``proc`` exits or it times out (killing it, unless ``kill`` is False)."""
     import time
 
     import httpx
 
+    def output() -> str:
+        return log.read_text(errors="replace")[-2000:] if log is not None else proc.stderr.read().decode()[-2000:]
+
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         if proc.poll() is not None:
-            raise RuntimeError(f"{what} exited: {proc.stderr.read().decode()[-2000:]}")
+            raise RuntimeError(f"{what} exited with {proc.returncode}: {output()}")
         try:
-            if httpx.get(url, headers=headers, timeout=1).status_code == 200:
+            if httpx.get(url, headers=headers, timeout=2).status_code == 200:
                 return proc
         except httpx.HTTPError:
             pass
         time.sleep(0.05)
-    proc.kill()
-    raise RuntimeError(f"{what} did not come up")
+    if kill:
+        proc.kill()
+    raise RuntimeError(f"{what} did not come up in {timeout_s:.0f} s: {output() if log is not None else ''}")
 
 
 def count_nonfinite(state_dict: dict) -> dict[str, int]:

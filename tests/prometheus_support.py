@@ -5,13 +5,13 @@ from __future__ import annotations
 
 import os
 import subprocess
-import time
 from pathlib import Path
 
 import httpx
 import pytest
 
 from prodrl_pipelines.deploy_targets.processes import pick_port
+from tests.helpers import wait_healthy
 
 DEFAULT_DIR = Path.home() / ".cache" / "prodrl" / "prometheus-2.42.0"
 
@@ -38,18 +38,7 @@ class PrometheusServer:
         self.proc = subprocess.Popen([prometheus_bin(), f"--config.file={config}", f"--storage.tsdb.path={workdir / 'data'}",
                                       f"--web.listen-address=127.0.0.1:{self.port}"], stdout=self._fh,
                                      stderr=subprocess.STDOUT, start_new_session=True)
-        deadline = time.monotonic() + 120
-        while True:
-            if self.proc.poll() is not None:
-                pytest.fail(f"prometheus exited with {self.proc.returncode}: {self.log.read_text()[-2000:]}")
-            try:
-                if httpx.get(self.url + "/-/ready", timeout=5).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail(f"prometheus not ready: {self.log.read_text()[-2000:]}")
-            time.sleep(0.2)
+        wait_healthy(self.proc, self.url + "/-/ready", timeout_s=120, what="prometheus", log=self.log)
 
     def query(self, expr: str) -> list[dict]:
         r = httpx.get(self.url + "/api/v1/query", params={"query": expr}, timeout=30)
