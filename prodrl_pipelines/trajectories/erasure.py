@@ -134,7 +134,8 @@ def _delete(store: TrajectoryStore, name: str, preds: list[str]) -> int:
                 deleted += int(dt.delete(predicate).get("num_deleted_rows", 0))
                 break
             except Exception as e:  # noqa: BLE001 - delta-rs names a lost commit race only in its message
-                if attempt == COMMIT_TRIES - 1 or "conflict" not in str(e).lower() and "commit" not in str(e).lower():
+                lost_race = "conflict" in str(e).lower() or "commit" in str(e).lower()
+                if attempt == COMMIT_TRIES - 1 or not lost_race:
                     raise
                 time.sleep(0.05 * (attempt + 1))
     return deleted
