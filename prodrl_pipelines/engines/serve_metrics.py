@@ -22,6 +22,8 @@ from prometheus_client import CollectorRegistry, Counter, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.exposition import CONTENT_TYPE_LATEST, generate_latest
 
+from prodrl_pipelines.observability.asgi import ObservedRequest
+
 CONTENT_TYPE = CONTENT_TYPE_LATEST
 # vLLM's buckets for request latency (seconds)
 REQUEST_BUCKETS = (0.3, 0.5, 0.8, 1.0, 1.5, 2.0, 2.5, 5.0, 10.0, 15.0, 20.0, 30.0, 40.0, 50.0, 60.0, 120.0,
@@ -89,42 +91,20 @@ class ServeMetrics:
         return generate_latest(self.registry)
 
 
+    # a generation request's span (``observability.asgi.RequestObserver`` in ``server.build_app``)
+    def begin(self, scope) -> ObservedRequest | None:
+        return ObservedRequest() if scope.get("path") in GENERATION_ROUTES else None
+
+    def first_token(self) -> None:
+        """The current request's completions are generated (``serve_plan.run_plan``)."""
+        req = CURRENT.get()
+        if req is not None:
+            self.ttft.labels(self.model_name()).observe(time.perf_counter() - req.t0)
+
+    def done(self, req: ObservedRequest, scope) -> None:
+        if req.status == 200:  # errors are not vLLM's successful requests
+            self.e2e.labels(self.model_name()).observe(req.duration_s)
+
+
 GENERATION_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions"})
-# the current generation request: (its metrics, when it came in); set by RequestTimer
-_REQUEST: ContextVar[tuple[ServeMetrics, float] | None] = ContextVar("prodrl_serve_request", default=None)
-
-
-def first_token() -> None:
-    """The current request's completions are generated (``serve_plan.run_plan``)."""
-    cur = _REQUEST.get()
-    if cur is not None:
-        metrics, t0 = cur
-        metrics.ttft.labels(metrics.model_name()).observe(time.perf_counter() - t0)
-
-
-class RequestTimer:
-    """ASGI middleware: a generation request's end-to-end latency, observed once its response is
-    sent with status 200 (errors are not vLLM's successful requests)."""
-
-    def __init__(self, app, metrics: ServeMetrics) -> None:
-        self.app = app
-        self.metrics = metrics
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http" or scope.get("path") not in GENERATION_ROUTES:
-            await self.app(scope, receive, send)
-            return
-        t0, status = time.perf_counter(), [0]
-
-        async def noting_status(message):
-            if message["type"] == "http.response.start":
-                status[0] = message["status"]
-            await send(message)
-
-        token = _REQUEST.set((self.metrics, t0))
-        try:
-            await self.app(scope, receive, noting_status)
-        finally:
-            _REQUEST.reset(token)
-        if status[0] == 200:
-            self.metrics.e2e.labels(self.metrics.model_name()).observe(time.perf_counter() - t0)
+CURRENT: ContextVar[ObservedRequest | None] = ContextVar("prodrl_serve_request", default=None)

@@ -8,7 +8,6 @@ from dataclasses import dataclass
 from prodrl_pipelines.engines.openai_protocol import (
     ROUTED_EXPERTS_START_FIELD, ProtocolError, position_entries, token_id_string,
 )
-from prodrl_pipelines.engines.serve_metrics import first_token
 from prodrl_pipelines.engines.serve_state import ServeState
 from prodrl_pipelines.engines.types import CallRecord, SamplingParams
 
@@ -163,7 +162,7 @@ async def run_plan(state: ServeState, plan: RequestPlan) -> list[list[CallRecord
         # Seeded: each prompt on its own with the request's seed (vLLM: seeded outputs do not depend
         # on the other requests in the batch).
         out = list(await asyncio.gather(*(b.generate([p] * plan.n, plan.params, plan.seed) for p in plan.prompts)))
-    first_token()  # the whole completion is there: a stream's first chunk can go out
+    state.metrics.first_token()  # the whole completion is there: a stream's first chunk can go out
     return out
 
 

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from prodrl_pipelines.engines.batching import EngineBatcher
+from prodrl_pipelines.engines.serve_metrics import ServeMetrics
 
 
 # ----------------------------------------------------------------------------- model state
@@ -89,6 +90,8 @@ class ServeState:
         from prodrl_pipelines.engines.openai_protocol import MAX_BODY_BYTES
 
         self.batcher = EngineBatcher(engine, batch_wait_ms, max_batch_size, batch_quiet_ms)
+        # vLLM's metric names (/metrics); the batcher tells it when requests queue, run and end
+        self.metrics = self.batcher.metrics = ServeMetrics(lambda: self.info.name)
         self.max_body_bytes = int(max_body_bytes or MAX_BODY_BYTES)
         self.info = info
         self.loading: str | None = None  # the model directory /v1/load_model is loading (readiness says so)
@@ -102,7 +105,6 @@ class ServeState:
         self.return_routed_experts = bool(return_routed_experts)
         # the model's reasoning and tool-call format (``reply_parsers.ToolFormat``; None: plain replies)
         self.tool_format = None
-        self.metrics = None  # serve_metrics.ServeMetrics (build_app)
 
     @property
     def engine(self):

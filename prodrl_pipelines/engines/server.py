@@ -80,7 +80,8 @@ from prodrl_pipelines.engines.serve_plan import (
     usage_block,
 )
 from prodrl_pipelines.engines.serve_metrics import CONTENT_TYPE as METRICS_CONTENT_TYPE
-from prodrl_pipelines.engines.serve_metrics import RequestTimer, ServeMetrics
+from prodrl_pipelines.engines.serve_metrics import CURRENT as METRICS_REQUEST
+from prodrl_pipelines.observability.asgi import RequestObserver
 from prodrl_pipelines.engines.serve_state import ModelInfo, ServeState, TokenDecoder, load_engine
 
 __all__ = ["build_app", "BackgroundServer", "KEEP_ALIVE_S"]
@@ -336,8 +337,6 @@ def build_app(
                        batch_quiet_ms=batch_quiet_ms, max_body_bytes=max_body_bytes,
                        return_routed_experts=return_routed_experts)
     state.tool_format = TOOL_FORMATS.get(reply_parser or "none")
-    state.metrics = ServeMetrics(lambda: state.info.name)
-    state.batcher.metrics = state.metrics
 
     from contextlib import asynccontextmanager
 
@@ -362,7 +361,7 @@ def build_app(
     ]
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.serve = state
-    app.add_middleware(RequestTimer, metrics=state.metrics)
+    app.add_middleware(RequestObserver, begin=state.metrics.begin, done=state.metrics.done, current=METRICS_REQUEST)
     if api_key:
         app.add_middleware(_ApiKeyMiddleware, key=api_key)
     return app

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from datetime import datetime, timedelta, timezone
 
+from prodrl_pipelines.loop.lineage import ROUND_TAG
 from prodrl_pipelines.loop.services import Services
 from prodrl_pipelines.trajectories import erasure
 
@@ -19,7 +20,7 @@ def erase(svc: Services, req: erasure.Erasure, dry_run: bool = False) -> dict:
         rounds = set(report["rounds_trained"])
         for mv in svc.lineage.versions():
             tags = dict(mv.tags or {})
-            if tags.get("prodrl.round") in rounds:
+            if tags.get(ROUND_TAG) in rounds:
                 before = [x for x in tags.get(ERASED_TAG, "").split(",") if x]
                 svc.lineage.tag_version(mv.version, {ERASED_TAG: ",".join([*before, report["erasure_id"]])})
                 marked.append(str(mv.version))

@@ -41,7 +41,8 @@ from prodrl_pipelines.recorder.counters import Stats
 from prodrl_pipelines.recorder.requests import Unrecordable, client_ask, is_json_number, unrecordable_reason
 from prodrl_pipelines.recorder.messages import MessagesShape
 from prodrl_pipelines.recorder.metrics import CONTENT_TYPE
-from prodrl_pipelines.recorder.request_context import RequestObserver
+from prodrl_pipelines.observability.asgi import RequestObserver
+from prodrl_pipelines.recorder.request_context import CURRENT, RequestContext
 from prodrl_pipelines.recorder.request_log import RequestLog
 from prodrl_pipelines.recorder.responses import ResponsesShape
 from prodrl_pipelines.recorder.service import Recorder, RecorderConfig
@@ -350,11 +351,14 @@ def build_recorder_app(config: RecorderConfig) -> Starlette:
     rec = Recorder(config)
     log = RequestLog(config.request_log) if config.request_log else None
 
-    def request_started(ctx) -> None:
+    def request_started(scope) -> RequestContext:
+        ctx = RequestContext.of(scope)
         if config.request_metrics:
             rec.metrics.started(ctx)
+        return ctx
 
-    def request_done(ctx) -> None:
+    def request_done(ctx: RequestContext, scope) -> None:
+        ctx.tenant = getattr(scope.get("prodrl.tenant"), "name", None)  # set by the token check
         if config.request_metrics:
             rec.metrics.observe(ctx)
         if log is not None:
@@ -392,5 +396,5 @@ def build_recorder_app(config: RecorderConfig) -> Starlette:
     app.add_middleware(_BearerAuth, tenants=rec.tenants, stats=rec.stats)
     if config.request_metrics or log is not None:
         # outermost: a request refused by the token check or the rate limit is counted and logged too
-        app.add_middleware(RequestObserver, on_start=request_started, on_done=request_done)
+        app.add_middleware(RequestObserver, begin=request_started, done=request_done, current=CURRENT)
     return app

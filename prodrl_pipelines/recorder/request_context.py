@@ -1,11 +1,11 @@
 """What one request to the recorder did, gathered while it runs, for its metrics and its log line.
 
-``RequestObserver`` (ASGI, outermost: 401s and 429s count too) starts a ``RequestContext`` for each
-HTTP request and makes it the current one (a context variable: the handler, the streaming task it
-starts and the recorder's upstream and commit code all see the same object). Deep code fills in what
-only it knows (``note_upstream``: the replica and how long the upstream took; ``note_record``: the
-trajectory, the served version, the token counts), and when the response has gone out the observer
-hands the context to ``RecorderMetrics.observe`` and to the request log.
+``observability.asgi.RequestObserver`` (outermost in the recorder's app: 401s and 429s count too)
+makes a ``RequestContext`` the current one (``CURRENT``) for each HTTP request: the handler, the
+streaming task it starts and the recorder's upstream and commit code all see the same object. Deep
+code fills in what only it knows (``upstream_started`` / ``upstream_done``: the replica and how long
+the upstream took; ``note_record``: the trajectory, the served version, the token counts), and when
+the response has gone out the context goes to ``RecorderMetrics.observe`` and to the request log.
 
 The recorder's own added latency is the request's time minus the upstream's: request in -> upstream
 out, plus upstream done -> response out (the WAL commit included, as a client waits for it).
@@ -16,6 +16,8 @@ from __future__ import annotations
 import time
 from contextvars import ContextVar
 from dataclasses import dataclass
+
+from prodrl_pipelines.observability.asgi import ObservedRequest
 
 # the API routes by their plain path: a session-scoped base URL (/s/<session>/v1/...) is the same route
 API_ROUTES = frozenset({"/v1/completions", "/v1/chat/completions", "/v1/responses", "/v1/messages",
@@ -32,12 +34,9 @@ def route_of(path: str) -> str:
 
 
 @dataclass(slots=True)
-class RequestContext:
-    route: str
-    method: str
-    t0: float
-    status: int = 0
-    end: float = 0.0
+class RequestContext(ObservedRequest):
+    route: str = "other"
+    method: str = ""
     tenant: str | None = None
     upstream_t0: float | None = None
     upstream_s: float | None = None
@@ -46,11 +45,10 @@ class RequestContext:
     version: str | None = None
     prompt_tokens: int | None = None
     completion_tokens: int | None = None
-    streamed: bool = False
 
-    @property
-    def duration_s(self) -> float:
-        return self.end - self.t0
+    @classmethod
+    def of(cls, scope) -> "RequestContext":
+        return cls(route=route_of(scope.get("path", "")), method=scope.get("method", ""))
 
     @property
     def added_s(self) -> float | None:
@@ -68,14 +66,12 @@ def upstream_started() -> None:
         ctx.upstream_t0 = time.perf_counter()
 
 
-def upstream_done(replica: str | None) -> float | None:
+def upstream_done(replica: str | None) -> None:
     """The upstream's answer is read whole (or its stream ended): its time, for the replica's histogram."""
     ctx = CURRENT.get()
-    if ctx is None or ctx.upstream_t0 is None:
-        return None
-    ctx.upstream_s = time.perf_counter() - ctx.upstream_t0
-    ctx.replica = replica
-    return ctx.upstream_s
+    if ctx is not None and ctx.upstream_t0 is not None:
+        ctx.upstream_s = time.perf_counter() - ctx.upstream_t0
+        ctx.replica = replica
 
 
 def note_record(trajectory_id: str, row: dict | None) -> None:
@@ -88,38 +84,3 @@ def note_record(trajectory_id: str, row: dict | None) -> None:
         ctx.version = row.get("policy_version")
         ctx.prompt_tokens = len(row.get("prompt_token_ids") or ())
         ctx.completion_tokens = len(row.get("output_token_ids") or ())
-
-
-class RequestObserver:
-    """ASGI middleware: a ``RequestContext`` per HTTP request; ``on_start(ctx)`` as it comes in,
-    ``on_done(ctx)`` once the response is sent (or the handler failed: status 500)."""
-
-    def __init__(self, app, on_start, on_done) -> None:
-        self.app = app
-        self.on_start = on_start
-        self.on_done = on_done
-
-    async def __call__(self, scope, receive, send):
-        if scope["type"] != "http":
-            await self.app(scope, receive, send)
-            return
-        ctx = RequestContext(route_of(scope.get("path", "")), scope.get("method", ""), time.perf_counter())
-        token = CURRENT.set(ctx)
-
-        async def send_noting_status(message):
-            if message["type"] == "http.response.start":
-                ctx.status = message["status"]
-            elif message["type"] == "http.response.body" and message.get("more_body"):
-                ctx.streamed = True
-            await send(message)
-
-        self.on_start(ctx)
-        try:
-            await self.app(scope, receive, send_noting_status)
-        finally:
-            CURRENT.reset(token)
-            ctx.end = time.perf_counter()
-            ctx.status = ctx.status or 500
-            tenant = scope.get("prodrl.tenant")
-            ctx.tenant = getattr(tenant, "name", None)
-            self.on_done(ctx)

@@ -34,7 +34,7 @@ import pyarrow.compute as pc
 
 from prodrl_pipelines.trajectories.store import CALLS, LEDGER, QUARANTINE, RETRACTIONS, REWARDS, TrajectoryStore
 
-ERASED_TABLES = (CALLS, REWARDS, RETRACTIONS, QUARANTINE)
+ERASED_TABLES = (CALLS, REWARDS, RETRACTIONS, QUARANTINE)  # calls first (selected_ids)
 AUDIT = "erasures"
 AUDIT_SCHEMA = pa.schema([
     pa.field("erasure_id", pa.string(), nullable=False),
@@ -83,23 +83,18 @@ class Erasure:
         return out
 
 
-def _ids(store: TrajectoryStore, name: str) -> pa.Table:
-    cols = ["trajectory_id", "created_at"] if name == CALLS else ["trajectory_id"]
-    return store._scan(name, columns=cols)
-
-
 def selected_ids(store: TrajectoryStore, req: Erasure) -> set[str]:
     """The stored trajectory ids ``req`` selects, among those any erased table holds."""
     req.check()
-    present: set[str] = set()
-    for name in ERASED_TABLES:
-        present.update(_ids(store, name).column("trajectory_id").to_pylist())
+    calls = store._scan(CALLS, columns=["trajectory_id", "created_at"])  # read once: ids and, for age, times
+    present: set[str] = set(calls.column("trajectory_id").to_pylist())
+    for name in ERASED_TABLES[1:]:
+        present.update(store._scan(name, columns=["trajectory_id"]).column("trajectory_id").to_pylist())
     out = {t for t in req.trajectory_ids if t in present}
     if req.tenant is not None:
         prefix = req.tenant + "/"
         out.update(t for t in present if t.startswith(prefix))
     if req.before is not None:
-        calls = _ids(store, CALLS)
         if calls.num_rows:
             last = calls.group_by("trajectory_id").aggregate([("created_at", "max")])
             old = pc.less(last.column("created_at_max"), pa.scalar(req.before, type=pa.timestamp("us", tz="UTC")))
