@@ -225,10 +225,12 @@ def test_rolling_update_of_three_replicas_fails_no_call_and_tags_each_with_its_v
 @pytest.mark.long(seconds=60)
 def test_a_fleet_whose_endpoint_is_a_database_row_is_followed_by_a_recorder_that_shares_no_disk_with_it(
         tiny_exports, tmp_path, pg_url):
-    """``deploy.endpoint_store``: the deploy step writes the endpoint record to PostgreSQL and nothing to
-    its home; a recorder given only ``URL#NAME`` (its own directory, as on another host) serves and
-    files every call under the version that answered, through a blue/green switch (the waves of a
-    larger fleet write the record the same way: ``write_endpoint``)."""
+    """``deploy.endpoint_store``: the deploy step writes the endpoint record and its slots' records to
+    PostgreSQL and nothing to its home; a recorder given only ``URL#NAME`` (its own directory, as on
+    another host) serves and files every call under the version that answered, through a blue/green
+    switch that a run worker on another host makes (its own empty home: it finds the serving server
+    through the database, starts beside it on the other port and stops it; the waves of a larger fleet
+    write the records the same way)."""
     s, target = _fleet(tmp_path, replicas=1, endpoint_store=pg_url, endpoint_name="fleet-a")
     where = endpoint_location(s.home_path, s.deploy)
     assert where == f"{pg_url}#fleet-a"
@@ -243,14 +245,20 @@ def test_a_fleet_whose_endpoint_is_a_database_row_is_followed_by_a_recorder_that
                   == 200, 120, every_s=0.1)
             traffic = Traffic(rec.url)
             traffic.wait_served("v1", 6)
-            ro = roll_out(s, ProdrlServeTarget(s, s.home_path), tiny_exports["bf16"], "v2", PROMPTS)
+            v1 = target.current(0)
+            elsewhere = s.model_copy(update={"home": str(tmp_path / "host-b")})  # shares only the database
+            ro = roll_out(elsewhere, ProdrlServeTarget(elsewhere, elsewhere.home_path), tiny_exports["bf16"], "v2",
+                          PROMPTS)
             traffic.wait_served("v2", 6)
             sent = traffic.finish()
             assert not traffic.failures and ro.waves == 1, traffic.failures[:5]
+            v2 = target.current(0)  # the first host reads what the second deployed
+            assert v2.policy_version == "v2" and v2.port != v1.port and not v1.alive()
             assert app.state.recorder.ingestor.flush(30)
             rows = app.state.recorder.store.read_calls().to_pylist()
             assert len(rows) == sent and {r["policy_version"] for r in rows} == {"v1", "v2"}
-        assert not (s.home_path / "deployment" / "endpoint.json").exists()
+        for home in (s.home_path, tmp_path / "host-b"):  # no record on either host's disk, logs only
+            assert not [p for p in (home / "deployment").rglob("*.json")], home
         assert [r["policy_version"] for r in endpoint_file(s.home_path, s.deploy).read().replica_list()] == ["v2"]
     finally:
         target.stop()

@@ -24,7 +24,7 @@ from prodrl_pipelines.config.settings import Settings
 from prodrl_pipelines.deploy_targets import endpoint_file, make_target
 from prodrl_pipelines.deploy_targets import fleet_canary as fleet_canary_mod
 from prodrl_pipelines.deploy_targets import servers as servers_mod
-from prodrl_pipelines.deploy_targets.base import Endpoint, Switch, write_json
+from prodrl_pipelines.deploy_targets.base import Endpoint, Switch
 from prodrl_pipelines.deploy_targets.processes import pick_port_range
 from prodrl_pipelines.deploy_targets.rollout import DeployRejected, roll_out, start_canary
 from prodrl_pipelines.deploy_targets.server_records import ServerRecord, record_alive
@@ -177,12 +177,12 @@ def test_concurrent_endpoint_writers_cannot_resurrect_a_stopped_canary(tmp_path,
     fleet = [_sleeper(), _sleeper()]
     try:
         for slot, proc in enumerate(fleet):
-            write_json(target.slot_dir(slot) / "current.json", _record(proc, 20000 + 2 * slot, "v1", tmp_path))
+            target.slots.write(slot, "current", _record(proc, 20000 + 2 * slot, "v1", tmp_path))
         target.write_endpoint("v1", str(tmp_path))
         resurrected = 0
         for _ in range(15):
             canary = _sleeper()
-            write_json(target.canary_dir() / "pending.json", _record(canary, 20004, "c1", tmp_path))
+            target.slots.write(target.CANARY, "pending", _record(canary, 20004, "c1", tmp_path))
             target.commit_canary(Switch("prodrl-serve", "c1", str(tmp_path), "http://127.0.0.1:20004", "c1",
                                         detail={"pid": canary.pid}), 0.5)
             assert endpoint_file(s.home_path).read().canary["policy_version"] == "c1"

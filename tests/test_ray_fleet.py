@@ -14,7 +14,6 @@ import pytest
 from prodrl_pipelines.cluster.config import cluster_settings
 from prodrl_pipelines.config.settings import Settings, settings_from_flat
 from prodrl_pipelines.deploy_targets import endpoint_file, make_target
-from prodrl_pipelines.deploy_targets.base import read_json
 from prodrl_pipelines.deploy_targets.processes import pick_port_range
 from prodrl_pipelines.deploy_targets.rollout import DeployRejected, roll_out
 from prodrl_pipelines.deploy_targets.server_records import pid_alive, process_start
@@ -255,7 +254,7 @@ def test_a_replica_that_fits_no_node_or_exits_on_its_node_is_refused_and_removed
     with pytest.raises(DeployRejected) as err:  # the CPU cluster has no GPU: the bundle never fits
         roll_out(s, target, tiny_exports["bf16"], "v1", PROMPTS)
     assert "no node of the Ray cluster offered {'CPU': 1.0, 'GPU': 1.0} within 3s" in err.value.reason, err.value.reason
-    assert target.current() is None and read_json(target.slot_dir(0) / "pending.json") is None
+    assert target.current() is None and target.slots.read(0, "pending") is None
     prefix = target.ray_placement().prefix
     assert not _leftovers(ray_driver, prefix, set())
 
@@ -265,7 +264,7 @@ def test_a_replica_that_fits_no_node_or_exits_on_its_node_is_refused_and_removed
     with pytest.raises(DeployRejected) as err:  # the server exits on its node: its log comes back from there
         roll_out(s, target, missing, "v1", PROMPTS)
     assert "exited before it was healthy" in err.value.reason and str(missing) in err.value.reason, err.value.reason
-    assert target.current() is None and read_json(target.slot_dir(0) / "pending.json") is None
+    assert target.current() is None and target.slots.read(0, "pending") is None
     assert not _leftovers(ray_driver, prefix, set())
 
 
@@ -285,7 +284,7 @@ def test_replica_spread_places_one_replica_per_node_and_refuses_a_third(ray_driv
     def watch():  # the pending servers' nodes while the wave starts
         while not stop.is_set():
             for i in range(3):
-                raw = read_json(target.slot_dir(i) / "pending.json")
+                raw = target.slots.read(i, "pending")
                 if raw:
                     nodes[i] = raw["node"]
             time.sleep(0.02)

@@ -12,7 +12,7 @@ import time
 from dataclasses import asdict
 from pathlib import Path
 
-from prodrl_pipelines.deploy_targets.base import DeployError, Endpoint, Switch, read_json, write_json
+from prodrl_pipelines.deploy_targets.base import DeployError, Endpoint, Switch
 from prodrl_pipelines.deploy_targets.endpoint_store import endpoint_file
 from prodrl_pipelines.deploy_targets.server_records import (
     ServerRecord, blue_green_port, record_alive, same_server, stop_record,
@@ -23,15 +23,12 @@ CANARY_DRAIN_S = 2.0
 
 
 class FleetCanary:
-    """Mixed into ``ManagedServerTarget`` (``start``, ``_wait``, ``deploy``, ``dir``, ``home``)."""
+    """Mixed into ``ManagedServerTarget`` (``start``, ``_wait``, ``deploy``, ``slots``, ``home``)."""
 
     CANARY = "canary"
 
-    def canary_dir(self) -> Path:
-        return self.dir / self.CANARY
-
     def canary(self) -> ServerRecord | None:
-        raw = read_json(self.canary_dir() / "current.json")
+        raw = self.slots.read(self.CANARY, "current")
         rec = ServerRecord(**self.refreshed(raw)) if raw else None
         return rec if rec is not None and rec.alive() else None
 
@@ -39,17 +36,17 @@ class FleetCanary:
         """Start the candidate beside the fleet and wait until it is healthy (nothing routed to it yet)."""
         t0 = time.monotonic()
         port = int(self.deploy.target_port) + 2 * self.replicas
-        old = read_json(self.canary_dir() / "current.json")
+        old = self.slots.read(self.CANARY, "current")
         if old and record_alive(old):
             stop_record(old)
         busy = bool(old) and blue_green_port(old) == port
         rec = self.start(Path(export_dir), policy_version, port + (1 if busy else 0), slot=self.CANARY)
-        write_json(self.canary_dir() / "pending.json", asdict(rec))
+        self.slots.write(self.CANARY, "pending", asdict(rec))
         try:
             self._wait([rec], policy_version)
         except BaseException:
             stop_record(asdict(rec))
-            (self.canary_dir() / "pending.json").unlink(missing_ok=True)
+            self.slots.drop(self.CANARY, "pending")
             raise
         return Switch(self.name, policy_version, str(export_dir), rec.url, policy_version,
                       seconds=time.monotonic() - t0,
@@ -60,13 +57,13 @@ class FleetCanary:
         """Route ``fraction`` of trajectories (sticky per trajectory id) to the canary; one step under
         the endpoint file's lock, so it cannot interleave with a ``stop_canary``."""
         def change(ep: Endpoint | None) -> Endpoint:
-            raw = read_json(self.canary_dir() / "pending.json")
+            raw = self.slots.read(self.CANARY, "pending")
             if not raw or not same_server(raw, switch.detail):
                 raise DeployError(f"{self.name}: no pending canary for {switch.policy_version} to commit")
             if ep is None:
                 raise DeployError("a canary needs a live deployment beside it (no endpoint file)")
-            write_json(self.canary_dir() / "current.json", raw)
-            (self.canary_dir() / "pending.json").unlink(missing_ok=True)
+            self.slots.write(self.CANARY, "current", raw)
+            self.slots.drop(self.CANARY, "pending")
             self.mark_live(raw)
             ep.canary = {"fraction": float(fraction), "policy_version": switch.policy_version,
                          "export_dir": switch.export_dir,
@@ -84,11 +81,11 @@ class FleetCanary:
         routed, records = [], []
 
         def change(ep: Endpoint | None) -> Endpoint | None:
-            for name in ("pending.json", "current.json"):
-                raw = read_json(self.canary_dir() / name)
+            for kind in ("pending", "current"):
+                raw = self.slots.read(self.CANARY, kind)
                 if raw:
                     records.append(raw)
-                (self.canary_dir() / name).unlink(missing_ok=True)
+                self.slots.drop(self.CANARY, kind)
             if ep is None or not ep.canary:
                 return None
             routed.append(ep.canary)

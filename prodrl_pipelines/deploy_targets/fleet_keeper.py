@@ -164,12 +164,11 @@ def stop_keeper(target) -> None:
     stops a fleet, a stack shutting down included, may hold no cluster settings); none recorded: none runs."""
     import ray
 
-    from prodrl_pipelines.deploy_targets.base import read_json
     from prodrl_pipelines.deploy_targets.ray_placement import NAMESPACE, connect
 
-    dirs = [target.slot_dir(i) for i in range(max(target.replicas, 1))] + [target.canary_dir()]
-    address = next((raw["ray_address"] for d in dirs for name in ("current.json", "pending.json")
-                    if (raw := read_json(d / name)) and raw.get("ray_address")), None)
+    slots = [*range(max(target.replicas, 1)), target.CANARY]
+    address = next((raw["ray_address"] for slot in slots for kind in ("current", "pending")
+                    if (raw := target.slots.read(slot, kind)) and raw.get("ray_address")), None)
     if address is None:
         return
     connect(address)

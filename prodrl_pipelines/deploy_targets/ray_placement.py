@@ -7,7 +7,7 @@ picks the port on its node (the blue/green port when free there), starts the sam
 local placement runs (listening on the node's address), and reports (node id, node address, port,
 pid). It is detached (it outlives the Dagster run that started it, as a local server outlives it in a
 session of its own) and named ``<prefix>-<slot>-<blue/green port>`` in ``NAMESPACE``, so the next run
-finds it again from the record in ``current.json``, which carries the name and the GCS address.
+finds it again from the slot's record (``slot_state``), which carries the name and the GCS address.
 The actor (``replica_host``) supervises its server and brings the slot's live version back after the
 server, the actor's worker or the node died; ``refresh`` reads a record with the address its actor
 reports now.
@@ -285,15 +285,16 @@ def info(name: str, address: str) -> dict:
 
 
 def prefix_of(target) -> str:
-    """What this deployment's actors are named after: the target and a digest of its state directory."""
-    import hashlib
+    """What this deployment's actors are named after: the target and a digest of where its slots'
+    records live (its state directory, or the database row every deploying host shares)."""
+    from prodrl_pipelines.deploy_targets.slot_state import identity_digest
 
-    return f"{target.name}-{hashlib.sha1(str(target.dir.resolve()).encode()).hexdigest()[:10]}"
+    return f"{target.name}-{identity_digest(target.slots)}"
 
 
 def placement_for(target) -> RayPlacement:
     """The placement of a managed target's replicas: the cluster of ``target.cluster`` (else of the
-    environment's settings, ``PRODRL_SETTINGS_JSON``), actors named after the target's state directory."""
+    environment's settings, ``PRODRL_SETTINGS_JSON``), actors named after where its slots are recorded."""
     cluster = target.cluster
     if cluster is None:
         from prodrl_pipelines.cluster.config import cluster_settings

@@ -15,7 +15,6 @@ import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
-from prodrl_pipelines.deploy_targets.base import read_json
 from prodrl_pipelines.deploy_targets.processes import tail
 
 log = logging.getLogger(__name__)
@@ -93,18 +92,18 @@ def stop_record(raw: dict, grace_s: float = 20.0) -> None:
         stop_process_group(int(raw["pid"]), grace_s=grace_s, started=int(raw.get("pid_start") or 0))
 
 
-def stop_recorded(state_dir: Path) -> list[str]:
-    """Stop the servers a state directory records (pending, then current) and forget them; the
+def stop_recorded(slots, slot) -> list[str]:
+    """Stop the servers a slot records (pending, then current: ``slot_state``) and forget them; the
     versions that were still running."""
     stopped = []
-    for name in ("pending.json", "current.json"):
-        raw = read_json(state_dir / name)
+    for kind in ("pending", "current"):
+        raw = slots.read(slot, kind)
         if raw and record_alive(raw):
             stop_record(raw)
             stopped.append(raw["policy_version"])
         elif raw and raw.get("actor"):
             stop_record(raw)  # an actor whose server died: the actor and its placement group go too
-        (state_dir / name).unlink(missing_ok=True)
+        slots.drop(slot, kind)
     return stopped
 
 

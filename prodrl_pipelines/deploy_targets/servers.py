@@ -6,7 +6,8 @@ serves that name, and only after the probe passed makes it current (endpoint fil
 the old one. A failed probe stops the new one: the old one never stopped serving.
 
 Each server runs in a session of its own, so it outlives the Dagster run that started it; the next
-run finds it again from ``<home>/deployment/<target>/current.json`` (pid, port, version, export).
+run finds it again from the slot's record (pid, port, version, export): ``<home>/deployment/<target>/
+current.json``, or a row beside the endpoint record in PostgreSQL (``slot_state``).
 With ``replica_placement: ray`` each server is owned by a detached Ray actor on the node Ray picks
 (``ray_placement``); its record adds the node, its address and the actor's name.
 """
@@ -25,15 +26,14 @@ from prodrl_pipelines.deploy_targets.base import (
     DeployError,
     Endpoint,
     Switch,
-    read_json,
     wait_healthy,
-    write_json,
 )
 from prodrl_pipelines.deploy_targets.endpoint_store import endpoint_file
 from prodrl_pipelines.deploy_targets.fleet_canary import FleetCanary
 from prodrl_pipelines.deploy_targets.server_records import (
     ServerRecord, blue_green_port, process_start, record_alive, same_server, stop_record, stop_recorded,
 )
+from prodrl_pipelines.deploy_targets.slot_state import slots_for
 
 # Requests already accepted by the old server finish before it is stopped (the recorder switched
 # to the new one when the endpoint file changed).
@@ -58,7 +58,8 @@ class ManagedServerTarget(FleetCanary):
         self.settings = settings
         self.deploy = settings.deploy
         self.home = Path(home)
-        self.dir = self.home / "deployment" / (state_name or self.name)  # pid/port state, logs
+        self.dir = self.home / "deployment" / (state_name or self.name)  # logs; the slots' records on one host
+        self.slots = slots_for(self.dir, self.deploy, state_name or self.name)
         self.dev_mode = dev_mode
         self.host = "127.0.0.1"
         self.replicas = int(self.deploy.replicas)
@@ -87,12 +88,8 @@ class ManagedServerTarget(FleetCanary):
             env["VLLM_API_KEY"] = key
         return env
 
-    # state: slot 0 keeps the single server's layout (<dir>/current.json)
-    def slot_dir(self, slot: int) -> Path:
-        return self.dir if slot == 0 else self.dir / f"replica-{slot}"
-
     def current(self, slot: int = 0) -> ServerRecord | None:
-        raw = read_json(self.slot_dir(slot) / "current.json")
+        raw = self.slots.read(slot, "current")
         rec = ServerRecord(**self.refreshed(raw)) if raw else None
         return rec if rec is not None and rec.alive() else None
 
@@ -162,15 +159,15 @@ class ManagedServerTarget(FleetCanary):
         """The nodes holding the other slots' servers, current and pending (``replica_spread``)."""
         nodes = set()
         for other in range(self.replicas):
-            for name in ("current.json", "pending.json"):
-                raw = read_json(self.slot_dir(other) / name) if other != slot else None
+            for kind in ("current", "pending"):
+                raw = self.slots.read(other, kind) if other != slot else None
                 if raw and raw.get("actor"):
                     nodes.add(self.refreshed(raw).get("node", ""))
         return tuple(sorted(n for n in nodes if n))
 
     def _stale(self, slot: int, port: int) -> None:
         """A server of ours left on ``port`` by a crashed deploy (pending, never committed) is stopped."""
-        raw = read_json(self.slot_dir(slot) / "pending.json")
+        raw = self.slots.read(slot, "pending")
         if raw and blue_green_port(raw) == port and record_alive(raw):
             stop_record(raw)
 
@@ -181,7 +178,7 @@ class ManagedServerTarget(FleetCanary):
         port = b if cur is not None and blue_green_port(asdict(cur)) == a else a
         self._stale(slot, port)
         rec = self.start(Path(export_dir), policy_version, port, slot)
-        write_json(self.slot_dir(slot) / "pending.json", asdict(rec))
+        self.slots.write(slot, "pending", asdict(rec))
         return rec, cur
 
     def _wait(self, recs: list[ServerRecord], policy_version: str) -> None:
@@ -202,7 +199,7 @@ class ManagedServerTarget(FleetCanary):
         except BaseException:
             for slot, rec, _ in started:
                 stop_record(asdict(rec))
-                (self.slot_dir(slot) / "pending.json").unlink(missing_ok=True)
+                self.slots.drop(slot, "pending")
             raise
         _, first, first_cur = started[0]
         slots = [rec.slot(slot, cur) for slot, rec, cur in started]
@@ -234,14 +231,14 @@ class ManagedServerTarget(FleetCanary):
 
     def commit(self, switch: Switch) -> None:
         slots = switch.detail["slots"]
-        pending = [read_json(self.slot_dir(s["slot"]) / "pending.json") for s in slots]
+        pending = [self.slots.read(s["slot"], "pending") for s in slots]
         for s, raw in zip(slots, pending):  # every slot checked before any changes
             if not raw or not same_server(raw, s):
                 raise DeployError(f"{self.name}: no pending server for {switch.policy_version} on replica "
                                   f"{s['slot']} to commit")
         for s, raw in zip(slots, pending):
-            write_json(self.slot_dir(s["slot"]) / "current.json", raw)
-            (self.slot_dir(s["slot"]) / "pending.json").unlink(missing_ok=True)
+            self.slots.write(s["slot"], "current", raw)
+            self.slots.drop(s["slot"], "pending")
             self.mark_live(raw)
         self.write_endpoint(switch.policy_version, switch.export_dir)
         self.keep_addresses()
@@ -257,22 +254,22 @@ class ManagedServerTarget(FleetCanary):
         and the endpoint file lists what serves then."""
         committed, lost = [], []
         for s in switch.detail["slots"]:
-            cur = read_json(self.slot_dir(s["slot"]) / "current.json")
+            cur = self.slots.read(s["slot"], "current")
             if cur and same_server(cur, s):
                 committed.append(s)
                 prev = s["previous"]
                 if prev and record_alive(prev):
-                    write_json(self.slot_dir(s["slot"]) / "current.json", prev)
+                    self.slots.write(s["slot"], "current", prev)
                     self.mark_live(prev)
                 else:
-                    (self.slot_dir(s["slot"]) / "current.json").unlink(missing_ok=True)
+                    self.slots.drop(s["slot"], "current")
                     lost.append(s)
         prev = next((s["previous"] for s in switch.detail["slots"] if s["previous"]), None)
         if committed and prev:
             self.write_endpoint(prev["policy_version"], prev["export_dir"])
         for s in switch.detail["slots"]:
             stop_record(s)
-            (self.slot_dir(s["slot"]) / "pending.json").unlink(missing_ok=True)
+            self.slots.drop(s["slot"], "pending")
         notes = []
         if committed:
             notes.append(f"replicas {[s['slot'] for s in committed]} were committed: their previous servers "
@@ -311,9 +308,9 @@ class ManagedServerTarget(FleetCanary):
             from prodrl_pipelines.deploy_targets.fleet_keeper import stop_keeper
 
             stop_keeper(self)
-        stop_recorded(self.canary_dir())
+        stop_recorded(self.slots, self.CANARY)
         for slot in range(max(self.replicas, 1)):
-            stop_recorded(self.slot_dir(slot))
+            stop_recorded(self.slots, slot)
 
 
 class ProdrlServeTarget(ManagedServerTarget):
