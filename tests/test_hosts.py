@@ -173,34 +173,6 @@ def _on_h1(hosts, env: dict, *args: str, timeout_s: float = 600) -> dict:
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
-def test_a_fleet_deployed_from_a_host_without_a_raylet_serves_from_the_ray_nodes_with_its_key(
-        hosts, ray_on_hosts, tiny_exports):
-    """The deploy step on h1 (no raylet; the export on its disk only, published to S3 on h4) places two
-    replicas on the Ray nodes through Ray Client; each node fetches the export from S3; a client on h5
-    is refused without the deployment's key and served with it; stopping the fleet from h1 leaves no
-    actor or placement group."""
-    h1, h5 = hosts[1], hosts[5]
-    export = h1.tmp / "exports" / "round-000001"
-    shutil.copytree(tiny_exports["bf16"], export)
-    inside = "/tmp/exports/round-000001"  # the same directory, as h1 sees it
-    out = _on_h1(hosts, ray_on_hosts, "deploy", "/tmp/home", inside, "v1")
-    assert out["raylet_here"] is False and out["waves"] == 2
-    urls = [r["url"] for r in out["replicas"]]
-    assert sorted(u.split("//")[1].split(":")[0] for u in urls) == sorted([hosts[2].address, hosts[3].address])
-    try:
-        for url in urls:
-            body = json.dumps({"model": "v1", "prompt": [1, 5, 6, 7], "max_tokens": 2})
-            assert _http_code(h5, f"{url}/v1/completions", "-H", "Content-Type: application/json", "-d", body,
-                              timeout_s=60) == "401"
-            assert _http_code(h5, f"{url}/v1/completions", "-H", "Content-Type: application/json", "-d", body,
-                              "-H", f"Authorization: Bearer {KEY}", timeout_s=120) == "200"
-    finally:
-        left = _on_h1(hosts, ray_on_hosts, "stop", "/tmp/home")
-    assert left == {"placement_groups": [], "actors": []}, left
-
-
-
-
 def test_a_round_from_a_host_without_a_raylet_runs_on_the_ray_hosts_and_rolls_the_fleet_there(
         hosts, ray_on_hosts, pg_on_hosts):
     """The documented topology: Dagster's run worker on h1 (no raylet; its Dagster instance in
@@ -373,3 +345,119 @@ def test_a_recorder_follows_the_endpoint_record_in_postgresql_on_another_host_th
     stored = list(zip(calls.column("trajectory_id").to_pylist(), calls.column("call_index").to_pylist()))
     assert len(stored) == len(set(stored)) and {(t, i) for t, i, *_ in result["acked"]} <= set(stored)
     assert set(calls.column("policy_version").to_pylist()) == {"v1", "v1b"}
+
+
+# ------------------------------------------------ a Ray-placed fleet deployed from a host without a raylet
+# (last: its replicas hold Ray resources until the module ends)
+
+# the round's fleet above keeps a CPU of each 2-CPU Ray host: these replicas and a wave's new one share the other
+SMALL_REPLICAS = {"replica_cpus": 0.5}
+
+
+@pytest.fixture(scope="module")
+def ray_fleet(hosts, ray_on_hosts, tiny_exports):
+    """The deploy step on h1 (no raylet; the export on its disk only, published to S3 on h4) places two
+    replicas of v1 on the Ray nodes through Ray Client, each node fetching the export from S3; at the
+    end the fleet is stopped from h1, which must leave no actor or placement group."""
+    h1 = hosts[1]
+    for name in ("round-000001", "round-000002"):  # the same weights under two versions
+        shutil.copytree(tiny_exports["bf16"], h1.tmp / "exports" / name)
+    out = _on_h1(hosts, ray_on_hosts, "deploy", "/tmp/home", "/tmp/exports/round-000001", "v1",  # as h1 sees it
+                 json.dumps(SMALL_REPLICAS))
+    try:
+        yield out
+    finally:
+        left = _on_h1(hosts, ray_on_hosts, "stop", "/tmp/home")
+        assert left == {"placement_groups": [], "actors": []}, left
+
+
+def test_a_fleet_deployed_from_a_host_without_a_raylet_serves_from_the_ray_nodes_with_its_key(hosts, ray_fleet):
+    """Two waves placed the replicas on h2 and h3; a client on h5 is refused without the deployment's
+    key and served with it."""
+    h5 = hosts[5]
+    out = ray_fleet
+    assert out["raylet_here"] is False and out["waves"] == 2
+    urls = [r["url"] for r in out["replicas"]]
+    assert sorted(u.split("//")[1].split(":")[0] for u in urls) == sorted([hosts[2].address, hosts[3].address])
+    for url in urls:
+        body = json.dumps({"model": "v1", "prompt": [1, 5, 6, 7], "max_tokens": 2})
+        assert _http_code(h5, f"{url}/v1/completions", "-H", "Content-Type: application/json", "-d", body,
+                          timeout_s=60) == "401"
+        assert _http_code(h5, f"{url}/v1/completions", "-H", "Content-Type: application/json", "-d", body,
+                          "-H", f"Authorization: Bearer {KEY}", timeout_s=120) == "200"
+
+
+def test_a_rolling_update_whose_second_node_is_cut_off_from_the_deployer_is_rolled_back_whole(
+        hosts, ray_on_hosts, ray_fleet):
+    """Under traffic through a recorder on h1, the link between h1 (the deploy step and the recorder)
+    and the Ray worker host is cut (Ray's own traffic and the head stay up), then v2 is rolled out.
+    Each wave's new server goes to the node the other slot is not on (``replica_spread``): the wave
+    that lands on the cut-off node never answers h1's health check and the roll-out is rejected. When
+    that is wave 2, wave 1 (committed on the head) is brought back to v1; when it is wave 1, nothing
+    changed. Either way every slot and the endpoint record end on v1, never a committed mix. Calls
+    fail only if in flight to the cut-off node when the link went (at most one per client), every
+    acknowledged call is stored once, and once the link is back the recorder takes that replica back
+    into rotation."""
+    from prodrl_pipelines.storage.blobstore import LocalBlobStore
+    from prodrl_pipelines.trajectories.store import TrajectoryStore
+
+    h1, h5 = hosts[1], hosts[5]
+    cut = hosts[3]  # the Ray worker
+    on_cut = next(i for i, s in enumerate(ray_fleet["slots"]) if f"//{cut.address}:" in s["url"])
+    cut_url = ray_fleet["slots"][on_cut]["url"]
+    env = {**ray_on_hosts, "PRODRL_RECORDER_TOKEN": "tok"}  # the recorder sends the deployment's key upstream
+    recorder_proc = h1.popen([PRODRL, "record", "--follow", "/tmp/home/deployment/endpoint.json", "--store",
+                              "/tmp/store-roll", "--host", h1.address, "--port", "9300", "--upstream-timeout", "120"],
+                             env=env, log=h1.tmp / "record-roll.log")
+    recorder = f"http://{h1.address}:9300"
+
+    def stats() -> dict:
+        res = h5.run(["curl", "-s", "-m", "10", "-H", "Authorization: Bearer tok", f"{recorder}/stats"])
+        try:
+            return json.loads(res.stdout)
+        except ValueError:
+            return {}
+
+    until("the recorder answers", lambda: _http_code(h5, f"{recorder}/health", "-H", "Authorization: Bearer tok")
+          == "200", 300)
+    out_dir = h5.tmp / "traffic-roll"
+    out_dir.mkdir()
+    traffic = h5.popen([sys.executable, "-m", "prodrl_pipelines.cluster.traffic", recorder, "tok", "/tmp/traffic-roll",
+                        "3"], env=_base_env(), log=h5.tmp / "traffic-roll.log")
+
+    def answered() -> int:
+        try:
+            return int((out_dir / "progress").read_text() or 0)
+        except (OSError, ValueError):
+            return 0
+
+    try:
+        until("calls answered before the cut", lambda: answered() >= 20, 300)
+        hosts.partition(h1, cut)
+        got = _on_h1(hosts, ray_on_hosts, "deploy", "/tmp/home", "/tmp/exports/round-000002", "v2",
+                     json.dumps({**SMALL_REPLICAS, "health_timeout_s": 60}))
+        after = answered()
+        until("calls answered after the roll-back", lambda: answered() >= after + 20, 600)
+        hosts.heal(h1, cut)
+        until("the cut-off replica back in rotation", lambda: cut_url not in stats().get("replicas_down", [cut_url]),
+              300)
+    finally:
+        (out_dir / "stop").write_text("")
+        traffic.wait(600)
+        hosts.heal(h1, cut)
+    wave = on_cut + 1  # slot i's new server avoids the other slot's node: it lands on the cut-off one when i = on_cut
+    assert f"wave {wave}/2" in got.get("rejected", ""), got
+    assert ("restored replica 0: v1" if wave == 2 else "nothing changed") in got["rollback"], got
+    assert [s["version"] for s in got["slots"]] == ["v1", "v1"], got
+    assert [r["policy_version"] for r in got["replicas"]] == ["v1", "v1"], got
+    assert got["slots"][on_cut]["url"] == cut_url  # the cut-off node's server was never replaced
+    result = json.loads((out_dir / "result.json").read_text())
+    print(f"rolling update with {cut.name} cut off: {got['rejected']}; {got['rollback']}; "
+          f"{len(result['acked'])} calls answered, {len(result['failed'])} failed")
+    assert len(result["failed"]) <= 3, result["failed"]  # one call in flight per client at most
+    recorder_proc.stop(grace_s=120)  # SIGTERM: the recorder flushes what it acknowledged
+    calls = TrajectoryStore(LocalBlobStore(h1.tmp / "store-roll")).read_calls(
+        dedupe=False, columns=["trajectory_id", "call_index", "policy_version"])
+    stored = list(zip(calls.column("trajectory_id").to_pylist(), calls.column("call_index").to_pylist()))
+    assert len(stored) == len(set(stored)) and {(t, i) for t, i, *_ in result["acked"]} <= set(stored)
+    assert set(calls.column("policy_version").to_pylist()) <= {"v1", "v2"}

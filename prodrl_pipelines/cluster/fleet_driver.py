@@ -1,7 +1,7 @@
 """What the deploy step does on Dagster's host (no raylet), run there by tests/test_hosts.py and
 bench/hosts.py on the simulated hosts (``cluster/hosts.py``):
 
-    python -m prodrl_pipelines.cluster.fleet_driver deploy HOME EXPORT VERSION   # publish EXPORT to S3, roll it out
+    python -m prodrl_pipelines.cluster.fleet_driver deploy HOME EXPORT VERSION [DEPLOY_JSON]  # publish EXPORT to S3, roll it out
     python -m prodrl_pipelines.cluster.fleet_driver stop HOME                    # stop the fleet, list what is left
     python -m prodrl_pipelines.cluster.fleet_driver endpoint WHERE VERSION URLS  # write an endpoint record listing URLS
     python -m prodrl_pipelines.cluster.fleet_driver round-report HOME ROUND      # where a round's steps ran, what is live
@@ -20,32 +20,41 @@ from pathlib import Path
 PROMPTS = [[1, 5, 6, 7, 8], [1, 40, 41, 42, 9, 9]]
 
 
-def settings(home: str):
+def settings(home: str, overrides: str = "{}"):
     from prodrl_pipelines.config.settings import Settings
 
     return Settings(home=home, deploy={
         "target": "prodrl-serve", "target_port": 18000, "replicas": 2, "max_unavailable": 1, "probe_prompts": 2,
-        "max_tokens": 4, "export_scheme": "bf16", "replica_placement": "ray", "replica_spread": True})
+        "max_tokens": 4, "export_scheme": "bf16", "replica_placement": "ray", "replica_spread": True,
+        **json.loads(overrides)})
 
 
-def deploy(home: str, export: str, version: str) -> dict:
+def deploy(home: str, export: str, version: str, overrides: str = "{}") -> dict:
+    """Publish and roll out; a rejected roll-out is reported (its reason and what the rollback did)
+    beside what the endpoint record lists afterwards, not raised."""
     import boto3
 
     from prodrl_pipelines.config import environment
     from prodrl_pipelines.deploy_targets import endpoint_file, make_target
     from prodrl_pipelines.deploy_targets.ray_placement import local_raylet
-    from prodrl_pipelines.deploy_targets.rollout import roll_out
+    from prodrl_pipelines.deploy_targets.rollout import DeployRejected, roll_out
     from prodrl_pipelines.loop.services import build_services, publish_export
     from prodrl_pipelines.storage.locations import StoreLocation
 
-    s = settings(home)
+    s = settings(home, overrides)
     loc = StoreLocation(**environment.read_store())
     boto3.client("s3", endpoint_url=loc.s3_endpoint_url, region_name="us-east-1").create_bucket(Bucket=loc.s3_bucket)
     publish_export(build_services(s, loc), Path(export).name, Path(export))
-    ro = roll_out(s, make_target(s), Path(export), version, PROMPTS, api_key=environment.deploy_api_key())
+    target = make_target(s)
+    try:
+        ro = roll_out(s, target, Path(export), version, PROMPTS, api_key=environment.deploy_api_key())
+        out = {"waves": ro.waves, "seconds": ro.seconds}
+    except DeployRejected as e:
+        out = {"rejected": e.reason, "rollback": e.rollback}
     ep = endpoint_file(s.home_path, s.deploy).read()
-    return {"waves": ro.waves, "replicas": ep.replica_list(), "raylet_here": local_raylet("x:6379"),
-            "seconds": ro.seconds}
+    return {**out, "replicas": ep.replica_list(), "raylet_here": local_raylet("x:6379"),
+            "slots": [{"version": r["policy_version"], "url": r["url"]} if r else None  # as recorded: no cluster call
+                      for r in (target.slots.read(i, "current") for i in range(target.replicas))]}
 
 
 def stop(home: str) -> dict:
