@@ -210,3 +210,20 @@ def test_ray_is_imported_only_where_a_step_runs_on_ray():
         if hits:
             bad[str(rel)] = hits
     assert not bad, f"modules importing Ray at module level: {bad}"
+
+
+def test_the_control_plane_loads_without_the_trainers_libraries():
+    """What every Dagster code server and run worker loads (the definitions, settings validated with a
+    recipe's correction, baseline and deploy target by name) and the CLI's entry point import neither
+    torch nor transformers nor matplotlib: those come with the step that trains, serves or plots."""
+    import subprocess
+    import sys
+
+    code = ("import sys, prodrl_pipelines.definitions, prodrl_pipelines.cli.main\n"
+            "from prodrl_pipelines.config.settings import Settings\n"
+            "Settings(recipe={'correction': 'cispo', 'baseline': 'task_group'}, deploy={'target': 'prodrl-serve'})\n"
+            "print(sorted(m for m in ('torch', 'transformers', 'matplotlib') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                         cwd=PKG.parent)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert out.stdout.strip().splitlines()[-1] == "[]", out.stdout

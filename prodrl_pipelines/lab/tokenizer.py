@@ -13,8 +13,12 @@ from __future__ import annotations
 
 import string
 
+from typing import TYPE_CHECKING
+
 from tokenizers import Regex, Tokenizer, decoders, models, pre_tokenizers, trainers
-from transformers import PreTrainedTokenizerFast
+
+if TYPE_CHECKING:  # transformers is imported where a tokenizer is built: the token names are read without it
+    from transformers import PreTrainedTokenizerFast
 
 PAD_TOKEN = "<|endoftext|>"
 IM_START = "<|im_start|>"
@@ -48,6 +52,8 @@ def build_tokenizer(vocab_size: int | None = None, task="arithmetic") -> PreTrai
     ``vocab_size`` None: the task's own size (``TaskEnv.tokenizer_vocab_size``), else ``DEFAULT_VOCAB_SIZE``;
     the arithmetic tokenizer is exactly the one the lab always built.
     """
+    from transformers import PreTrainedTokenizerFast
+
     from prodrl_pipelines.lab.tasks import get_task
 
     env = get_task(task)

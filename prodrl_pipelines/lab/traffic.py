@@ -8,7 +8,6 @@ from __future__ import annotations
 import json
 
 from prodrl_pipelines.storage import keys
-from prodrl_pipelines.engines.local import LocalEngine
 from prodrl_pipelines.lab.episodes import run_episodes, stop_token_ids
 from prodrl_pipelines.lab.tasks import get_task
 
@@ -29,6 +28,8 @@ def simulate_traffic(svc, n_episodes: int, via: str = "in_process", deployment=N
     key = keys.TRAFFIC_BATCHES
     batches = json.loads(blobs.get_bytes(key)) if blobs.exists(key) else []
     seed = svc.settings.lab.seed * 7_919 + 104_729 * (len(batches) + 1)
+    from prodrl_pipelines.engines.local import LocalEngine  # torch: only where the lab serves in process
+
     engine = LocalEngine.from_pretrained(live.export_dir)
     params = svc.settings.deploy.sampling(stop_token_ids=stop_token_ids(engine.tokenizer))
     env = get_task(svc.settings.lab.task)

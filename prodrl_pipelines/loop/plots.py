@@ -6,23 +6,30 @@ import base64
 import io
 from typing import Sequence
 
-import matplotlib
 
-matplotlib.use("Agg")
-import matplotlib.pyplot as plt  # noqa: E402
+
+def _pyplot():
+    """matplotlib's pyplot on the Agg backend, imported when a plot is drawn (not by every process that
+    loads the Dagster definitions)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    return plt
 
 
 def _png(fig) -> bytes:
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=90, bbox_inches="tight")
-    plt.close(fig)
+    _pyplot().close(fig)
     return buf.getvalue()
 
 
 def reward_curve_png(rounds: Sequence[int], rewards: Sequence[float], ci: Sequence[float], passed: Sequence[bool]) -> bytes:
     """Held-out reward per round with its confidence interval, drawn once the round's gate has
     decided; hollow markers = the gate held the candidate back."""
-    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    fig, ax = _pyplot().subplots(figsize=(5.5, 3.2))
     ax.errorbar(rounds, rewards, yerr=ci, fmt="-", color="tab:blue", capsize=3, lw=1.5)
     for r, y, d in zip(rounds, rewards, passed):
         ax.plot(r, y, "o", color="tab:blue", mfc="tab:blue" if d else "white")
@@ -47,7 +54,7 @@ def mismatch_history_png(steps: Sequence[dict], round_starts: Sequence[int]) -> 
             ("net_mismatch", "net |log pi - log mu|")]
     if any("staleness_steps" in s for s in steps):
         keys.append(("staleness_steps", "policy lag (optimizer steps since the sampling policy)"))
-    fig, axes = plt.subplots(len(keys), 1, figsize=(6, 2.2 * len(keys)), sharex=True)
+    fig, axes = _pyplot().subplots(len(keys), 1, figsize=(6, 2.2 * len(keys)), sharex=True)
     xs = range(1, len(steps) + 1)
     for ax, (k, title) in zip(axes, keys):
         ax.plot(xs, [s.get(k, float("nan")) for s in steps], lw=1.3)
@@ -65,7 +72,7 @@ def routing_png(stats: dict) -> bytes:
     would not have chosen; and |log pi_k - log mu| (mean, p99) on the same tokens with and without
     replaying the recorded routing."""
     layers = sorted((int(k.rsplit("_", 1)[1]), v) for k, v in stats.items() if k.startswith("routing_disagreement_layer_"))
-    fig, (a, b) = plt.subplots(1, 2, figsize=(9, 3.2))
+    fig, (a, b) = _pyplot().subplots(1, 2, figsize=(9, 3.2))
     a.bar([i for i, _ in layers], [v for _, v in layers], color="tab:orange")
     a.axhline(stats["routing_disagreement"], color="grey", ls="--", lw=1, label=f"all layers {stats['routing_disagreement']:.1%}")
     a.set_xlabel("MoE layer")
@@ -89,7 +96,7 @@ def routing_png(stats: dict) -> bytes:
 
 def reward_distribution_png(rewards: dict[str, Sequence[float]], title: str = "rewards scored this round") -> bytes:
     """Histogram of the rewards each source gave (one colour per source)."""
-    fig, ax = plt.subplots(figsize=(5.5, 3.2))
+    fig, ax = _pyplot().subplots(figsize=(5.5, 3.2))
     drawn = False
     for name, values in rewards.items():
         if len(values):

@@ -8,10 +8,22 @@ aggregates ``J = (1/B) sum_i (1/T_i) sum_t A_i * j_{i,t}`` and minimises ``-J + 
 
 from __future__ import annotations
 
+import importlib
 from dataclasses import dataclass
 from typing import Callable
 
-import torch
+
+class _TorchOnFirstUse:
+    """``torch``, imported when a loss first runs: validating a recipe's names (settings, the CLI,
+    Dagster's code servers and run workers) reads ``POLICY_CORRECTIONS`` without paying torch's import."""
+
+    def __getattr__(self, name: str):
+        real = importlib.import_module("torch")
+        globals()["torch"] = real
+        return getattr(real, name)
+
+
+torch = _TorchOnFirstUse()
 
 
 @dataclass(frozen=True)
@@ -75,7 +87,7 @@ class TokenTerms:
 
 
 Diag = dict[str, float]
-PolicyCorrection = Callable[[TokenTerms, CorrectionParams], tuple[torch.Tensor, Diag]]
+PolicyCorrection = Callable[[TokenTerms, CorrectionParams], "tuple[torch.Tensor, Diag]"]
 
 
 def _exp_ratio(log_num: torch.Tensor, log_den: torch.Tensor, p: CorrectionParams) -> torch.Tensor:
