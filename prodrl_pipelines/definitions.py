@@ -19,6 +19,7 @@ from prodrl_pipelines.assets.round import (
     deployment, exported_policy, heldout_eval, recorded_trajectories, scored_rewards, trained_checkpoint,
     training_batch,
 )
+from prodrl_pipelines.ops.canary_scoring import canary_scoring_job
 from prodrl_pipelines.ops.rescore import rescore_rewards_job
 from prodrl_pipelines.resources.settings import default_resources
 from prodrl_pipelines.sensors import canary_sensor, data_volume_sensor, registry_decision_job, registry_sensor, round_job
@@ -33,7 +34,7 @@ def build_definitions(resources: dict | None = None) -> Definitions:
                 heldout_eval, deployment, live_heldout_eval, store_compaction],
         asset_checks=[deployment_gate, behaviour_monitors],
         jobs=[round_job, registry_decision_job, bootstrap_job, live_eval_job, store_maintenance_job,
-              rescore_rewards_job],
+              rescore_rewards_job, canary_scoring_job],
         sensors=[data_volume_sensor, registry_sensor, canary_sensor],
         schedules=[live_eval_schedule, store_maintenance_schedule],
         resources=resources if resources is not None else default_resources(),

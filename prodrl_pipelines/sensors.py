@@ -6,8 +6,9 @@
   moved to an older deployed version) each become a run of ``registry_decision`` (the `deployment`
   asset of that round); a rejection closes the round at once; anything contradictory is refused on
   the version and in the skip reason.
-- ``canary_sensor`` scores the canary window's complete trajectories with the plan's scorers and
-  judges a running canary on the rewards a round would train on (or a reviewer's early end: tag
+- ``canary_sensor`` has the canary window's complete trajectories scored with the plan's scorers by
+  a run of ``canary_scoring`` (one at a time; the tick itself never scores, so a hung judge cannot
+  hold it) and judges a running canary on the rewards a round would train on (or a reviewer's early end: tag
   ``canary_end=promote|fail`` on its version, ``prodrl review end-canary``): a pass is recorded and
   becomes a run of ``registry_decision`` that rolls the candidate out to every replica; a failure
   removes the canary at once (the round is decided, not deployed). A recorded pass is final.
@@ -28,6 +29,7 @@ from prodrl_pipelines.assets.partitions import (
     ACTION_TAG, AT_TAG, BY_TAG, MODEL_VERSION_TAG, ROUND_TAG, rounds_partitions,
 )
 from prodrl_pipelines.assets.round import deployment
+from prodrl_pipelines.ops.canary_scoring import canary_scoring_job
 from prodrl_pipelines.resources.settings import MlflowResource, ProdRLSettings, StoreResource, open_services
 
 # A round is a chain: its steps run one after another in the run's own process (a process per step
@@ -133,13 +135,38 @@ def registry_sensor(context: SensorEvaluationContext, settings: ProdRLSettings, 
         [rounds_partitions.build_add_request(partitions)] if partitions else []))
 
 
-@sensor(job=registry_decision_job, minimum_interval_seconds=environment.registry_interval_s(),
+_RUNNING = [DagsterRunStatus.QUEUED, DagsterRunStatus.NOT_STARTED, DagsterRunStatus.STARTING,
+            DagsterRunStatus.STARTED, DagsterRunStatus.CANCELING]
+
+
+def _canary_scoring_request(context: SensorEvaluationContext, svc, rkey: str) -> RunRequest | None:
+    """A run of ``canary_scoring`` for ``rkey`` unless one is queued or running, or the last one ended
+    less than ``deploy.canary_scoring_every_s`` ago (none without scorers). Its run key counts the
+    round's scoring runs, so a tick evaluated twice asks for the same run."""
+    import time
+
+    from prodrl_pipelines.ops.canary_scoring import CANARY_SCORING_JOB, SCORING_TAG
+
+    if not svc.settings.rewards.scorers:
+        return None
+    mine = RunsFilter(job_name=CANARY_SCORING_JOB, tags={SCORING_TAG: rkey})
+    last = context.instance.get_run_records(mine, limit=1)
+    if last and (last[0].dagster_run.status in _RUNNING or (
+            last[0].end_time and time.time() - last[0].end_time < svc.settings.deploy.canary_scoring_every_s)):
+        return None
+    n = context.instance.get_runs_count(mine)
+    return RunRequest(job_name=CANARY_SCORING_JOB, partition_key=rkey, run_key=f"canary_score-{rkey}-{n + 1}",
+                      tags={SCORING_TAG: rkey})
+
+
+@sensor(jobs=[registry_decision_job, canary_scoring_job], minimum_interval_seconds=environment.registry_interval_s(),
         default_status=DefaultSensorStatus.RUNNING)
 def canary_sensor(context: SensorEvaluationContext, settings: ProdRLSettings, store: StoreResource,
                   mlflow: MlflowResource):
     """Promotes a canary that is as good as the champion on live reward, removes one that is worse.
-    The plan's scorers grade the window's complete trajectories first. A pass is recorded before its
-    rollout is requested and is final: later ticks only ask again for the same run (its run key)."""
+    With scorers in the plan, a ``canary_scoring`` run grades the window's complete trajectories (one
+    at a time); the tick judges what is recorded. A pass is recorded before its rollout is requested
+    and is final: later ticks only ask again for the same run (its run key)."""
     from prodrl_pipelines.loop import canary, lineage_hooks
     from prodrl_pipelines.loop.review import UNKNOWN_REVIEWER
 
@@ -152,12 +179,9 @@ def canary_sensor(context: SensorEvaluationContext, settings: ProdRLSettings, st
     requested = bool(context.instance.get_run_records(RunsFilter(tags={RUN_KEY_TAG: key}), limit=1))
     verdict = canary.acted_verdict(svc, rkey)
     if verdict is None and not requested:
-        scored = canary.score_completed(svc, rkey, budget_s=svc.settings.deploy.canary_scoring_budget_s)
-        if scored["sources"]:
-            context.log.info(f"{rkey} canary window: scored {scored['sources']}; {scored['in_flight']} in flight")
-        # a scorer that could not answer (a hung judge: its breaker opened, the tick's budget ran out)
-        scoring = "; ".join(f"{n} left {r['failed']} unscored: {r['first_error']}"
-                            for n, r in scored["sources"].items() if r.get("failed") and r.get("first_error"))
+        scoring_run = _canary_scoring_request(context, svc, rkey)
+        # what the last scoring run could not score (a hung judge: its breaker opened, its budget ran out)
+        scoring = canary.scoring_summary(canary.last_scoring(svc, rkey))
         tags = svc.lineage.version_tags(version) if version else {}
         verdict = canary.judge(svc, rkey)
         by = "canary (live reward)"
@@ -174,7 +198,11 @@ def canary_sensor(context: SensorEvaluationContext, settings: ProdRLSettings, st
         if verdict.passed is None:
             if version and tags.get("canary_trajectories") != str(verdict.n_candidate):
                 lineage_hooks.record_canary(svc, rkey, version, "running", verdict)  # the numbers so far
-            return SkipReason(f"{rkey} canary: {verdict.summary()}" + (f"; scoring: {scoring}" if scoring else ""))
+            why = f"{rkey} canary: {verdict.summary()}" + (f"; scoring: {scoring}" if scoring else "")
+            if scoring_run is not None:
+                context.log.info(f"{why}; scoring its window ({scoring_run.run_key})")
+                return scoring_run
+            return SkipReason(why)
         if not verdict.passed:
             canary.fail(svc, rkey, verdict, by)
             lineage_hooks.record_canary(svc, rkey, version, "failed", verdict)
@@ -186,6 +214,6 @@ def canary_sensor(context: SensorEvaluationContext, settings: ProdRLSettings, st
         return SkipReason(f"{rkey}: {verdict.summary() if verdict else 'promotion'}; its rollout was requested")
     acted = canary.promotion_by(svc, rkey)
     context.log.info(verdict.summary())
-    return RunRequest(partition_key=rkey, run_key=key, tags={
+    return RunRequest(job_name=registry_decision_job.name, partition_key=rkey, run_key=key, tags={
         ROUND_TAG: "train", ACTION_TAG: "canary_promote", BY_TAG: acted["by"], AT_TAG: acted["at"],
         MODEL_VERSION_TAG: version or ""})

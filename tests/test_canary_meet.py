@@ -127,6 +127,53 @@ def test_the_canary_is_judged_on_the_reward_plan_and_its_complete_trajectories_a
     assert (v.candidate_mean, v.champion_mean) == (0.0, 1.0)
 
 
+def test_the_canary_sensor_has_a_run_score_the_window_and_its_tick_only_judges(tmp_path, pg_instance):
+    """With scorers in the plan the tick scores nothing itself (a slow or hung judge would hold it past
+    Dagster's 60 s): it asks for a ``canary_scoring`` run of the round, none while one runs, and
+    judges what is recorded. The run scores the window's complete trajectories and keeps its report
+    beside the round; the next tick judges on them and fails the worse canary."""
+    from dagster import DagsterRunStatus, RunRequest, SkipReason
+
+    from prodrl_pipelines.ops.canary_scoring import CANARY_SCORING_JOB, canary_scoring_job
+    from prodrl_pipelines.resources.settings import make_resources, open_services
+
+    res = make_resources({"home": str(tmp_path / "home"), "target": "prodrl-serve", **GRADED, "canary_min_trajectories": 4,
+                          "gate_tolerance": 0.1, "canary_scoring_every_s": 0})
+    svc = open_services(res["settings"], res["store"], res["mlflow"])
+    svc.ledger.deploy(LiveDeployment("round-000000", str(tmp_path / "c"), str(tmp_path / "e")))
+    svc.ledger.update_round(R1, gate_passed=True)
+    svc.ledger.record_decision(R1, {"passed": True, "canary": "running",
+                                    "canary_started_us": _us(T0 + timedelta(minutes=10))})
+    pg_instance.add_dynamic_partitions("rounds", [R1])
+    svc.store.write_calls([make_call(f"c{i}", policy_version="round-000000", created_at=T0 + timedelta(minutes=11))
+                           for i in range(8)] +
+                          [make_call(f"n{i}", policy_version=R1, created_at=T0 + timedelta(minutes=12))
+                           for i in range(6)])
+
+    def tick():
+        return canary_sensor(build_sensor_context(instance=pg_instance, resources=res))
+
+    req = tick()
+    assert isinstance(req, RunRequest) and req.job_name == CANARY_SCORING_JOB and req.partition_key == R1, req
+    assert svc.store.read_rewards().num_rows == 0  # the tick scored nothing
+    running = DagsterRun(job_name=CANARY_SCORING_JOB, run_id=str(uuid.uuid4()), status=DagsterRunStatus.STARTED,
+                        tags={**req.tags, RUN_KEY_TAG: req.run_key})
+    pg_instance.add_run(running)
+    skip = tick()  # one at a time
+    assert isinstance(skip, SkipReason) and "0/4 rewarded candidate trajectories" in skip.skip_message, skip
+    pg_instance.delete_run(running.run_id)
+
+    ran = canary_scoring_job.execute_in_process(partition_key=R1, resources=res, instance=pg_instance)
+    assert ran.success
+    report = canary.last_scoring(svc, R1)
+    assert report["sources"]["grader"]["scored"] == 14 and report["run_id"] == ran.run_id
+    skip = tick()  # judged on what the run scored: the grader finds the candidate worse
+    d = svc.ledger.decision(R1)
+    assert round_state(d) == CANARY_FAILED, skip
+    v = d["canary_verdict"]
+    assert (v["n_candidate"], v["n_champion"], v["candidate_mean"], v["champion_mean"]) == (6, 8, 0.0, 1.0)
+
+
 def test_a_canary_no_reward_source_can_judge_is_refused_at_load(tmp_path):
     flat = {"home": str(tmp_path), "target": "prodrl-serve", "canary_fraction": 0.2, **GRADED}
     check_settings(settings_from_flat(flat))  # a scorer at its current version rewards the canary's traffic
@@ -208,6 +255,7 @@ def _wait(cond, what: str, log: Path, timeout_s: float = 600):  # a ceiling: dae
 @pytest.mark.long(seconds=90)
 def test_canaries_through_the_daemon_fail_and_promote_on_scored_reward(tiny_policy_dir, tmp_path, pg_instance):
     overrides = {**GRADED, "rewards_idle_seconds": 1, "canary_min_trajectories": 8, "gate_tolerance": 0.5,
+                 "canary_scoring_every_s": 1,  # the sensor's scoring runs, one at a time
                  "batch_size": 64, "steps_per_round": 64}  # no round starts from this traffic
     with running_fleet(tiny_policy_dir, tmp_path / "home", **overrides) as (svc, res, rec, app):
         settings = {k: v for k, v in res["settings"].fields().items() if v is not None}

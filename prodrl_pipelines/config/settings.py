@@ -69,9 +69,12 @@ class DeploySettings(BaseModel):
     # rewarded, then its live reward is compared with the champion's on the same window (0: no canary)
     canary_fraction: float = Field(0.0, ge=0, lt=1)
     canary_min_trajectories: int = Field(64, ge=2)
-    canary_scoring_budget_s: float = Field(30.0, gt=0, description=(
-        "how long one canary-sensor tick may score the canary window (a judge included) before it judges "
-        "on the rewards it has: Dagster cuts a tick at 60 s; what is left is scored at the next tick"))
+    canary_scoring_budget_s: float = Field(120.0, gt=0, description=(
+        "how long one canary scoring run (requested by the canary sensor, one at a time) may score the "
+        "canary window, a judge included; no judge attempt runs past it and what is left is scored by the "
+        "next run (the sensor's tick never scores: it judges what is recorded)"))
+    canary_scoring_every_s: float = Field(60.0, ge=0, description=(
+        "the canary sensor requests a scoring run of the canary window at most this often (one at a time)"))
     canary_pause_grace_s: float = Field(600.0, ge=0, description=(
         "a canary the recorder paused (its server refused connections) is failed only after this long "
         "paused; one whose server answers again meanwhile is resumed (a restart is not a bad model)"))

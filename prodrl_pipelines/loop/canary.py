@@ -11,9 +11,12 @@ round trains from the live policy. A reviewer may end it early either way (``pro
 
 The rewards are the ones a round would train on: the configured plan (``RewardPlan.resolve``: its
 sources, pinned versions and combination rule), never whatever row came last. With scorers in the
-plan (grader, judge) the window's complete trajectories are scored before each judgement
-(``score_completed``), as a round's ``scored_rewards`` would score them; no round runs while a
-canary does, so nothing else would.
+plan (grader, judge) the window's complete trajectories are scored (``score_completed``) by a run
+of its own that the canary sensor requests (one at a time, the last one's report kept beside the
+round: ``record_scoring``), as a round's ``scored_rewards`` would score them; no round runs while a
+canary does, so nothing else would. The sensor's tick only judges what is recorded: a slow or hung
+judge holds a scoring run (bounded by ``deploy.canary_scoring_budget_s`` and the judge's breaker),
+never the tick.
 
 A verdict, once acted on, is final: a pass is recorded on the round (``record_promotion``) before
 the rollout is requested, the rollout deploys with that recorded verdict, and a recorded pass can no
@@ -127,6 +130,33 @@ def score_completed(svc: Services, rkey: str, now_us: int | None = None, budget_
     return {"trajectories": len(pc.unique(calls.column("trajectory_id"))),
             "in_flight": max((r.in_flight for r in reports.values()), default=0),
             "sources": {n: r.as_dict() for n, r in reports.items()}}
+
+
+def record_scoring(svc: Services, rkey: str, report: dict, run_id: str = "") -> dict:
+    """Keep a scoring run's report beside the round (the sensor's skip message and the UI read it)."""
+    from datetime import datetime, timezone
+
+    from prodrl_pipelines.storage import documents, keys
+
+    doc = {**report, "run_id": run_id, "at": datetime.now(timezone.utc).isoformat()}
+    documents.put_json(svc.blobs, keys.canary_scoring(rkey), doc)
+    return doc
+
+
+def last_scoring(svc: Services, rkey: str) -> dict | None:
+    from prodrl_pipelines.storage import documents, keys
+
+    key = keys.canary_scoring(rkey)
+    return documents.get_json(svc.blobs, key) if svc.blobs.exists(key) else None
+
+
+def scoring_summary(report: dict | None) -> str:
+    """What the last scoring run left unscored and why (a hung judge: its breaker, the budget); '' when
+    nothing failed."""
+    if not report:
+        return ""
+    return "; ".join(f"{n} left {r['failed']} unscored: {r['first_error']}"
+                     for n, r in report.get("sources", {}).items() if r.get("failed") and r.get("first_error"))
 
 
 def judge(svc: Services, rkey: str) -> CanaryVerdict:

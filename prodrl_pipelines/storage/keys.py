@@ -25,6 +25,10 @@ def scoring(rkey: str) -> str:
     return round_doc(rkey, "scoring.json")
 
 
+def canary_scoring(rkey: str) -> str:
+    return round_doc(rkey, "canary_scoring.json")
+
+
 def dataset(rkey: str) -> str:
     return round_doc(rkey, "dataset.parquet")
 
