@@ -58,6 +58,25 @@ class Recipe(BaseModel):
         "at each position (R3; the mixing weights stay the trainer's router probabilities); a dense model "
         "or data without routing ignores it")
     seed: int = 0
+    # LoRA (rl.lora): only adapters on the policy's linear layers train; the base stays frozen.
+    # "LoRA Without Regret" (Thinking Machines, 2025): for RL, small ranks match full fine-tuning at
+    # ~10x the learning rate; rank 8 is what vLLM's CPU build was measured serving (DESIGN.md s.10)
+    training: Literal["full", "lora"] = Field("full", description="full: every weight trains; lora: PEFT "
+                                              "adapters (rank lora_rank) on lora_target_modules, the base frozen")
+    lora_rank: int = Field(8, ge=1, description="r of each adapter (a server's --max-lora-rank must allow it)")
+    lora_alpha: float = Field(16.0, gt=0, description="alpha: the adapter's update is (alpha / r) B A")
+    lora_dropout: float = Field(0.0, ge=0, lt=1)
+    lora_target_modules: str | tuple[str, ...] = Field("all-linear", description=(
+        "'all-linear' (every linear layer but the output head) or layer names (q_proj, ...); MoE experts "
+        "are fused parameters and are refused"))
+
+    @field_validator("lora_target_modules")
+    @classmethod
+    def _adaptable(cls, v):
+        from prodrl_pipelines.rl.lora import check_target_modules
+
+        check_target_modules(v)
+        return v
 
     @field_validator("correction")
     @classmethod
@@ -80,6 +99,11 @@ class Recipe(BaseModel):
         for lo, hi in (("icepop_low", "icepop_high"), ("cispo_low", "cispo_high"), ("seq_mis_low", "seq_mis_high")):
             if getattr(self, lo) >= getattr(self, hi):
                 raise ValueError(f"{lo} ({getattr(self, lo)}) must be below {hi} ({getattr(self, hi)})")
+        if self.training == "lora" and self.correction == "ref_is":
+            # ref_is references each token to the weights that served it: base export + that version's
+            # adapter, which the trainer does not load yet
+            raise ValueError("correction 'ref_is' with training 'lora': the served reference (base export + "
+                             "adapter) is not built yet; choose another correction")
         return self
 
     def correction_params(self):

@@ -123,14 +123,20 @@ class PolicyLogprobs(nn.Module):
     def config(self):
         return self.policy.config
 
+    @property
+    def causal_lm(self) -> nn.Module:
+        """The causal LM itself: a LoRA policy (a PEFT model) wraps it, its adapters injected in its layers."""
+        get = getattr(self.policy, "get_base_model", None)
+        return get() if get is not None else self.policy
+
     def forward(self, input_ids, attention_mask, gen_row, gen_pos, ids, temperature, chunk: int = DEFAULT_CHUNK,
                 position_ids=None, segment_ids=None):
+        lm = self.causal_lm
         if segment_ids is not None:  # packed sequences: attention never crosses a boundary
-            attention_mask = packed_attention_mask(self.policy.config, segment_ids)
-        out = self.policy.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids,
-                                use_cache=False)
+            attention_mask = packed_attention_mask(lm.config, segment_ids)
+        out = lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)
         h = out.last_hidden_state[gen_row, gen_pos]
-        return gather_logprobs(h, self.policy.lm_head.weight, ids, temperature, chunk)
+        return gather_logprobs(h, lm.lm_head.weight, ids, temperature, chunk)
 
 
 def _gathered(model, batch: PackedBatch, ids: torch.Tensor, chunk: int, replay: bool | None = None,

@@ -46,10 +46,11 @@ class RoundResult:
 
 def build_optimizer(model, recipe: Recipe, state: TrainerState,
                     load_state: Callable[[torch.optim.Optimizer, dict], None] | None = None) -> torch.optim.Optimizer:
-    """AdamW over all parameters; restores the Adam moments carried from the previous round
-    (``load_state``: how, for a sharded model; default ``Optimizer.load_state_dict``)."""
-    opt = torch.optim.AdamW(model.parameters(), lr=recipe.learning_rate, betas=recipe.adam_betas,
-                            weight_decay=recipe.weight_decay)
+    """AdamW over the parameters that train (all of them; a LoRA policy's adapters only, so its state
+    holds only theirs); restores the Adam moments carried from the previous round (``load_state``: how,
+    for a sharded model; default ``Optimizer.load_state_dict``)."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=recipe.learning_rate,
+                            betas=recipe.adam_betas, weight_decay=recipe.weight_decay)
     if state.optimizer is not None:
         (load_state or torch.optim.Optimizer.load_state_dict)(opt, state.optimizer)
         for g in opt.param_groups:  # the recipe's current settings win over the saved ones
