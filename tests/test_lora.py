@@ -108,7 +108,7 @@ def test_the_policy_with_its_adapter_off_is_the_base_and_a_saved_adapter_loads_b
 def test_lora_settings_are_checked_before_any_work():
     s = settings_from_flat({"training": "lora", "lora_rank": 4, "lora_target_modules": ["q_proj", "v_proj"]})
     assert (s.recipe.training, s.recipe.lora_rank, s.recipe.lora_target_modules) == ("lora", 4, ("q_proj", "v_proj"))
-    assert Recipe().training == "full" and Recipe().lora_target_modules == "all-linear"
+    assert Recipe().training == "full" and Recipe().lora_target_modules == ("all-linear",)
     with pytest.raises(ValueError, match="lora_target_modules.*fused parameters"):
         settings_from_flat({"training": "lora", "lora_target_modules": ["q_proj", "gate_up_proj"]})
     with pytest.raises(ValueError, match="ref_is.*lora"):

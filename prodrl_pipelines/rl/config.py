@@ -66,8 +66,8 @@ class Recipe(BaseModel):
     lora_rank: int = Field(8, ge=1, description="r of each adapter (a server's --max-lora-rank must allow it)")
     lora_alpha: float = Field(16.0, gt=0, description="alpha: the adapter's update is (alpha / r) B A")
     lora_dropout: float = Field(0.0, ge=0, lt=1)
-    lora_target_modules: str | tuple[str, ...] = Field("all-linear", description=(
-        "'all-linear' (every linear layer but the output head) or layer names (q_proj, ...); MoE experts "
+    lora_target_modules: tuple[str, ...] = Field(("all-linear",), description=(
+        "['all-linear'] (every linear layer but the output head) or layer names (q_proj, ...); MoE experts "
         "are fused parameters and are refused"))
 
     @field_validator("lora_target_modules")

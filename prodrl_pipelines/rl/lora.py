@@ -20,9 +20,9 @@ from pathlib import Path
 EXPERT_PARAMETERS = ("gate_up_proj", "experts")
 
 
-def check_target_modules(targets: tuple[str, ...] | str) -> None:
-    """``lora_target_modules``: ``all-linear`` or names of linear layers; an MoE expert projection is refused."""
-    names = (targets,) if isinstance(targets, str) else tuple(targets)
+def check_target_modules(targets: tuple[str, ...]) -> None:
+    """``lora_target_modules``: ``("all-linear",)`` or names of linear layers; an MoE expert projection is refused."""
+    names = tuple(targets)
     if not names:
         raise ValueError("lora_target_modules: empty (use 'all-linear' or layer names such as q_proj)")
     bad = [n for n in names if n in EXPERT_PARAMETERS]
@@ -34,9 +34,9 @@ def check_target_modules(targets: tuple[str, ...] | str) -> None:
 def lora_config(recipe):
     from peft import LoraConfig
 
-    targets = recipe.lora_target_modules
+    targets = tuple(recipe.lora_target_modules)
     return LoraConfig(r=recipe.lora_rank, lora_alpha=recipe.lora_alpha, lora_dropout=recipe.lora_dropout,
-                      target_modules=targets if isinstance(targets, str) else list(targets), bias="none")
+                      target_modules="all-linear" if targets == ("all-linear",) else list(targets), bias="none")
 
 
 def with_adapter(model, recipe, adapter_dir: str | Path | None = None):
