@@ -115,3 +115,62 @@ def test_lora_settings_are_checked_before_any_work():
         settings_from_flat({"training": "lora", "correction": "ref_is"})
     with pytest.raises(ValueError, match="lora_rank"):
         settings_from_flat({"training": "lora", "lora_rank": 0})
+
+
+@pytest.mark.long(seconds=60)
+def test_lora_rounds_through_dagster_adapt_the_frozen_base_and_carry_the_adapter(tmp_path, pg_instance):
+    """``training: lora`` through the round job: round 1 trains a fresh adapter on the live (round 0)
+    weights and its checkpoint holds the merged weights (what the export, evaluation and deploy read,
+    as for a full round), the adapter in PEFT's format and the base's version; only adapted layers
+    moved. Round 2 trains that adapter further on the same frozen base (round 0's weights), with the
+    adapters' Adam state carried over."""
+    from safetensors.torch import load_file
+
+    from prodrl_pipelines.definitions import build_definitions
+    from prodrl_pipelines.lab.traffic import simulate_traffic
+    from prodrl_pipelines.resources.settings import make_resources, open_services
+    from prodrl_pipelines.rl.checkpoint import load_trainer_state
+    from tests.test_pipeline_e2e import ROUND_ASSETS, TINY, request_round
+    from dagster import materialize
+
+    res = make_resources({**TINY, "home": str(tmp_path / "home"), "training": "lora", "lora_rank": 2,
+                          "monitors_enabled": [],  # the feedback below is arbitrary: no behaviour gate on it
+                          "learning_rate": 1e-2})
+    defs = build_definitions(res)
+    svc = open_services(res["settings"], res["store"], res["mlflow"])
+    assert defs.resolve_job_def("bootstrap").execute_in_process(instance=pg_instance).success
+
+    def traffic():  # the tiny policy earns 0 on every task: the client's later feedback gives a signal
+        from datetime import datetime, timezone
+
+        before = set(svc.store.read_calls(columns=[]).column("trajectory_id").to_pylist())
+        simulate_traffic(svc, 8)
+        new = sorted(set(svc.store.read_calls(columns=[]).column("trajectory_id").to_pylist()) - before)
+        svc.store.write_rewards([{"trajectory_id": t, "reward": float(i % 2), "source": "feedback",
+                                  "created_at": datetime.now(timezone.utc)} for i, t in enumerate(new)])
+
+    traffic()
+    req = request_round(pg_instance, defs, res)
+    out = defs.resolve_job_def("prod_rl_round").execute_in_process(instance=pg_instance, partition_key=req.partition_key,
+                                                                tags=req.tags)
+    assert out.success and svc.ledger.live().policy_version == "round-000001"
+    root = svc.settings.checkpoints_root
+    adapter, base_version = lora.adapter_of(root / "round-000001")
+    assert base_version == "round-000000" and (adapter / "adapter_model.safetensors").exists()
+    base, merged = load_file(root / "round-000000" / "model.safetensors"), load_file(root / "round-000001" / "model.safetensors")
+    moved = {k for k in base if not torch.equal(base[k], merged[k])}
+    assert moved and all(k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"))
+                         for k in moved), moved  # the tiny MoE: attention only; norms, embeddings, experts frozen
+    assert lora.adapter_of(root / "round-000000") == (None, None)
+
+    traffic()
+    req = request_round(pg_instance, defs, res)
+    assert materialize(ROUND_ASSETS[:3], instance=pg_instance, partition_key=req.partition_key, resources=res).success
+    adapter2, base2 = lora.adapter_of(root / "round-000002")
+    assert base2 == "round-000000"  # still the frozen base, not round 1's merged weights
+    a1, a2 = load_file(adapter / "adapter_model.safetensors"), load_file(adapter2 / "adapter_model.safetensors")
+    assert a1.keys() == a2.keys() and any(not torch.equal(a1[k], a2[k]) for k in a1)
+    state = load_trainer_state(root / "round-000002")
+    assert state.global_step == load_trainer_state(root / "round-000001").global_step + len(
+        [s for s in json.loads(svc.blobs.get_bytes("rounds/round-000002/train_steps.json")) if not s.get("skipped")])
+    assert len(state.optimizer["param_groups"][0]["params"]) == len(a1)  # Adam over the adapters only

@@ -37,6 +37,7 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
     model, tokenizer = load_policy(Path(live.checkpoint_dir), dtype=torch.float32)
     state = load_trainer_state(Path(live.checkpoint_dir))
     state.baseline = BaselineState(**batch["baseline_state"])
+    model, base_version = _lora_policy(svc, live, model, state, world_size)
     if s.recipe.activation_checkpointing:
         from prodrl_pipelines.rl.sharding import checkpoint_activations
 
@@ -92,7 +93,13 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
         whole = {"model_state": sharding.full_model_state(trained),
                  "optimizer_state": sharding.full_optimizer_state(trained, opt)}
     if rank == 0:
-        save_checkpoint(out, model, tokenizer, opt, state, **whole)
+        if base_version is not None:  # the merged weights, read like a full round's, and the adapter
+            from prodrl_pipelines.rl import lora
+
+            save_checkpoint(out, lora.merged_copy(model), tokenizer, opt, state,
+                            extra=lora.write_lora_parts(model, base_version))
+        else:
+            save_checkpoint(out, model, tokenizer, opt, state, **whole)
         if out_dir is None:  # the round's own checkpoint (not a worker's scratch copy)
             publish_checkpoint(svc, rkey, out)
         documents.put_json(svc.blobs, keys.train_steps(rkey), res.steps)
@@ -117,6 +124,29 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
         "tokens_per_s": float(np.mean([m["tokens_per_s"] for m in done])) if done else float("nan"),
         "steps": res.steps,
     }
+
+
+def _lora_policy(svc: Services, live, model, state, world_size: int):
+    """The policy this round trains, and the version whose frozen weights a LoRA round adapts (None:
+    full training). ``training: lora`` trains the live round's adapter on its frozen base (the first
+    LoRA round: a fresh adapter on the live weights); Adam's state carries over only between rounds of
+    the same kind (a full round's does not fit the adapters, nor theirs the full model)."""
+    from prodrl_pipelines.rl import lora
+    from prodrl_pipelines.rl.checkpoint import load_policy
+
+    adapter, base_version = lora.adapter_of(live.checkpoint_dir)
+    if svc.settings.recipe.training != "lora":
+        if adapter is not None:
+            state.optimizer = None
+        return model, None
+    if world_size > 1:
+        raise ValueError("training 'lora' with more than one training rank (FSDP2) is not built yet: "
+                         "train_processes / cluster_workers 1")
+    if adapter is None:
+        state.optimizer = None
+        return lora.with_adapter(model, svc.settings.recipe), live.policy_version
+    base, _ = load_policy(version_dirs(svc, base_version)[0])
+    return lora.with_adapter(base, svc.settings.recipe, adapter), base_version
 
 
 def _both(first, second):

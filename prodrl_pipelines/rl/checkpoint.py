@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
 
@@ -30,9 +31,11 @@ class TrainerState:
 
 
 def save_checkpoint(path: Path, model, tokenizer, optimizer: torch.optim.Optimizer | None, state: TrainerState,
-                    *, model_state: dict | None = None, optimizer_state: dict | None = None) -> Path:
+                    *, model_state: dict | None = None, optimizer_state: dict | None = None,
+                    extra: Callable[[Path], None] | None = None) -> Path:
     """Write the checkpoint atomically. ``model_state`` / ``optimizer_state``: the whole states of a
-    sharded model and optimizer (``rl.sharding``), gathered by every rank, written by one."""
+    sharded model and optimizer (``rl.sharding``), gathered by every rank, written by one. ``extra``
+    writes more files into the directory before it appears (a LoRA round's adapter)."""
     path = Path(path)
     with atomic_directory(path) as tmp:
         model.save_pretrained(tmp, safe_serialization=True, state_dict=model_state)
@@ -46,6 +49,8 @@ def save_checkpoint(path: Path, model, tokenizer, optimizer: torch.optim.Optimiz
             "optimizer": optimizer_state,
         }
         torch.save(payload, tmp / TRAINER_STATE)
+        if extra is not None:
+            extra(tmp)
     return path
 
 

@@ -6,18 +6,24 @@ adapted policy starts equal to the base). Only A and B train and the optimizer's
 them (``build_optimizer`` takes the parameters that require gradients). The base policy is the
 adapted model with its adapter off (``adapter_off``): no second model is loaded for it.
 
-An MoE policy's experts are fused parameters, not ``nn.Linear`` layers, so ``all-linear`` adapts its
-attention (and any dense layer); naming an expert projection is refused (``check_target_modules``):
-PEFT cannot wrap it, and vLLM serves LoRA on MoE layers with GPU kernels only.
+In an MoE policy ``all-linear`` adapts attention (and any dense layer), not the experts or routers
+(``adaptable_layers``): vLLM serves LoRA on MoE layers with GPU kernels only. Naming an expert or
+router layer is refused, at load when the name is an expert projection (``check_target_modules``),
+else when the policy is wrapped.
 """
 
 from __future__ import annotations
 
 import contextlib
+import json
 from pathlib import Path
 
 # what an MoE layer's fused experts are called (transformers 5's Qwen3-MoE): not adaptable here
 EXPERT_PARAMETERS = ("gate_up_proj", "experts")
+# a LoRA round's checkpoint: the merged weights (what exports and evaluations read, as for a full
+# round), its adapter in PEFT's format, and the policy version whose frozen weights it adapts
+ADAPTER_DIR = "adapter"
+BASE_FILE = "lora_base.json"
 
 
 def check_target_modules(targets: tuple[str, ...]) -> None:
@@ -31,12 +37,37 @@ def check_target_modules(targets: tuple[str, ...]) -> None:
                          "(not linear layers): adapters go on attention and dense layers ('all-linear' does that)")
 
 
-def lora_config(recipe):
+def _in_moe_block(name: str) -> bool:
+    """A module of an MoE block's experts or router (``mlp.experts``, ``mlp.gate`` of a sparse block)."""
+    return ".mlp.experts" in name or name.endswith(".mlp.gate") or ".mlp.gate." in name
+
+
+def adaptable_layers(model) -> list[str]:
+    """The linear layers ``all-linear`` adapts here: every ``nn.Linear`` but the output head and, in an
+    MoE policy, the experts and routers (PEFT 0.21's own ``all-linear`` also wraps fused expert
+    parameters and the router, which vLLM serves with GPU kernels only)."""
+    import torch
+
+    moe = any(".mlp.experts" in n for n, _ in model.named_modules())
+    names = {n.rsplit(".", 1)[-1] for n, m in model.named_modules()
+             if isinstance(m, torch.nn.Linear) and not n.endswith("lm_head") and not (moe and _in_moe_block(n))}
+    return sorted(names)
+
+
+def lora_config(recipe, model):
     from peft import LoraConfig
 
     targets = tuple(recipe.lora_target_modules)
+    if targets == ("all-linear",):
+        targets = tuple(adaptable_layers(model))
+    else:
+        moe_hits = sorted({t for t in targets for n, _ in model.named_modules()
+                           if n.rsplit(".", 1)[-1] == t and _in_moe_block(n)})
+        if moe_hits:
+            raise ValueError(f"lora_target_modules {moe_hits}: MoE experts or routers in this policy; adapters go "
+                             "on attention and dense layers (vLLM serves LoRA on MoE layers with GPU kernels only)")
     return LoraConfig(r=recipe.lora_rank, lora_alpha=recipe.lora_alpha, lora_dropout=recipe.lora_dropout,
-                      target_modules="all-linear" if targets == ("all-linear",) else list(targets), bias="none")
+                      target_modules=list(targets), bias="none")
 
 
 def with_adapter(model, recipe, adapter_dir: str | Path | None = None):
@@ -46,7 +77,7 @@ def with_adapter(model, recipe, adapter_dir: str | Path | None = None):
 
     if adapter_dir is not None:
         return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
-    return get_peft_model(model, lora_config(recipe))
+    return get_peft_model(model, lora_config(recipe, model))
 
 
 def is_adapted(model) -> bool:
@@ -73,3 +104,27 @@ def save_adapter(model, out_dir: str | Path) -> Path:
     out = Path(out_dir)
     model.save_pretrained(str(out))
     return out
+
+
+def adapter_of(checkpoint_dir: str | Path) -> tuple[Path | None, str | None]:
+    """(the adapter, the base's policy version) of a LoRA round's checkpoint; (None, None) for a full one."""
+    d = Path(checkpoint_dir)
+    if not (d / BASE_FILE).exists():
+        return None, None
+    return d / ADAPTER_DIR, json.loads((d / BASE_FILE).read_text())["base_version"]
+
+
+def merged_copy(model):
+    """The adapted policy as a plain model (W + (alpha / r) B A folded into W), leaving ``model`` as it is."""
+    import copy
+
+    return copy.deepcopy(model).merge_and_unload()
+
+
+def write_lora_parts(model, base_version: str):
+    """What a LoRA round adds to its checkpoint directory (``save_checkpoint(extra=...)``)."""
+    def write(directory: Path) -> None:
+        save_adapter(model, Path(directory) / ADAPTER_DIR)
+        (Path(directory) / BASE_FILE).write_text(json.dumps({"base_version": base_version}))
+
+    return write
