@@ -45,6 +45,23 @@ def _http_code(host: simhosts.Host, url: str, *args: str, timeout_s: int = 3) ->
     return host.run(["curl", "-s", "-m", str(timeout_s), "-o", "/dev/null", "-w", "%{http_code}", *args, url]).stdout
 
 
+def _stats(client: simhosts.Host, recorder: str) -> dict:
+    """The recorder's /stats as a client host reads it ({} while it does not answer)."""
+    res = client.run(["curl", "-s", "-m", "10", "-H", "Authorization: Bearer tok", f"{recorder}/stats"])
+    try:
+        return json.loads(res.stdout)
+    except ValueError:
+        return {}
+
+
+def _answered(out_dir: Path) -> int:
+    """The calls the traffic clients (``cluster.traffic``) have had answered so far."""
+    try:
+        return int((out_dir / "progress").read_text() or 0)
+    except (OSError, ValueError):
+        return 0
+
+
 @pytest.fixture(scope="module")
 def hosts(tmp_path_factory):
     with simhosts.SimulatedHosts(5, tmp_path_factory.mktemp("hosts")) as hs:
@@ -239,22 +256,14 @@ def test_a_partition_between_the_recorder_and_a_replica_fails_only_calls_in_flig
     recorder, urls, recorder_proc = served_on_hosts
     out = h5.tmp / "traffic"
     out.mkdir()
-    progress = out / "progress"
     traffic = h5.popen([sys.executable, "-m", "prodrl_pipelines.cluster.traffic", recorder, "tok", "/tmp/traffic", "3"],
                        env=_base_env(), log=h5.tmp / "traffic.log")
 
     def answered() -> int:
-        try:
-            return int(progress.read_text() or 0)
-        except (OSError, ValueError):
-            return 0
+        return _answered(out)
 
     def stats() -> dict:
-        res = h5.run(["curl", "-s", "-m", "10", "-H", "Authorization: Bearer tok", f"{recorder}/stats"])
-        try:
-            return json.loads(res.stdout)
-        except ValueError:
-            return {}
+        return _stats(h5, recorder)
 
     try:
         until("calls answered before the partition", lambda: answered() >= 20, 300)
@@ -313,10 +322,7 @@ def test_a_recorder_follows_the_endpoint_record_in_postgresql_on_another_host_th
                        env=_base_env(), log=h5.tmp / "traffic-pg.log")
 
     def answered() -> int:
-        try:
-            return int((out / "progress").read_text() or 0)
-        except (OSError, ValueError):
-            return 0
+        return _answered(out)
 
     def recorded(version: str) -> int:
         res = h5.run(["curl", "-s", "-m", "10", "-H", "Authorization: Bearer tok", f"{recorder}/stats"])
@@ -412,11 +418,7 @@ def test_a_rolling_update_whose_second_node_is_cut_off_from_the_deployer_is_roll
     recorder = f"http://{h1.address}:9300"
 
     def stats() -> dict:
-        res = h5.run(["curl", "-s", "-m", "10", "-H", "Authorization: Bearer tok", f"{recorder}/stats"])
-        try:
-            return json.loads(res.stdout)
-        except ValueError:
-            return {}
+        return _stats(h5, recorder)
 
     until("the recorder answers", lambda: _http_code(h5, f"{recorder}/health", "-H", "Authorization: Bearer tok")
           == "200", 300)
@@ -426,10 +428,7 @@ def test_a_rolling_update_whose_second_node_is_cut_off_from_the_deployer_is_roll
                         "3"], env=_base_env(), log=h5.tmp / "traffic-roll.log")
 
     def answered() -> int:
-        try:
-            return int((out_dir / "progress").read_text() or 0)
-        except (OSError, ValueError):
-            return 0
+        return _answered(out_dir)
 
     try:
         until("calls answered before the cut", lambda: answered() >= 20, 300)
