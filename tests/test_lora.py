@@ -174,3 +174,62 @@ def test_lora_rounds_through_dagster_adapt_the_frozen_base_and_carry_the_adapter
     assert state.global_step == load_trainer_state(root / "round-000001").global_step + len(
         [s for s in json.loads(svc.blobs.get_bytes("rounds/round-000002/train_steps.json")) if not s.get("skipped")])
     assert len(state.optimizer["param_groups"][0]["params"]) == len(a1)  # Adam over the adapters only
+
+
+@pytest.mark.long(seconds=90)
+def test_an_adapter_loads_into_a_running_vllm_under_its_version_and_serves_the_merged_policy(vllm_exports, tmp_path):
+    """A real vLLM (CPU build, LoRA enabled, runtime updates on) serving the dense base loads our
+    PEFT-format adapter at run time under the version's name: what it serves under that name is the
+    merged policy (base + (alpha / r) B A) as the local engine computes it on the merged export, and
+    the base's name still serves the base; a second version loads beside it; unloaded, a name is gone."""
+    import httpx
+
+    from prodrl_pipelines.engines.types import SamplingParams
+    from prodrl_pipelines.engines.vllm_client import VLLMClient
+    from prodrl_pipelines.quant.export import export_policy
+    from prodrl_pipelines.rl.checkpoint import TrainerState, load_policy, save_checkpoint
+    from tests.vllm_support import PROMPTS, VLLMServer, logprob_mismatch, vllm_python
+
+    python = vllm_python()
+    base, tok = load_policy(vllm_exports["dense"])
+    recipe = Recipe(training="lora", lora_rank=4, lora_alpha=8.0)
+    versions = {}
+    for name, scale in (("v1", 0.05), ("v2", -0.05)):  # B drawn (seeded): an adapter that moves the policy
+        model = lora.with_adapter(copy.deepcopy(base), recipe)
+        gen = torch.Generator().manual_seed(11)
+        with torch.no_grad():
+            for mod in _adapted_layers(model).values():
+                w = mod.lora_B["default"].weight
+                w.copy_(scale * torch.randn(w.shape, generator=gen))
+        lora.save_adapter(model, tmp_path / name)
+        save_checkpoint(tmp_path / f"{name}-merged-ckpt", lora.merged_copy(model), tok, None, TrainerState())
+        export_policy(tmp_path / f"{name}-merged-ckpt", tmp_path / f"{name}-merged", "bf16")
+        versions[name] = tmp_path / f"{name}-merged"
+    srv = VLLMServer(python, vllm_exports["dense-bf16"], "base", tmp_path / "vllm.log", dev_mode=False,
+                     extra_args=("--enable-lora", "--max-lora-rank", "8", "--max-loras", "2"),
+                     env={"VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1"})
+    try:
+        srv.wait()
+        with httpx.Client(base_url=srv.url, timeout=120) as h:
+            for name in versions:
+                r = h.post("/v1/load_lora_adapter", json={"lora_name": name, "lora_path": str(tmp_path / name)})
+                assert r.status_code == 200, r.text
+            assert {m["id"] for m in h.get("/v1/models").json()["data"]} >= {"base", "v1", "v2"}
+            params = SamplingParams(temperature=1.0, max_tokens=8, num_top_logprobs=4)
+            figures = {}
+            for served, export in (("v1", versions["v1"]), ("v2", versions["v2"]), ("base", vllm_exports["dense-bf16"])):
+                with VLLMClient(srv.url, model=served) as client:
+                    recs = client.generate(PROMPTS, params, seed=3)
+                figures[served] = logprob_mismatch(recs, export, params)
+                if served == "v1":
+                    figures["v1 as the base"] = logprob_mismatch(recs, vllm_exports["dense-bf16"], params)
+            print("|log mu_vllm - log mu_local|:", json.dumps(figures))
+            for served in ("v1", "v2", "base"):
+                assert figures[served]["mean"] < 2e-2 and figures[served]["max"] < 0.3, figures
+            assert figures["v1 as the base"]["mean"] > 5 * figures["v1"]["mean"], figures  # the adapter is applied
+            assert h.post("/v1/unload_lora_adapter", json={"lora_name": "v1"}).status_code == 200
+            gone = h.post("/v1/completions", json={"model": "v1", "prompt": [1, 5, 6], "max_tokens": 2})
+            assert gone.status_code == 404, gone.text
+            assert h.post("/v1/completions", json={"model": "v2", "prompt": [1, 5, 6], "max_tokens": 2}).status_code == 200
+    finally:
+        srv.stop()

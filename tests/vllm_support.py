@@ -46,11 +46,11 @@ class VLLMServer:
     """``python -m vllm.entrypoints.openai.api_server`` on loopback, in its own session."""
 
     def __init__(self, python: str, export_dir: Path, name: str, log: Path, dev_mode: bool = True,
-                 extra_args: tuple[str, ...] = ()) -> None:
+                 extra_args: tuple[str, ...] = (), env: dict | None = None) -> None:
         self.port = pick_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.name, self.log, self.export_dir = name, log, export_dir
-        env = vllm_serve_env("127.0.0.1")
+        env = {**vllm_serve_env("127.0.0.1"), **(env or {})}
         if dev_mode:
             env["VLLM_SERVER_DEV_MODE"] = "1"
         cmd = vllm_serve_command(export_dir, self.port, 20, served_model_name=name, python=python,
