@@ -179,7 +179,6 @@ def canary_sensor(context: SensorEvaluationContext, settings: ProdRLSettings, st
     requested = bool(context.instance.get_run_records(RunsFilter(tags={RUN_KEY_TAG: key}), limit=1))
     verdict = canary.acted_verdict(svc, rkey)
     if verdict is None and not requested:
-        scoring_run = _canary_scoring_request(context, svc, rkey)
         # what the last scoring run could not score (a hung judge: its breaker opened, its budget ran out)
         scoring = canary.scoring_summary(canary.last_scoring(svc, rkey))
         tags = svc.lineage.version_tags(version) if version else {}
@@ -199,6 +198,7 @@ def canary_sensor(context: SensorEvaluationContext, settings: ProdRLSettings, st
             if version and tags.get("canary_trajectories") != str(verdict.n_candidate):
                 lineage_hooks.record_canary(svc, rkey, version, "running", verdict)  # the numbers so far
             why = f"{rkey} canary: {verdict.summary()}" + (f"; scoring: {scoring}" if scoring else "")
+            scoring_run = _canary_scoring_request(context, svc, rkey)  # only while the verdict waits on rewards
             if scoring_run is not None:
                 context.log.info(f"{why}; scoring its window ({scoring_run.run_key})")
                 return scoring_run

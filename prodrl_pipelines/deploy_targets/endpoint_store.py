@@ -29,7 +29,19 @@ from prodrl_pipelines.deploy_targets.base import Endpoint, EndpointFile
 TABLE = "prodrl_endpoints"
 NAME = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,127}$")
 _PG = re.compile(r"^postgres(ql)?(\+\w+)?://")
-_TABLES_MADE: set[str] = set()  # databases this process made the table in: a record per write is opened anew
+_TABLES_MADE: set[tuple[str, str]] = set()  # (database, table) this process made: a record per write is opened anew
+
+
+def ensure_table(conn, url: str, table: str, columns: str) -> None:
+    """``CREATE TABLE IF NOT EXISTS`` once per process and database. It is not safe against itself (two
+    first writers: a unique violation in the catalog), so the first writers take turns on an advisory lock."""
+    if (url, table) in _TABLES_MADE:
+        return
+    with conn.cursor() as cur:
+        cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (table,))
+        cur.execute(f"CREATE TABLE IF NOT EXISTS {table} ({columns})")
+    conn.commit()
+    _TABLES_MADE.add((url, table))
 
 
 def is_database_url(value: str) -> bool:
@@ -79,16 +91,8 @@ class PostgresEndpoint(EndpointFile):
         return psycopg2.connect(self._dsn, connect_timeout=10)
 
     def _ensure_table(self, conn) -> None:
-        """``CREATE TABLE IF NOT EXISTS`` is not safe against itself (two first writers: a unique
-        violation in the catalog), so the first writers take turns on an advisory lock."""
-        if self.url in _TABLES_MADE:
-            return
-        with conn.cursor() as cur:
-            cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (TABLE,))
-            cur.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} (name text PRIMARY KEY, body jsonb, "
-                        "version bigint NOT NULL DEFAULT 0, updated_at timestamptz NOT NULL DEFAULT now())")
-        conn.commit()
-        _TABLES_MADE.add(self.url)
+        ensure_table(conn, self.url, TABLE, "name text PRIMARY KEY, body jsonb, version bigint NOT NULL DEFAULT 0, "
+                     "updated_at timestamptz NOT NULL DEFAULT now()")
 
     @contextlib.contextmanager
     def locked(self):

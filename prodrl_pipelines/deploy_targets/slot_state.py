@@ -20,7 +20,6 @@ from prodrl_pipelines.deploy_targets.base import read_json, write_json
 
 TABLE = "prodrl_deploy_slots"
 KINDS = ("pending", "current")
-_TABLES_MADE: set[str] = set()
 
 
 class FileSlots:
@@ -67,17 +66,13 @@ class PostgresSlots:
     def _run(self, sql: str, args: tuple, fetch: bool = False):
         import psycopg2
 
+        from prodrl_pipelines.deploy_targets.endpoint_store import ensure_table
+
         conn = psycopg2.connect(self._dsn, connect_timeout=10)
         try:
+            ensure_table(conn, self.url, TABLE, "endpoint text, target text, slot text, kind text, body jsonb NOT NULL, "
+                         "updated_at timestamptz NOT NULL DEFAULT now(), PRIMARY KEY (endpoint, target, slot, kind)")
             with conn.cursor() as cur:
-                if self.url not in _TABLES_MADE:
-                    # CREATE TABLE IF NOT EXISTS races with itself: first writers take turns
-                    cur.execute("SELECT pg_advisory_xact_lock(hashtext(%s))", (TABLE,))
-                    cur.execute(f"CREATE TABLE IF NOT EXISTS {TABLE} (endpoint text, target text, slot text, "
-                                "kind text, body jsonb NOT NULL, updated_at timestamptz NOT NULL DEFAULT now(), "
-                                "PRIMARY KEY (endpoint, target, slot, kind))")
-                    conn.commit()
-                    _TABLES_MADE.add(self.url)
                 cur.execute(sql, args)
                 row = cur.fetchone() if fetch else None
             conn.commit()

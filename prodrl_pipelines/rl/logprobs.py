@@ -123,15 +123,11 @@ class PolicyLogprobs(nn.Module):
     def config(self):
         return self.policy.config
 
-    @property
-    def causal_lm(self) -> nn.Module:
-        """The causal LM itself: a LoRA policy (a PEFT model) wraps it, its adapters injected in its layers."""
-        get = getattr(self.policy, "get_base_model", None)
-        return get() if get is not None else self.policy
-
     def forward(self, input_ids, attention_mask, gen_row, gen_pos, ids, temperature, chunk: int = DEFAULT_CHUNK,
                 position_ids=None, segment_ids=None):
-        lm = self.causal_lm
+        from prodrl_pipelines.rl.lora import causal_lm
+
+        lm = causal_lm(self.policy)
         if segment_ids is not None:  # packed sequences: attention never crosses a boundary
             attention_mask = packed_attention_mask(lm.config, segment_ids)
         out = lm.model(input_ids=input_ids, attention_mask=attention_mask, position_ids=position_ids, use_cache=False)

@@ -84,6 +84,11 @@ def is_adapted(model) -> bool:
     return hasattr(model, "disable_adapter") and hasattr(model, "peft_config")
 
 
+def causal_lm(model):
+    """The causal LM itself: a LoRA policy (a PEFT model) wraps it, its adapters injected in its layers."""
+    return model.get_base_model() if is_adapted(model) else model
+
+
 @contextlib.contextmanager
 def adapter_off(model):
     """The base policy: ``model``'s adapter disabled inside the block (a no-op for a plain model)."""

@@ -35,8 +35,9 @@ __all__ = ["shard_policy", "checkpoint_activations", "full_model_state", "full_o
 def decoder_layers(policy: nn.Module) -> list[nn.Module]:
     """The transformer blocks of a Hugging Face causal LM (``policy.model.layers``; through a LoRA
     policy's PEFT wrapper to the causal LM it adapts)."""
-    get = getattr(policy, "get_base_model", None)
-    policy = get() if get is not None else policy
+    from prodrl_pipelines.rl.lora import causal_lm
+
+    policy = causal_lm(policy)
     layers = getattr(getattr(policy, "model", None), "layers", None)
     if layers is None:
         raise ValueError(f"{type(policy).__name__} has no model.layers to shard")
