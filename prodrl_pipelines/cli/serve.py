@@ -41,6 +41,11 @@ def add_serve_parser(sub) -> argparse.ArgumentParser:
                    help="the model's reasoning and tool-call format (vLLM's --reasoning-parser and "
                         "--tool-call-parser): replies are parsed into reasoning and tool_calls, and "
                         "tool_choice auto / required / a named function are served; none: plain replies")
+    s.add_argument("--enable-lora", action="store_true",
+                   help="serve LoRA adapters by name, as vLLM: --lora-modules, POST /v1/load_lora_adapter and "
+                        "/v1/unload_lora_adapter (each adapter folded into a copy of the base)")
+    s.add_argument("--lora-modules", nargs="+", default=[], metavar="NAME=PATH",
+                   help="adapters (PEFT directories) served from the start under NAME")
     s.add_argument("--log-format", choices=("text", "json"), default="text",
                    help="json: the server's log lines as JSON objects (the recorder's request-log shape)")
     s.set_defaults(fn=cmd_serve)
@@ -61,7 +66,8 @@ def cmd_serve(args) -> int:
                     max_logprobs=args.max_logprobs, api_key=args.api_key, batch_wait_ms=args.batch_wait_ms,
                     max_batch_size=args.max_batch_size, generation_config=args.generation_config, device=args.device,
                     batch_quiet_ms=args.batch_quiet_ms, max_body_bytes=args.max_body_bytes,
-                    return_routed_experts=args.enable_return_routed_experts, reply_parser=args.reply_parser)
+                    return_routed_experts=args.enable_return_routed_experts, reply_parser=args.reply_parser,
+                    enable_lora=args.enable_lora, lora_modules=args.lora_modules)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level, access_log=False,
                 timeout_keep_alive=args.timeout_keep_alive, **log_config_kwargs(args.log_format, "serve"))
     return 0

@@ -40,7 +40,8 @@ class DeploySettings(BaseModel):
     # what the deployment serves: NVFP4 weights (W4A16 data-free, W4A4 calibrated) or bf16
     export_scheme: Literal["nvfp4-w4a16", "nvfp4-w4a4", "bf16"] = "nvfp4-w4a16"
     # how an export becomes live (deploy_targets.TARGETS): pointer | prodrl-serve | vllm-restart |
-    # vllm-reload | vllm-weight-transfer (GPU only) | command
+    # vllm-reload | vllm-weight-transfer (GPU only) | vllm-lora | prodrl-serve-lora (a LoRA round's
+    # adapter loaded into the running servers) | command
     target: str = "pointer"
     # auto: a candidate that passes the gate is deployed; review: it becomes `challenger` with
     # review=pending and waits for a reviewer in the MLflow registry (or `prodrl review`)
@@ -100,6 +101,11 @@ class DeploySettings(BaseModel):
     # client's history through the chat template) or extend (a session's calls as extensions of its
     # previous call's tokens: an agent's episode trains as one sequence; docs/agents.md)
     chat_history: Literal["rerender", "extend"] = "rerender"
+    # the adapter targets (vllm-lora, prodrl-serve-lora): each server's --max-lora-rank (vLLM accepts
+    # 1, 8, 16, 32, 64, 128, 256, 320, 512), and how many adapters each keeps loaded (the one served
+    # and those before it, for a rollback that only routes back); older ones are unloaded
+    lora_max_rank: int = 16
+    lora_kept_adapters: int = Field(2, ge=1, le=16)
     health_timeout_s: float = Field(300.0, gt=0)
     # the parity probe after every deploy: recorded prompts through the new deployment, the sampled
     # tokens' |log mu_new - log pi_trainer| against these bounds (probe_prompts = 0: no probe)
@@ -127,6 +133,15 @@ class DeploySettings(BaseModel):
 
         return registered(v, TARGETS, "deploy target")
 
+    @field_validator("lora_max_rank")
+    @classmethod
+    def _vllm_lora_rank(cls, v: int) -> int:
+        from prodrl_pipelines.deploy_targets.adapters import VLLM_LORA_RANKS
+
+        if v not in VLLM_LORA_RANKS:
+            raise ValueError(f"lora_max_rank {v}: the servers' --max-lora-rank takes one of {list(VLLM_LORA_RANKS)}")
+        return v
+
     @field_validator("reply_parser")
     @classmethod
     def _known_reply_parser(cls, v: str) -> str:
@@ -152,7 +167,7 @@ class DeploySettings(BaseModel):
 
     @model_validator(mode="after")
     def _fleet_fits_the_target(self) -> "DeploySettings":
-        from prodrl_pipelines.deploy_targets import FLEET_TARGETS
+        from prodrl_pipelines.deploy_targets import ADAPTER_TARGETS, FLEET_TARGETS
 
         if self.max_unavailable > self.replicas:
             raise ValueError(f"max_unavailable ({self.max_unavailable}) must be <= replicas ({self.replicas})")
@@ -162,6 +177,9 @@ class DeploySettings(BaseModel):
         if self.replica_placement == "ray" and self.target not in FLEET_TARGETS:
             raise ValueError(f"replica_placement 'ray' needs a managed target ({', '.join(FLEET_TARGETS)}); "
                              f"target {self.target!r} starts no server of its own")
+        if self.replica_placement == "ray" and self.target in ADAPTER_TARGETS:
+            raise ValueError(f"replica_placement 'ray' with the adapter target {self.target!r} is not built yet: "
+                             "place its servers locally (replica_placement 'local')")
         if self.replica_spread and self.replica_placement != "ray":
             raise ValueError("replica_spread places replicas on distinct Ray nodes: it needs replica_placement 'ray'")
         return self
@@ -239,6 +257,16 @@ class Settings(BaseModel):
                              "(the deployment must record an extra draw per position)")
         return self
 
+    @model_validator(mode="after")
+    def _adapter_fits_the_servers(self) -> "Settings":
+        from prodrl_pipelines.deploy_targets import ADAPTER_TARGETS
+
+        if self.recipe.training == "lora" and self.deploy.target in ADAPTER_TARGETS \
+                and self.recipe.lora_rank > self.deploy.lora_max_rank:
+            raise ValueError(f"recipe.lora_rank {self.recipe.lora_rank} > deploy.lora_max_rank {self.deploy.lora_max_rank}: "
+                             f"the {self.deploy.target} servers (--max-lora-rank) could not load the adapters")
+        return self
+
     @property
     def home_path(self) -> Path:
         return Path(self.home).resolve()
@@ -277,7 +305,31 @@ def check_settings(settings: Settings, s3_endpoint_url: str | None = None):
     if stuck:  # the canary is judged on the plan's rewards of its own, new traffic: it would run forever
         raise ValueError(f"canary_fraction {settings.deploy.canary_fraction}: the canary can never be judged: {stuck}; "
                          f"unpin rewards_versions, add a source that rewards new traffic, or set canary_fraction 0")
+    refused = adapters_unservable(settings)
+    if refused:
+        raise ValueError(refused)
     return load_suite(settings.eval.suite, settings.eval.reward_fn, settings, s3_endpoint_url)
+
+
+def adapters_unservable(settings: Settings) -> str | None:
+    """Why the deploy target cannot serve this recipe's adapters here (None: it can): vLLM's CPU build
+    serves LoRA on dense models only, so a LoRA recipe on an MoE base with ``vllm-lora`` and no GPU."""
+    if settings.recipe.training != "lora" or settings.deploy.target != "vllm-lora":
+        return None
+    from prodrl_pipelines.deploy_targets.base import is_moe
+    from prodrl_pipelines.deploy_targets.servers import cuda_available
+
+    if settings.base_model == "lab":
+        from prodrl_pipelines.lab.model import SIZES
+
+        moe = SIZES.get(settings.lab.size, {}).get("arch") == "moe"
+        what = f"the lab model {settings.lab.size!r} (mixture of experts; its '-dense' variant is dense)"
+    else:
+        moe, what = is_moe(Path(settings.base_model)), f"the base model {settings.base_model} (mixture of experts)"
+    if moe and not cuda_available():
+        return (f"training 'lora' with deploy target 'vllm-lora' on {what}: vLLM serves LoRA on MoE layers with GPU "
+                "kernels only and this host has no GPU; use deploy target 'prodrl-serve-lora', a dense model, or a GPU")
+    return None
 
 
 class SettingsFileError(ValueError):

@@ -9,6 +9,7 @@ from __future__ import annotations
 from prodrl_pipelines.deploy_targets.base import DeployError, DeployTarget, Endpoint, EndpointFile, Switch
 from prodrl_pipelines.deploy_targets.endpoint_store import endpoint_file
 from prodrl_pipelines.deploy_targets.command import CommandTarget, PointerTarget
+from prodrl_pipelines.deploy_targets.adapters import ProdrlServeLoRATarget, VLLMLoRATarget
 from prodrl_pipelines.deploy_targets.reload import VLLMReloadTarget
 from prodrl_pipelines.deploy_targets.servers import ProdrlServeTarget, VLLMRestartTarget
 from prodrl_pipelines.deploy_targets.weight_transfer import VLLMWeightTransferTarget
@@ -18,13 +19,17 @@ TARGETS: dict[str, type] = {
     "prodrl-serve": ProdrlServeTarget,
     "vllm-restart": VLLMRestartTarget,
     "vllm-reload": VLLMReloadTarget,
+    "vllm-lora": VLLMLoRATarget,
+    "prodrl-serve-lora": ProdrlServeLoRATarget,
     "vllm-weight-transfer": VLLMWeightTransferTarget,
     "command": CommandTarget,
 }
 
 
 # the targets that start and stop their servers, so can run several replicas and a canary
-FLEET_TARGETS = ("prodrl-serve", "vllm-restart")
+FLEET_TARGETS = ("prodrl-serve", "vllm-restart", "vllm-lora", "prodrl-serve-lora")
+# the targets that load a LoRA round's adapter into running servers (``adapters``)
+ADAPTER_TARGETS = ("vllm-lora", "prodrl-serve-lora")
 
 
 def make_target(settings, cluster=None) -> DeployTarget:
@@ -38,4 +43,4 @@ def make_target(settings, cluster=None) -> DeployTarget:
     return TARGETS[name](settings, settings.home_path)
 
 
-__all__ = ["FLEET_TARGETS", "TARGETS", "DeployError", "DeployTarget", "Endpoint", "EndpointFile", "Switch", "endpoint_file", "make_target"]
+__all__ = ["ADAPTER_TARGETS", "FLEET_TARGETS", "TARGETS", "DeployError", "DeployTarget", "Endpoint", "EndpointFile", "Switch", "endpoint_file", "make_target"]

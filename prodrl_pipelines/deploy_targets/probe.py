@@ -72,14 +72,17 @@ def compare(served: list[np.ndarray], trainer: list[np.ndarray], mean_bound: flo
 
 
 def parity_probe(settings, export_dir: Path, prompts: list[list[int]], endpoint: str | None,
-                 served_model_name: str | None = None, api_key: str | None = None, seed: int = 0) -> ProbeResult:
-    return parity_probes(settings, export_dir, prompts, [endpoint], served_model_name, api_key, seed)[0]
+                 served_model_name: str | None = None, api_key: str | None = None, seed: int = 0,
+                 adapter: bool = False) -> ProbeResult:
+    return parity_probes(settings, export_dir, prompts, [endpoint], served_model_name, api_key, seed, adapter)[0]
 
 
 def parity_probes(settings, export_dir: Path, prompts: list[list[int]], endpoints: list[str | None],
                   served_model_name: str | None = None, api_key: str | None = None,
-                  seed: int = 0) -> list[ProbeResult]:
-    """One probe per endpoint (every new server of a wave), the trainer loaded once for all of them."""
+                  seed: int = 0, adapter: bool = False) -> list[ProbeResult]:
+    """One probe per endpoint (every new server of a wave), the trainer loaded once for all of them.
+    ``adapter``: the servers serve a LoRA export's adapter on its base export, so the trainer scores
+    with base export + adapter (``rl.lora.served_policy``), what they serve."""
     from prodrl_pipelines.engines.local import LocalEngine
     from prodrl_pipelines.evaluation.episodes import stop_token_ids
     from prodrl_pipelines.rl.checkpoint import load_policy
@@ -87,7 +90,13 @@ def parity_probes(settings, export_dir: Path, prompts: list[list[int]], endpoint
     t0 = time.monotonic()
     d = settings.deploy
     local = None if all(endpoints) else LocalEngine.from_pretrained(export_dir)
-    if local is not None and not getattr(local.model, "_w4a4_hooks", None) \
+    if adapter:
+        from prodrl_pipelines.quant.adapter_export import adapter_export
+        from prodrl_pipelines.rl.lora import served_policy
+
+        adapter_dir, _, base_export = adapter_export(export_dir)
+        trainer = LocalEngine(*served_policy(base_export, adapter_dir, torch.float32))
+    elif local is not None and not getattr(local.model, "_w4a4_hooks", None) \
             and next(local.model.parameters()).dtype == torch.float32:
         trainer = local  # the same fp32 weights, no activation quantization: one model in memory, not two
     else:

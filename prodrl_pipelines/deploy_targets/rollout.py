@@ -81,7 +81,7 @@ def probe_and_commit(settings, target, sw: Switch, prompts: list[list[int]], api
         if settings.deploy.probe_prompts and prompts:
             probes = parity_probes(settings, Path(sw.export_dir), prompts[: settings.deploy.probe_prompts],
                                    [url for _, url in servers], sw.served_model_name, api_key=api_key,
-                                   seed=settings.eval.eval_seed)
+                                   seed=settings.eval.eval_seed, adapter=bool(sw.detail.get("adapter")))
             failed = [(name, p) for (name, _), p in zip(servers, probes) if not p.passed]
             if failed:
                 name, probe = failed[0]
@@ -112,7 +112,8 @@ def start_canary(settings, target, export_dir: Path, policy_version: str, prompt
         wait_healthy(sw.endpoint, min(settings.deploy.health_timeout_s, 60.0), api_key=api_key)
         if settings.deploy.probe_prompts and prompts:
             probe = parity_probe(settings, Path(sw.export_dir), prompts[: settings.deploy.probe_prompts],
-                                 sw.endpoint, sw.served_model_name, api_key=api_key, seed=settings.eval.eval_seed)
+                                 sw.endpoint, sw.served_model_name, api_key=api_key, seed=settings.eval.eval_seed,
+                                 adapter=bool(sw.detail.get("adapter")))
     except Exception as e:  # noqa: BLE001 - a canary that cannot serve: stopped, reported
         raise DeployRejected(f"canary health check / probe failed: {type(e).__name__}: {e}", sw, probe,
                              target.stop_canary()) from e

@@ -12,7 +12,7 @@ import logging
 import os
 import signal
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from prodrl_pipelines.deploy_targets.processes import tail
@@ -123,6 +123,10 @@ class ServerRecord:
     actor: str = ""
     ray_address: str = ""
     pid_start: int = 0  # ``process_start(pid)`` of a server here: the pid alone may name another process later
+    # an adapter target's server (``adapters``): the policy version of the base export it runs, and the
+    # adapters loaded into it, oldest first (``policy_version`` is the one routed to)
+    base_version: str = ""
+    adapters: list = field(default_factory=list)
 
     def alive(self) -> bool:
         return record_alive(asdict(self))

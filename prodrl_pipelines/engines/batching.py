@@ -21,6 +21,7 @@ class _Job:
     seed: int | None
     future: asyncio.Future
     queued_at: float = 0.0  # perf_counter when it was queued
+    model: str | None = None  # a LoRA adapter's name (None: the base)
 
 
 @dataclass
@@ -37,11 +38,13 @@ class EngineBatcher:
     first request of a batch the loop keeps collecting until ``quiet_gap_ms`` pass without a new
     request, ``batch_wait_ms`` in all, or ``max_batch_size`` prompts; unseeded jobs with equal
     ``SamplingParams`` then share one ``generate`` call, a seeded job always runs alone. Requests
-    that arrive while the engine is busy are all taken by the next batch.
+    that arrive while the engine is busy are all taken by the next batch. Jobs for a LoRA adapter
+    (``adapters``: name -> ``serve_adapters.Adapter``) run on its engine, batched only with its own.
     """
 
     def __init__(self, engine, batch_wait_ms: float = 10.0, max_batch_size: int = 64, quiet_gap_ms: float = 1.0) -> None:
         self.engine = engine
+        self.adapters: dict = {}  # changed on the engine thread only (between batches)
         self.batch_wait_s = max(float(batch_wait_ms), 0.0) / 1000.0
         self.quiet_gap_s = max(float(quiet_gap_ms), 0.0) / 1000.0
         self.max_batch_size = max(int(max_batch_size), 1)
@@ -79,14 +82,15 @@ class EngineBatcher:
             self._executor = None
         self._queue = None
 
-    async def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None) -> list[CallRecord]:
+    async def generate(self, prompts: list[list[int]], params: SamplingParams, seed: int | None,
+                       model: str | None = None) -> list[CallRecord]:
         if self._queue is None:
             raise RuntimeError("EngineBatcher.start() was not called")
         fut = asyncio.get_running_loop().create_future()
         self.stats.requests += 1
         if self.metrics is not None:
             self.metrics.queued(len(prompts))
-        await self._queue.put(_Job(prompts, params, seed, fut, time.perf_counter()))
+        await self._queue.put(_Job(prompts, params, seed, fut, time.perf_counter(), model))
         return await fut
 
     async def call(self, fn, *args):
@@ -125,18 +129,18 @@ class EngineBatcher:
                         break
             groups: dict[Any, list[_Job]] = {}
             for job in jobs:
-                key = ("params", job.params) if job.seed is None else ("seeded", id(job))
+                key = ("params", job.model, job.params) if job.seed is None else ("seeded", id(job))
                 groups.setdefault(key, []).append(job)
             for group in groups.values():
                 prompts = [p for j in group for p in j.prompts]
-                params, seed = group[0].params, group[0].seed
+                params, seed, model = group[0].params, group[0].seed, group[0].model
                 self.stats.generate_calls += 1
                 self.stats.prompts += len(prompts)
                 t0 = time.perf_counter()
                 if self.metrics is not None:
                     self.metrics.batch_started(len(prompts), [t0 - j.queued_at for j in group for _ in j.prompts])
                 try:
-                    records = await loop.run_in_executor(self._executor, self._generate, prompts, params, seed)
+                    records = await loop.run_in_executor(self._executor, self._generate, prompts, params, seed, model)
                 except Exception as exc:  # the group's requests fail; the loop keeps serving
                     if self.metrics is not None:
                         self.metrics.batch_failed(len(prompts))
@@ -152,5 +156,11 @@ class EngineBatcher:
                         j.future.set_result(records[at : at + len(j.prompts)])
                     at += len(j.prompts)
 
-    def _generate(self, prompts, params, seed):
-        return self.engine.generate(prompts, params, seed=seed)
+    def _generate(self, prompts, params, seed, model=None):
+        engine = self.engine
+        if model is not None:
+            adapter = self.adapters.get(model)
+            if adapter is None:  # unloaded while the call waited
+                raise ValueError(f"The model `{model}` does not exist.")
+            engine = adapter.engine
+        return engine.generate(prompts, params, seed=seed)

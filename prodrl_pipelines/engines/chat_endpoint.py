@@ -77,7 +77,7 @@ async def chat_completions(request: Request) -> Response:
                for r in results[0]]
     thinking = bool((req.chat_template_kwargs or {}).get("enable_thinking", True))  # as vLLM's qwen3 parser reads it
     replies = [reply_message(tools, c.text, c.finish_reason, opening, thinking) for c in choices]
-    model = state.info.name
+    model = plan.model or state.info.name
     if req.stream:
         return StreamingResponse(whole_stream(_chat_stream(state, req, plan, choices, replies, rid, created, model,
                                                            tstr, text)), media_type="text/event-stream")

@@ -44,7 +44,7 @@ def validate(model_cls, body: dict):
 
 
 def check_model(state: ServeState, model: str | None) -> None:
-    if model is not None and model != state.info.name:
+    if model is not None and model != state.info.name and model not in state.batcher.adapters:
         raise ProtocolError(f"The model `{model}` does not exist.", status=404, param="model")
 
 

@@ -31,6 +31,7 @@ class RequestPlan:
     explicit_stops: frozenset[int]
     stop_strings: list[str]
     routing_start: int = 0  # ``routed_experts_prompt_start``: prompt positions left out of the routing
+    model: str | None = None  # the LoRA adapter that serves it (None: the base)
 
 
 _UNSUPPORTED_NONDEFAULT = {
@@ -147,8 +148,9 @@ def plan_request(state: ServeState, req, kind: str, prompts: list[list[int]],
     if start > shortest:
         raise ProtocolError(f"{ROUTED_EXPERTS_START_FIELD} must be between 0 and the prompt length ({shortest}), "
                             "inclusive.", param=ROUTED_EXPERTS_START_FIELD)
+    adapter = req.model if req.model is not None and req.model in state.batcher.adapters else None
     return RequestPlan(prompts, prompt_texts, params, req.seed, req.n, n_lp, bool(req.extra_draw), explicit,
-                       stop_strings, start)
+                       stop_strings, start, adapter)
 
 
 async def run_plan(state: ServeState, plan: RequestPlan) -> list[list[CallRecord]]:
@@ -156,12 +158,12 @@ async def run_plan(state: ServeState, plan: RequestPlan) -> list[list[CallRecord
     b = state.batcher
     if plan.seed is None:
         flat = [p for p in plan.prompts for _ in range(plan.n)]
-        recs = await b.generate(flat, plan.params, None)
+        recs = await b.generate(flat, plan.params, None, plan.model)
         out = [recs[i * plan.n : (i + 1) * plan.n] for i in range(len(plan.prompts))]
     else:
         # Seeded: each prompt on its own with the request's seed (vLLM: seeded outputs do not depend
         # on the other requests in the batch).
-        out = list(await asyncio.gather(*(b.generate([p] * plan.n, plan.params, plan.seed) for p in plan.prompts)))
+        out = list(await asyncio.gather(*(b.generate([p] * plan.n, plan.params, plan.seed, plan.model) for p in plan.prompts)))
     state.metrics.first_token()  # the whole completion is there: a stream's first chunk can go out
     return out
 

@@ -69,6 +69,7 @@ from prodrl_pipelines.engines.openai_protocol import (
     sse,
 )
 from prodrl_pipelines.engines.reply_parsers import TOOL_FORMATS
+from prodrl_pipelines.engines import serve_adapters
 from prodrl_pipelines.engines.serve_http import check_model, error_response, json_body, tokenize, validate, whole_stream
 from prodrl_pipelines.engines.serve_plan import (
     choice_positions,
@@ -143,7 +144,7 @@ async def completions(request: Request) -> Response:
     tstr = token_formatter(state, as_ids)
     choices = [[finish_choice(state, plan, r, req.skip_special_tokens, req.include_stop_str_in_output) for r in recs]
                for recs in results]
-    model = state.info.name
+    model = plan.model or state.info.name
     if req.stream:
         return StreamingResponse(whole_stream(_completion_stream(state, req, plan, choices, rid, created, model, tstr)),
                                  media_type="text/event-stream")
@@ -211,11 +212,7 @@ def _completion_stream(state, req, plan, choices, rid, created, model, tstr):
 
 
 async def models(request: Request) -> Response:
-    info: ModelInfo = request.app.state.serve.info
-    return JSONResponse({"object": "list", "data": [{
-        "id": info.name, "object": "model", "created": info.created, "owned_by": "prodrl",
-        "root": info.model_dir, "parent": None, "max_model_len": info.max_model_len, "permission": [],
-    }]})
+    return JSONResponse({"object": "list", "data": serve_adapters.model_cards(request.app.state.serve)})
 
 
 async def health(request: Request) -> Response:
@@ -324,10 +321,14 @@ def build_app(
     max_body_bytes: int | None = None,
     return_routed_experts: bool = False,
     reply_parser: str | None = None,
+    enable_lora: bool = False,
+    lora_modules: list[str] = (),
 ) -> Starlette:
     """The ASGI app serving ``engine`` (a ``LocalEngine`` or anything with its interface).
     ``reply_parser``: the model's reasoning and tool-call format (``reply_parsers.TOOL_FORMATS``;
-    None or ``none``: replies are plain content and only ``tool_choice: none`` is served)."""
+    None or ``none``: replies are plain content and only ``tool_choice: none`` is served).
+    ``enable_lora``: LoRA adapters by name (``serve_adapters``), ``lora_modules`` (``NAME=PATH``)
+    loaded before the first request."""
     if reply_parser not in (None, "none") and reply_parser not in TOOL_FORMATS:
         raise ValueError(f"unknown reply parser {reply_parser!r}; valid: none, {', '.join(sorted(TOOL_FORMATS))}")
     name = served_model_name or (str(model_dir) if model_dir else "prodrl-local")
@@ -337,6 +338,10 @@ def build_app(
                        batch_quiet_ms=batch_quiet_ms, max_body_bytes=max_body_bytes,
                        return_routed_experts=return_routed_experts)
     state.tool_format = TOOL_FORMATS.get(reply_parser or "none")
+    if lora_modules and not enable_lora:
+        raise ValueError("--lora-modules needs --enable-lora")
+    for lora_name, lora_path in serve_adapters.parse_lora_modules(list(lora_modules)):
+        serve_adapters.load(state, lora_name, lora_path)  # before serving: no batch runs yet
 
     from contextlib import asynccontextmanager
 
@@ -353,6 +358,9 @@ def build_app(
         Route("/v1/chat/completions", chat_completions, methods=["POST"]),
         Route("/v1/models", models, methods=["GET"]),
         Route("/v1/load_model", load_model, methods=["POST"]),
+        *([Route("/v1/load_lora_adapter", serve_adapters.load_lora_adapter, methods=["POST"]),
+           Route("/v1/unload_lora_adapter", serve_adapters.unload_lora_adapter, methods=["POST"])]
+          if enable_lora else []),
         Route("/health", health, methods=["GET"]),
         Route("/health/live", health_live, methods=["GET"]),
         Route("/health/ready", health_ready, methods=["GET"]),

@@ -82,9 +82,27 @@ def export(svc: Services, rkey: str) -> dict:
         raise RoundError(f"{rkey}: {e}") from e
     except ExportError as e:  # permanent for this checkpoint: no retries
         raise RoundError(f"{rkey}: {e}") from e
+    stats.update(_adapter_part(svc, src, Path(stats["export_dir"])))
     with meter.phase("smoke"):
         stats["smoke"] = export_smoke(s, Path(stats["export_dir"]), svc.suite)
     stats["phases"] = meter.metadata()
+    lora = {k: stats[k] for k in ("adapter_bytes", "lora_base_version") if k in stats}
     svc.ledger.update_round(rkey, export_scheme=scheme, export_bytes=stats["export_bytes"],
-                              export_max_rel_error=stats["max_rel_fro_error"], export_phases=meter.phases)
+                              export_max_rel_error=stats["max_rel_fro_error"], export_phases=meter.phases, **lora)
     return stats
+
+
+def _adapter_part(svc: Services, checkpoint_dir: Path, export_dir: Path) -> dict:
+    """A LoRA round's export also carries its adapter and names its base's export (what the adapter
+    targets load into running servers); {} for a full round."""
+    from prodrl_pipelines.quant.adapter_export import AdapterExportError, write_adapter_export
+    from prodrl_pipelines.rl.lora import adapter_of
+
+    adapter, base_version = adapter_of(checkpoint_dir)
+    if adapter is None:
+        return {}
+    try:
+        return write_adapter_export(checkpoint_dir, export_dir, base_version,
+                                    ensure_local(svc, "exports", base_version))
+    except AdapterExportError as e:
+        raise RoundError(f"{export_dir.name}: {e}") from e

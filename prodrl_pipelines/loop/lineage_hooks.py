@@ -81,9 +81,20 @@ def record_export(svc: Services, rkey: str, stats: dict) -> dict:
                                      "export_max_rel_fro_error": stats["max_rel_fro_error"], **stats["phases"]}, 0)
     version = svc.lineage.register_candidate(publish_export(svc, rkey, Path(stats["export_dir"])), run_id, rkey,
                                              {**state_tags(RUNNING), "format": stats["format"],
-                                              "scheme": stats["scheme"]})
+                                              "scheme": stats["scheme"], **_adapter_lineage(svc, stats)})
     svc.ledger.update_round(rkey, model_version=version, mlflow_run_id=run_id)
     return {"png": png, "version": version, "run_id": run_id}
+
+
+def _adapter_lineage(svc: Services, stats: dict) -> dict[str, str]:
+    """A LoRA round's model version names the base export its adapter is served on: the base's policy
+    version, its own model version in the registry and its source."""
+    base = stats.get("lora_base_version")
+    if not base:
+        return {}
+    base_model_version = svc.ledger.round_summary(base).get("model_version")
+    return {"lora_base_version": base, "lora_base_model_version": str(base_model_version or ""),
+            "lora_adapter": f"{stats['export_dir'].rstrip('/')}/adapter", "lora_adapter_bytes": str(stats["adapter_bytes"])}
 
 
 def record_evaluation(svc: Services, rkey: str, res: dict) -> str:

@@ -119,14 +119,25 @@ def ensure_local(svc: Services, kind: str, name: str, local_dir: Path | None = N
     local_dir = Path(local_dir) if local_dir is not None else root / name
     store = svc.checkpoints_store if kind == "checkpoints" else svc.exports_store
     if store is None or (local_dir / "config.json").exists():
-        return local_dir
+        return _with_base(svc, kind, local_dir)
     try:
         got = store.fetch(name, local_dir.parent)
     except CheckpointNotFoundError:
         return local_dir
     if got != local_dir:  # fetched under its name; the registry recorded another directory name
         raise RoundError(f"{kind} {name} fetched to {got}, but the deployment expects it at {local_dir}")
-    return got
+    return _with_base(svc, kind, got)
+
+
+def _with_base(svc: Services, kind: str, export_dir: Path) -> Path:
+    """A LoRA round's export adapts another export (``quant.adapter_export``): that one comes too."""
+    from prodrl_pipelines.quant.adapter_export import BASE_FILE
+
+    if kind == "exports" and (export_dir / BASE_FILE).is_file():
+        base_version = json.loads((export_dir / BASE_FILE).read_text()).get("base_version")
+        if base_version and base_version != export_dir.name:
+            ensure_local(svc, "exports", str(base_version))
+    return export_dir
 
 
 def publish_checkpoint(svc: Services, name: str, checkpoint_dir: Path) -> str:

@@ -133,3 +133,15 @@ def write_lora_parts(model, base_version: str):
         (Path(directory) / BASE_FILE).write_text(json.dumps({"base_version": base_version}))
 
     return write
+
+
+def served_policy(base_export: str | Path, adapter_dir: str | Path, dtype=None):
+    """(model, tokenizer) of what an adapter target serves: the base export's weights as the trainer
+    reads them (``load_policy``: NVFP4 dequantized) with the adapter folded in, W + (alpha / r) B A."""
+    import torch
+    from peft import PeftModel
+
+    from prodrl_pipelines.rl.checkpoint import load_policy
+
+    model, tokenizer = load_policy(Path(base_export), dtype or torch.float32)
+    return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload(), tokenizer

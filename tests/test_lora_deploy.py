@@ -1,0 +1,163 @@
+"""LoRA adapters deployed into running servers (``deploy_targets.adapters``): a fleet of ``prodrl
+serve`` replicas and a real vLLM (CPU build) keep serving while each round's adapter is loaded under
+its version's name, probed and routed to; a rollback routes back to an adapter still loaded; a canary
+is an adapter on the fleet's own servers; old adapters are unloaded beyond the kept count. Every
+call goes through ``prodrl record --follow``, as clients' would."""
+
+from __future__ import annotations
+
+import copy
+
+import httpx
+import pytest
+import torch
+
+from prodrl_pipelines.config.settings import Settings, check_settings, settings_from_flat
+from prodrl_pipelines.deploy_targets import endpoint_file, make_target
+from prodrl_pipelines.deploy_targets.processes import pick_port_range
+from prodrl_pipelines.deploy_targets.rollout import DeployRejected, roll_out, start_canary
+from prodrl_pipelines.engines.server import BackgroundServer
+from prodrl_pipelines.quant.adapter_export import adapter_export, write_adapter_export
+from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
+from prodrl_pipelines.rl import lora
+from prodrl_pipelines.rl.config import Recipe
+from tests.test_fleet import PROMPTS, Traffic
+
+pytestmark = pytest.mark.usefixtures("one_torch_thread")
+
+
+def adapter_exports(base_ckpt, base_export, root, scales: dict[str, float], base_version: str = "base") -> dict:
+    """A LoRA round's export per name (seeded random B scaled: adapters that move the policy): the
+    merged weights in bf16, the adapter, and its base named ``base_version`` at ``base_export``."""
+    from prodrl_pipelines.quant.export import export_policy
+    from prodrl_pipelines.rl.checkpoint import TrainerState, load_policy, save_checkpoint
+
+    base, tok = load_policy(base_ckpt)
+    recipe = Recipe(training="lora", lora_rank=4, lora_alpha=8.0)
+    out = {}
+    for i, (name, scale) in enumerate(scales.items()):
+        model = lora.with_adapter(copy.deepcopy(base), recipe)
+        gen = torch.Generator().manual_seed(11 + i)
+        with torch.no_grad():
+            for mod in model.modules():
+                if hasattr(mod, "lora_B") and "default" in mod.lora_B:
+                    w = mod.lora_B["default"].weight
+                    w.copy_(scale * torch.randn(w.shape, generator=gen))
+        ckpt = root / f"{name}-ckpt"
+        save_checkpoint(ckpt, lora.merged_copy(model), tok, None, TrainerState(),
+                        extra=lora.write_lora_parts(model, base_version))
+        export_policy(ckpt, root / name, "bf16")
+        write_adapter_export(ckpt, root / name, base_version, base_export)
+        out[name] = root / name
+    return out
+
+
+def _served_names(url: str) -> set[str]:
+    return {m["id"] for m in httpx.get(url + "/v1/models").json()["data"]}
+
+
+def _moved(url: str, name: str, other: str) -> float:
+    """Mean |log p| difference of the same seeded samples served under two names of one server."""
+    import numpy as np
+
+    from prodrl_pipelines.engines.types import SamplingParams
+    from prodrl_pipelines.engines.vllm_client import VLLMClient
+
+    params = SamplingParams(temperature=1.0, max_tokens=6, num_top_logprobs=4)
+    lps = []
+    for served in (name, other):
+        with VLLMClient(url, model=served) as client:
+            lps.append(np.concatenate([r.output_logprobs for r in client.generate(PROMPTS, params, seed=3)]))
+    n = min(len(lps[0]), len(lps[1]))
+    return float(np.abs(lps[0][:n] - lps[1][:n]).mean())
+
+
+def _recorded(app) -> dict[str, int]:
+    assert app.state.recorder.ingestor.flush(30)
+    rows = app.state.recorder.store.read_calls().to_pylist()
+    out: dict[str, int] = {}
+    for r in rows:
+        out[r["policy_version"]] = out.get(r["policy_version"], 0) + 1
+    return out
+
+
+def test_adapter_settings_are_checked_before_any_work(tmp_path):
+    with pytest.raises(ValueError, match=r"lora_rank 32 > deploy.lora_max_rank 16"):
+        settings_from_flat({"training": "lora", "lora_rank": 32, "target": "vllm-lora"})
+    with pytest.raises(ValueError, match="lora_max_rank 12"):
+        settings_from_flat({"lora_max_rank": 12})
+    with pytest.raises(ValueError, match="replica_placement 'ray' with the adapter target"):
+        Settings(deploy={"target": "prodrl-serve-lora", "replica_placement": "ray"})
+    # the lab's default model is a mixture of experts: vLLM's CPU build cannot serve LoRA on it
+    s = settings_from_flat({"home": str(tmp_path), "training": "lora", "target": "vllm-lora"})
+    with pytest.raises(ValueError, match=r"vllm-lora.*'demo' \(mixture of experts.*GPU kernels only"):
+        check_settings(s)
+    assert settings_from_flat({"training": "lora", "target": "prodrl-serve-lora"}).deploy.lora_kept_adapters == 2
+
+
+@pytest.mark.long(seconds=120)
+def test_a_fleet_loads_each_adapter_without_a_restart_fails_no_call_and_routes_back_on_rollback(
+        tiny_policy_dir, tiny_exports, tmp_path):
+    """Three ``prodrl serve --enable-lora`` replicas of the tiny MoE: v1 starts them (base + adapter);
+    v2 is loaded into the same processes wave by wave under traffic (0 failed calls, every row filed
+    under the adapter that answered); a canary adapter takes its slice on those servers; a rejected
+    adapter leaves v2 routed; a rollback to v1, still loaded, only routes; beyond 2 kept adapters the
+    oldest is unloaded."""
+    exports = adapter_exports(tiny_policy_dir, tiny_exports["bf16"], tmp_path / "exports",
+                              {"v1": 0.05, "v2": -0.05, "v3": 0.03, "v4": 0.04})
+    assert adapter_export(exports["v2"])[1:] == ("base", tiny_exports["bf16"])
+    s = Settings(home=str(tmp_path / "home"), deploy={
+        "target": "prodrl-serve-lora", "target_port": pick_port_range(8), "replicas": 3, "max_unavailable": 1,
+        "probe_prompts": 3, "max_tokens": 6, "export_scheme": "bf16", "lora_kept_adapters": 2})
+    target = make_target(s)
+    app = build_recorder_app(RecorderConfig(upstream="", follow=str(endpoint_file(s.home_path).path),
+                                            store_dir=str(tmp_path / "store"), token="t", top_logprobs=4))
+    try:
+        first = roll_out(s, target, exports["v1"], "v1", PROMPTS)
+        assert first.switch.detail["mode"] == "start" and first.probe.passed
+        pids = [r.pid for r in target.currents()]
+        urls = [r.url for r in target.currents()]
+        assert all(_served_names(u) == {"base", "v1"} for u in urls)
+        with BackgroundServer(app) as rec:
+            traffic = Traffic(rec.url)
+            traffic.wait_served("v1", 10)
+            ro = roll_out(s, target, exports["v2"], "v2", PROMPTS)
+            traffic.wait_served("v2", 10)
+            assert ro.waves == 3 and ro.switch.detail["mode"] == "adapter" and ro.probe.passed
+            assert [r.pid for r in target.currents()] == pids  # loaded into the running servers
+            assert endpoint_file(s.home_path).read().served_model_name == "v2"
+            assert _moved(urls[0], "v2", "base") > 10 * ro.probe.mean_abs  # served with the adapter applied
+
+            # a canary: v3 loaded into the same servers, a sticky slice of trajectories under its name
+            can = start_canary(s, target, exports["v3"], "v3", PROMPTS, 0.5)
+            assert can.switch.detail["mode"] == "adapter" and can.probe.passed
+            traffic.wait_served("v3", 5)
+            assert "stopped the canary adapter (v3)" in target.stop_canary()
+            assert all(_served_names(u) == {"base", "v1", "v2"} for u in urls)
+
+            # a rejected adapter (a probe bound nothing meets) never served: v2 kept serving
+            strict = Settings(**{**s.model_dump(), "deploy": {**s.deploy.model_dump(), "probe_mean_bound": 1e-12}})
+            with pytest.raises(DeployRejected, match="parity probe failed") as e:
+                roll_out(strict, make_target(strict), exports["v4"], "v4", PROMPTS)
+            assert "v2 kept serving on the same servers (no restart); unloaded v4" in e.value.rollback
+            assert all(_served_names(u) == {"base", "v1", "v2"} for u in urls)
+
+            # the rollback to v1: still loaded, so only routed to
+            back = roll_out(s, target, exports["v1"], "v1", PROMPTS)
+            assert back.switch.detail["loaded"] == [] and [r.pid for r in target.currents()] == pids
+            n_v1 = traffic.served["v1"]
+            traffic.wait_served("v1", n_v1 + 10)
+            sent = traffic.finish()
+        assert not traffic.failures, traffic.failures[:5]
+        recorded = _recorded(app)
+        assert sum(recorded.values()) == sent and recorded == dict(traffic.served), (recorded, traffic.served)
+        assert set(recorded) == {"v1", "v2", "v3"}
+        # v1 routed again; kept 2 (v2, v1): nothing was beyond, so nothing more was unloaded
+        assert [r.adapters for r in target.currents()] == [["v2", "v1"]] * 3
+
+        # v4 accepted this time: v2, now the oldest beyond the 2 kept, is unloaded
+        roll_out(s, target, exports["v4"], "v4", PROMPTS)
+        assert all(_served_names(u) == {"base", "v1", "v4"} for u in urls)
+        assert [r.pid for r in target.currents()] == pids
+    finally:
+        target.stop()
