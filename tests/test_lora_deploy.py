@@ -161,3 +161,58 @@ def test_a_fleet_loads_each_adapter_without_a_restart_fails_no_call_and_routes_b
         assert [r.pid for r in target.currents()] == pids
     finally:
         target.stop()
+
+
+@pytest.mark.long(seconds=150)
+def test_a_real_vllm_loads_each_adapter_under_its_version_without_a_restart_and_rolls_back_by_routing(
+        vllm_exports, tmp_path):
+    """vLLM's CPU build (LoRA on, runtime updates on) on the tiny dense base: v1 is given at start-up,
+    v2 is loaded into the same process under traffic through the recorder (0 failed calls, rows filed
+    under the adapter that answered); the probe scores base export + adapter, as served; with one
+    adapter kept, v1 is unloaded; a rejected v3 leaves v2 routed; the rollback to v1 loads it again
+    and routes, still the same process."""
+    from tests.vllm_support import SERVER_ARGS, vllm_python
+
+    exports = adapter_exports(vllm_exports["dense"], vllm_exports["dense-bf16"], tmp_path / "exports",
+                              {"v1": 0.05, "v2": -0.05, "v3": 0.03})
+    s = Settings(home=str(tmp_path / "home"), deploy={
+        "target": "vllm-lora", "target_port": pick_port_range(4), "export_scheme": "bf16", "probe_prompts": 3,
+        "max_tokens": 6, "server_args": SERVER_ARGS, "vllm_python": vllm_python(), "lora_max_rank": 8,
+        "lora_kept_adapters": 1})
+    target = make_target(s)
+    app = build_recorder_app(RecorderConfig(upstream="", follow=str(endpoint_file(s.home_path).path),
+                                            store_dir=str(tmp_path / "store"), token="t", top_logprobs=4))
+    try:
+        first = roll_out(s, target, exports["v1"], "v1", PROMPTS)
+        assert first.switch.detail["mode"] == "start" and first.probe.passed, first.probe
+        server = target.current()
+        assert _served_names(server.url) == {"base", "v1"}
+        with BackgroundServer(app) as rec:
+            traffic = Traffic(rec.url)
+            traffic.wait_served("v1", 5)
+            ro = roll_out(s, target, exports["v2"], "v2", PROMPTS)
+            traffic.wait_served("v2", 5)
+            assert ro.switch.detail["mode"] == "adapter" and target.current().pid == server.pid
+            # vLLM's LoRA kernels against the trainer's base export + adapter in fp32
+            assert ro.probe.passed and ro.probe.mean_abs < 2e-2, ro.probe
+            assert _moved(server.url, "v2", "base") > 5 * ro.probe.mean_abs  # the adapter is applied
+            assert _served_names(server.url) == {"base", "v2"}  # one kept: v1 unloaded
+
+            strict = Settings(**{**s.model_dump(), "deploy": {**s.deploy.model_dump(), "probe_mean_bound": 1e-12}})
+            with pytest.raises(DeployRejected, match="parity probe failed") as e:
+                roll_out(strict, make_target(strict), exports["v3"], "v3", PROMPTS)
+            assert "v2 kept serving on the same servers (no restart); unloaded v3" in e.value.rollback
+            assert _served_names(server.url) == {"base", "v2"}
+
+            back = roll_out(s, target, exports["v1"], "v1", PROMPTS)
+            assert back.switch.detail["loaded"] == [server.url] and target.current().pid == server.pid
+            traffic.wait_served("v1", traffic.served["v1"] + 5)
+            sent = traffic.finish()
+        assert not traffic.failures, traffic.failures[:5]
+        recorded = _recorded(app)
+        assert sum(recorded.values()) == sent and recorded == dict(traffic.served), (recorded, traffic.served)
+        assert _served_names(server.url) == {"base", "v1"}
+        print(f"vllm-lora: start {first.seconds:.1f}s, adapter load+probe {ro.seconds:.2f}s "
+              f"(switch {ro.switch.seconds:.2f}s), probe mean {ro.probe.mean_abs:.4f}")
+    finally:
+        target.stop()
