@@ -123,22 +123,42 @@ def test_lora_rounds_through_dagster_adapt_the_frozen_base_and_carry_the_adapter
     weights and its checkpoint holds the merged weights (what the export, evaluation and deploy read,
     as for a full round), the adapter in PEFT's format and the base's version; only adapted layers
     moved. Round 2 trains that adapter further on the same frozen base (round 0's weights), with the
-    adapters' Adam state carried over."""
-    from safetensors.torch import load_file
+    adapters' Adam state carried over.
 
+    Deployed with ``prodrl-serve-lora``: bootstrap starts a server on the NVFP4 base export; round 1's
+    adapter is loaded into that process (no restart), probed on base export + adapter, and its MLflow
+    model version names the base it is served on."""
     from prodrl_pipelines.definitions import build_definitions
-    from prodrl_pipelines.lab.traffic import simulate_traffic
-    from prodrl_pipelines.resources.settings import make_resources, open_services
-    from prodrl_pipelines.rl.checkpoint import load_trainer_state
-    from tests.test_pipeline_e2e import ROUND_ASSETS, TINY, request_round
-    from dagster import materialize
+    from prodrl_pipelines.deploy_targets import make_target
+    from prodrl_pipelines.deploy_targets.processes import pick_port_range
+    from prodrl_pipelines.resources.settings import make_resources
+    from prodrl_pipelines.resources.settings import open_services
+    from tests.test_pipeline_e2e import TINY
 
     res = make_resources({**TINY, "home": str(tmp_path / "home"), "training": "lora", "lora_rank": 2,
                           "monitors_enabled": [],  # the feedback below is arbitrary: no behaviour gate on it
-                          "learning_rate": 1e-2})
+                          "learning_rate": 1e-2, "target": "prodrl-serve-lora", "target_port": pick_port_range(4)})
     defs = build_definitions(res)
     svc = open_services(res["settings"], res["store"], res["mlflow"])
+    target = make_target(svc.settings)
+    try:
+        _lora_rounds(defs, res, svc, target, pg_instance)
+    finally:
+        target.stop()
+
+
+def _lora_rounds(defs, res, svc, target, pg_instance):
+    from safetensors.torch import load_file
+
+    from prodrl_pipelines.lab.traffic import simulate_traffic
+    from prodrl_pipelines.quant.adapter_export import adapter_export
+    from prodrl_pipelines.rl.checkpoint import load_trainer_state
+    from tests.test_pipeline_e2e import ROUND_ASSETS, request_round
+    from dagster import materialize
+
     assert defs.resolve_job_def("bootstrap").execute_in_process(instance=pg_instance).success
+    server = target.current()
+    assert server.base_version == "round-000000" and server.adapters == []  # the NVFP4 base export serves
 
     def traffic():  # the tiny policy earns 0 on every task: the client's later feedback gives a signal
         from datetime import datetime, timezone
@@ -162,6 +182,17 @@ def test_lora_rounds_through_dagster_adapt_the_frozen_base_and_carry_the_adapter
     assert moved and all(k.endswith(("q_proj.weight", "k_proj.weight", "v_proj.weight", "o_proj.weight"))
                          for k in moved), moved  # the tiny MoE: attention only; norms, embeddings, experts frozen
     assert lora.adapter_of(root / "round-000000") == (None, None)
+    # its export carries the adapter on the base export, and the running server loaded it: no restart
+    exports = svc.settings.exports_root
+    assert adapter_export(exports / "round-000001") == (exports / "round-000001" / "adapter", "round-000000",
+                                                        (exports / "round-000000").resolve())
+    r1 = svc.ledger.round_summary("round-000001")
+    assert r1["mode"] == "adapter" and r1["probe_mean_abs"] < 0.05 and r1["adapter_bytes"] < r1["export_bytes"] / 4
+    assert target.current().pid == server.pid and target.current().adapters == ["round-000001"]
+    # the model version names the base export its adapter is served on
+    tags = svc.lineage.version_tags(r1["model_version"])
+    assert tags["lora_base_version"] == "round-000000" and tags["lora_adapter_bytes"] == str(r1["adapter_bytes"])
+    assert tags["lora_base_model_version"] == svc.ledger.round_summary("round-000000")["model_version"]
 
     traffic()
     req = request_round(pg_instance, defs, res)
