@@ -6,50 +6,20 @@ call goes through ``prodrl record --follow``, as clients' would."""
 
 from __future__ import annotations
 
-import copy
-
 import httpx
 import pytest
-import torch
 
 from prodrl_pipelines.config.settings import Settings, check_settings, settings_from_flat
 from prodrl_pipelines.deploy_targets import endpoint_file, make_target
 from prodrl_pipelines.deploy_targets.processes import pick_port_range
 from prodrl_pipelines.deploy_targets.rollout import DeployRejected, roll_out, start_canary
 from prodrl_pipelines.engines.server import BackgroundServer
-from prodrl_pipelines.quant.adapter_export import adapter_export, write_adapter_export
+from prodrl_pipelines.lab.adapters import random_adapter_exports
+from prodrl_pipelines.quant.adapter_export import adapter_export
 from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
-from prodrl_pipelines.rl import lora
-from prodrl_pipelines.rl.config import Recipe
 from tests.test_fleet import PROMPTS, Traffic
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
-
-
-def adapter_exports(base_ckpt, base_export, root, scales: dict[str, float], base_version: str = "base") -> dict:
-    """A LoRA round's export per name (seeded random B scaled: adapters that move the policy): the
-    merged weights in bf16, the adapter, and its base named ``base_version`` at ``base_export``."""
-    from prodrl_pipelines.quant.export import export_policy
-    from prodrl_pipelines.rl.checkpoint import TrainerState, load_policy, save_checkpoint
-
-    base, tok = load_policy(base_ckpt)
-    recipe = Recipe(training="lora", lora_rank=4, lora_alpha=8.0)
-    out = {}
-    for i, (name, scale) in enumerate(scales.items()):
-        model = lora.with_adapter(copy.deepcopy(base), recipe)
-        gen = torch.Generator().manual_seed(11 + i)
-        with torch.no_grad():
-            for mod in model.modules():
-                if hasattr(mod, "lora_B") and "default" in mod.lora_B:
-                    w = mod.lora_B["default"].weight
-                    w.copy_(scale * torch.randn(w.shape, generator=gen))
-        ckpt = root / f"{name}-ckpt"
-        save_checkpoint(ckpt, lora.merged_copy(model), tok, None, TrainerState(),
-                        extra=lora.write_lora_parts(model, base_version))
-        export_policy(ckpt, root / name, "bf16")
-        write_adapter_export(ckpt, root / name, base_version, base_export)
-        out[name] = root / name
-    return out
 
 
 def _served_names(url: str) -> set[str]:
@@ -103,7 +73,7 @@ def test_a_fleet_loads_each_adapter_without_a_restart_fails_no_call_and_routes_b
     under the adapter that answered); a canary adapter takes its slice on those servers; a rejected
     adapter leaves v2 routed; a rollback to v1, still loaded, only routes; beyond 2 kept adapters the
     oldest is unloaded."""
-    exports = adapter_exports(tiny_policy_dir, tiny_exports["bf16"], tmp_path / "exports",
+    exports = random_adapter_exports(tiny_policy_dir, tiny_exports["bf16"], tmp_path / "exports",
                               {"v1": 0.05, "v2": -0.05, "v3": 0.03, "v4": 0.04})
     assert adapter_export(exports["v2"])[1:] == ("base", tiny_exports["bf16"])
     s = Settings(home=str(tmp_path / "home"), deploy={
@@ -173,7 +143,7 @@ def test_a_real_vllm_loads_each_adapter_under_its_version_without_a_restart_and_
     and routes, still the same process."""
     from tests.vllm_support import SERVER_ARGS, vllm_python
 
-    exports = adapter_exports(vllm_exports["dense"], vllm_exports["dense-bf16"], tmp_path / "exports",
+    exports = random_adapter_exports(vllm_exports["dense"], vllm_exports["dense-bf16"], tmp_path / "exports",
                               {"v1": 0.05, "v2": -0.05, "v3": 0.03})
     s = Settings(home=str(tmp_path / "home"), deploy={
         "target": "vllm-lora", "target_port": pick_port_range(4), "export_scheme": "bf16", "probe_prompts": 3,
