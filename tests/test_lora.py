@@ -111,8 +111,7 @@ def test_lora_settings_are_checked_before_any_work():
     assert Recipe().training == "full" and Recipe().lora_target_modules == ("all-linear",)
     with pytest.raises(ValueError, match="lora_target_modules.*fused parameters"):
         settings_from_flat({"training": "lora", "lora_target_modules": ["q_proj", "gate_up_proj"]})
-    with pytest.raises(ValueError, match="ref_is.*lora"):
-        settings_from_flat({"training": "lora", "correction": "ref_is"})
+    assert settings_from_flat({"training": "lora", "correction": "ref_is"}).recipe.correction == "ref_is"
     with pytest.raises(ValueError, match="lora_rank"):
         settings_from_flat({"training": "lora", "lora_rank": 0})
 
@@ -205,3 +204,43 @@ def _lora_rounds(defs, res, svc, target, pg_instance):
     assert state.global_step == load_trainer_state(root / "round-000001").global_step + len(
         [s for s in json.loads(svc.blobs.get_bytes("rounds/round-000002/train_steps.json")) if not s.get("skipped")])
     assert len(state.optimizer["param_groups"][0]["params"]) == len(a1)  # Adam over the adapters only
+
+
+def test_ref_is_references_a_lora_round_to_what_served_it(tmp_path):
+    """ref_is's reference is the weights that served each token, upcast: with an adapter target, the NVFP4
+    base export with the bf16-trained adapter folded in (not the merged export, quantized after the merge:
+    quant(W) + s B A differs from quant(W + s B A)); with a whole-model target, the export itself."""
+    from prodrl_pipelines.lab.adapters import random_adapter_exports
+    from prodrl_pipelines.lab.warmstart import build_base_policy
+    from prodrl_pipelines.loop.train import served_weights
+    from prodrl_pipelines.quant.export import export_policy
+    from prodrl_pipelines.rl.checkpoint import load_policy
+
+    ckpt = build_base_policy(tmp_path / "base-ckpt", size="tiny-dense", seed=0, sft_steps=2, progress=False)
+    export_policy(ckpt, tmp_path / "base", "nvfp4-w4a16")
+    v1 = random_adapter_exports(ckpt, tmp_path / "base", tmp_path / "exports", {"v1": 0.05}, scheme="nvfp4-w4a16")["v1"]
+    adapter_target = settings_from_flat({"training": "lora", "correction": "ref_is", "target": "prodrl-serve-lora"})
+    whole_target = settings_from_flat({"training": "lora", "correction": "ref_is", "target": "prodrl-serve"})
+    served, merged = served_weights(adapter_target, v1), served_weights(whole_target, v1)
+
+    base, _ = load_policy(tmp_path / "base")
+    expected = lora.served_policy(tmp_path / "base", v1 / "adapter")[0]
+    from safetensors.torch import load_file
+
+    by_hand = dict(base.named_parameters())  # W + (alpha / r) B A folded by hand from the adapter's file
+    weights = load_file(v1 / "adapter" / "adapter_model.safetensors")
+    scale = json.loads((v1 / "adapter" / "adapter_config.json").read_text())
+    scale = scale["lora_alpha"] / scale["r"]
+    for key, a in weights.items():
+        if ".lora_A." not in key:
+            continue
+        layer = key.split("base_model.model.", 1)[1].split(".lora_A.")[0]
+        b = weights[key.replace(".lora_A.", ".lora_B.")]
+        by_hand[layer + ".weight"] = by_hand[layer + ".weight"].detach() + scale * (b.double() @ a.double()).float()
+    for name, p in served.named_parameters():
+        torch.testing.assert_close(p, by_hand[name].detach(), rtol=0, atol=1e-6)
+        torch.testing.assert_close(p, dict(expected.named_parameters())[name])
+    moved = max((p - dict(merged.named_parameters())[n]).abs().max().item() for n, p in served.named_parameters())
+    assert moved > 1e-4  # the merged export quantized W + s B A: not what the adapter target served
+    torch.testing.assert_close(dict(merged.named_parameters()), dict(load_policy(v1)[0].named_parameters()), rtol=0,
+                               atol=0)

@@ -59,7 +59,7 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
         reference = {}
         for v in data_versions:  # each trajectory's own deployed weights, upcast
             export_dir = reference_export(svc, v, version_dirs(svc, v)[1], f"it sampled data of {rkey}")
-            reference[v], _ = load_policy(export_dir, dtype=torch.float32)
+            reference[v] = served_weights(s, export_dir)
             reference[v].eval()
     # in-round resume: one file (one process), or a directory per rank for its part of a sharded save
     # (ranks on machines that share no disk); kept in the blob store after every save, so that any
@@ -183,3 +183,20 @@ def training_history(svc: Services) -> tuple[list[dict], list[int]]:
         starts.append(len(steps))
         steps += [m for m in upstream_json(svc, keys.train_steps(key)) if not m.get("skipped")]
     return steps, starts
+
+
+def served_weights(settings, export_dir: Path):
+    """The weights that served a version, upcast (ref_is's reference): an adapter target served a LoRA
+    round's adapter on its base export (``rl.lora.served_policy``); every other target, the export."""
+    import torch
+
+    from prodrl_pipelines.deploy_targets import ADAPTER_TARGETS
+    from prodrl_pipelines.quant.adapter_export import adapter_export
+    from prodrl_pipelines.rl.checkpoint import load_policy
+
+    part = adapter_export(export_dir) if settings.deploy.target in ADAPTER_TARGETS else None
+    if part is not None:
+        from prodrl_pipelines.rl.lora import served_policy
+
+        return served_policy(part[2], part[0], torch.float32)[0]
+    return load_policy(export_dir, dtype=torch.float32)[0]

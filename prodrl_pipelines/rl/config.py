@@ -99,11 +99,6 @@ class Recipe(BaseModel):
         for lo, hi in (("icepop_low", "icepop_high"), ("cispo_low", "cispo_high"), ("seq_mis_low", "seq_mis_high")):
             if getattr(self, lo) >= getattr(self, hi):
                 raise ValueError(f"{lo} ({getattr(self, lo)}) must be below {hi} ({getattr(self, hi)})")
-        if self.training == "lora" and self.correction == "ref_is":
-            # ref_is references each token to the weights that served it: base export + that version's
-            # adapter, which the trainer does not load yet
-            raise ValueError("correction 'ref_is' with training 'lora': the served reference (base export + "
-                             "adapter) is not built yet; choose another correction")
         return self
 
     def correction_params(self):
