@@ -63,7 +63,8 @@ def test_compare_is_the_mean_and_p99_of_absolute_differences():
 
 
 def test_settings_choose_a_known_target_and_fail_early():
-    assert set(TARGETS) == {"pointer", "prodrl-serve", "vllm-restart", "vllm-reload", "vllm-weight-transfer", "command"}
+    assert set(TARGETS) == {"pointer", "prodrl-serve", "vllm-restart", "vllm-reload", "vllm-weight-transfer", "command",
+                            "vllm-lora", "prodrl-serve-lora"}
     with pytest.raises(ValueError, match="^target: unknown deploy target 'k8s'"):
         settings_from_flat({"target": "k8s"})
     with pytest.raises(ValueError, match="needs target_command"):

@@ -9,12 +9,13 @@ from __future__ import annotations
 import httpx
 import pytest
 
-from prodrl_pipelines.config.settings import Settings, check_settings, settings_from_flat
+from prodrl_pipelines.config.settings import Settings, settings_from_flat
 from prodrl_pipelines.deploy_targets import endpoint_file, make_target
 from prodrl_pipelines.deploy_targets.processes import pick_port_range
 from prodrl_pipelines.deploy_targets.rollout import DeployRejected, roll_out, start_canary
 from prodrl_pipelines.engines.server import BackgroundServer
 from prodrl_pipelines.lab.adapters import random_adapter_exports
+from prodrl_pipelines.loop.settings_checks import check_before_work
 from prodrl_pipelines.quant.adapter_export import adapter_export
 from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
 from tests.test_fleet import PROMPTS, Traffic
@@ -60,8 +61,10 @@ def test_adapter_settings_are_checked_before_any_work(tmp_path):
         Settings(deploy={"target": "prodrl-serve-lora", "replica_placement": "ray"})
     # the lab's default model is a mixture of experts: vLLM's CPU build cannot serve LoRA on it
     s = settings_from_flat({"home": str(tmp_path), "training": "lora", "target": "vllm-lora"})
-    with pytest.raises(ValueError, match=r"vllm-lora.*'demo' \(mixture of experts.*GPU kernels only"):
-        check_settings(s)
+    with pytest.raises(ValueError, match=r"vllm-lora.*'lab' \(lab size 'demo'\), a mixture of experts.*GPU kernels"):
+        check_before_work(s)
+    dense = settings_from_flat({"home": str(tmp_path), "training": "lora", "target": "vllm-lora", "lab_size": "demo-dense"})
+    check_before_work(dense)
     assert settings_from_flat({"training": "lora", "target": "prodrl-serve-lora"}).deploy.lora_kept_adapters == 2
 
 

@@ -31,12 +31,13 @@ def cmd_check_settings(args) -> int:
     from prodrl_pipelines.cluster.config import cluster_settings
     from prodrl_pipelines.config import environment
     from prodrl_pipelines.evaluation import SuiteError
-    from prodrl_pipelines.config.settings import SettingsFileError, check_settings, load_settings_file, settings_from_flat
+    from prodrl_pipelines.config.settings import SettingsFileError, load_settings_file, settings_from_flat
+    from prodrl_pipelines.loop.settings_checks import check_before_work
 
     try:
         fields = load_settings_file(args.file)
         settings = settings_from_flat(fields)
-        suite = check_settings(settings, environment.read_store()["s3_endpoint_url"] or None)
+        suite = check_before_work(settings, environment.read_store()["s3_endpoint_url"] or None)
         cluster_settings(fields).check_reachable()
     except ValidationError as e:
         for err in e.errors():

@@ -305,31 +305,7 @@ def check_settings(settings: Settings, s3_endpoint_url: str | None = None):
     if stuck:  # the canary is judged on the plan's rewards of its own, new traffic: it would run forever
         raise ValueError(f"canary_fraction {settings.deploy.canary_fraction}: the canary can never be judged: {stuck}; "
                          f"unpin rewards_versions, add a source that rewards new traffic, or set canary_fraction 0")
-    refused = adapters_unservable(settings)
-    if refused:
-        raise ValueError(refused)
     return load_suite(settings.eval.suite, settings.eval.reward_fn, settings, s3_endpoint_url)
-
-
-def adapters_unservable(settings: Settings) -> str | None:
-    """Why the deploy target cannot serve this recipe's adapters here (None: it can): vLLM's CPU build
-    serves LoRA on dense models only, so a LoRA recipe on an MoE base with ``vllm-lora`` and no GPU."""
-    if settings.recipe.training != "lora" or settings.deploy.target != "vllm-lora":
-        return None
-    from prodrl_pipelines.deploy_targets.base import is_moe
-    from prodrl_pipelines.deploy_targets.servers import cuda_available
-
-    if settings.base_model == "lab":
-        from prodrl_pipelines.lab.model import SIZES
-
-        moe = SIZES.get(settings.lab.size, {}).get("arch") == "moe"
-        what = f"the lab model {settings.lab.size!r} (mixture of experts; its '-dense' variant is dense)"
-    else:
-        moe, what = is_moe(Path(settings.base_model)), f"the base model {settings.base_model} (mixture of experts)"
-    if moe and not cuda_available():
-        return (f"training 'lora' with deploy target 'vllm-lora' on {what}: vLLM serves LoRA on MoE layers with GPU "
-                "kernels only and this host has no GPU; use deploy target 'prodrl-serve-lora', a dense model, or a GPU")
-    return None
 
 
 class SettingsFileError(ValueError):

@@ -32,6 +32,11 @@ class LabModelSource:
         build_base_policy(dest, size=self.size, seed=self.seed, sft_steps=self.sft_steps, task=self.task,
                           hedge_noise=self.hedge_noise)
 
+    def mixture_of_experts(self) -> bool:
+        from prodrl_pipelines.lab.model import SIZES
+
+        return SIZES.get(self.size, {}).get("arch") == "moe"
+
 
 def lab_model_source(arg: str, settings=None) -> LabModelSource:
     """``lab`` (the settings' lab size) or ``lab:SIZE``."""

@@ -45,6 +45,23 @@ def describe(spec: str) -> str:
     return "directory"
 
 
+def source_is_moe(spec: str, settings=None) -> bool | None:
+    """Whether the base model is a mixture of experts, known before it is imported: a directory's
+    ``config.json``; a registered source that says (its optional ``mixture_of_experts()``); else None."""
+    if spec.startswith("s3://"):
+        return None
+    name, _, arg = spec.partition(":")
+    if name in registered_sources():
+        says = getattr(registered_sources()[name].load()(arg, settings), "mixture_of_experts", None)
+        return bool(says()) if callable(says) else None
+    try:
+        cfg = json.loads((Path(spec) / "config.json").read_text())
+    except (OSError, ValueError):
+        return None
+    return bool(cfg.get("num_experts") or cfg.get("num_local_experts")
+                or any("Moe" in a for a in cfg.get("architectures") or []))
+
+
 def _vocab_size(config: dict) -> int | None:
     if isinstance(config.get("vocab_size"), int):
         return config["vocab_size"]

@@ -10,7 +10,8 @@ from pydantic import Field, PrivateAttr, create_model
 from prodrl_pipelines.cluster.config import ClusterSettings, cluster_settings
 from prodrl_pipelines.config import environment
 from prodrl_pipelines.loop.services import Services, build_services
-from prodrl_pipelines.config.settings import Settings, check_settings, field_info, flat_fields, settings_from_flat
+from prodrl_pipelines.config.settings import Settings, field_info, flat_fields, settings_from_flat
+from prodrl_pipelines.loop.settings_checks import check_before_work
 from prodrl_pipelines.loop.lineage import Lineage, open_lineage
 from prodrl_pipelines.storage.locations import StoreLocation
 
@@ -65,7 +66,7 @@ class ProdRLSettings(create_model("_ProdRLSettingsFields", __base__=Configurable
         return cluster_settings(self.fields())
 
     def setup_for_execution(self, context: InitResourceContext) -> None:
-        check_settings(self.settings())  # fail before any asset runs
+        check_before_work(self.settings())  # fail before any asset runs
         self.cluster_config().check_reachable()
 
 
@@ -119,7 +120,7 @@ def make_resources(settings: dict, store_root: str = "", tracking_uri: str = "",
         "mlflow": MlflowResource(tracking_uri=tracking_uri),
         "pipes": PipesSubprocessClient(),
     }
-    check_settings(res["settings"].settings(), (s3 or {}).get("s3_endpoint_url") or None)  # fails at load time
+    check_before_work(res["settings"].settings(), (s3 or {}).get("s3_endpoint_url") or None)  # fails at load time
     return res
 
 
