@@ -206,10 +206,14 @@ def _lora_rounds(defs, res, svc, target, pg_instance):
     assert len(state.optimizer["param_groups"][0]["params"]) == len(a1)  # Adam over the adapters only
 
 
-def test_ref_is_references_a_lora_round_to_what_served_it(tmp_path):
-    """ref_is's reference is the weights that served each token, upcast: with an adapter target, the NVFP4
-    base export with the bf16-trained adapter folded in (not the merged export, quantized after the merge:
-    quant(W) + s B A differs from quant(W + s B A)); with a whole-model target, the export itself."""
+def test_ref_is_and_the_evaluation_see_a_lora_round_as_it_was_served(tmp_path):
+    """What served a LoRA round is recorded at export time: with an adapter target, the NVFP4 base export
+    with the trained adapter folded in (not the merged export, quantized after the merge: quant(W) + s B A
+    differs from quant(W + s B A)); with any other target, the export itself. ``ref_is``'s reference and
+    the held-out evaluation's engine both use that form."""
+    from safetensors.torch import load_file
+
+    from prodrl_pipelines.evaluation.batches import load_engine
     from prodrl_pipelines.lab.adapters import random_adapter_exports
     from prodrl_pipelines.lab.warmstart import build_base_policy
     from prodrl_pipelines.loop.train import served_weights
@@ -218,29 +222,29 @@ def test_ref_is_references_a_lora_round_to_what_served_it(tmp_path):
 
     ckpt = build_base_policy(tmp_path / "base-ckpt", size="tiny-dense", seed=0, sft_steps=2, progress=False)
     export_policy(ckpt, tmp_path / "base", "nvfp4-w4a16")
-    v1 = random_adapter_exports(ckpt, tmp_path / "base", tmp_path / "exports", {"v1": 0.05}, scheme="nvfp4-w4a16")["v1"]
-    adapter_target = settings_from_flat({"training": "lora", "correction": "ref_is", "target": "prodrl-serve-lora"})
-    whole_target = settings_from_flat({"training": "lora", "correction": "ref_is", "target": "prodrl-serve"})
-    served, merged = served_weights(adapter_target, v1), served_weights(whole_target, v1)
+    as_adapter = random_adapter_exports(ckpt, tmp_path / "base", tmp_path / "a", {"v1": 0.05}, scheme="nvfp4-w4a16")["v1"]
+    as_merged = random_adapter_exports(ckpt, tmp_path / "base", tmp_path / "m", {"v1": 0.05}, scheme="nvfp4-w4a16",
+                                       served_as="merged")["v1"]
+    served, merged = served_weights(as_adapter), served_weights(as_merged)
 
     base, _ = load_policy(tmp_path / "base")
-    expected = lora.served_policy(tmp_path / "base", v1 / "adapter")[0]
-    from safetensors.torch import load_file
-
     by_hand = dict(base.named_parameters())  # W + (alpha / r) B A folded by hand from the adapter's file
-    weights = load_file(v1 / "adapter" / "adapter_model.safetensors")
-    scale = json.loads((v1 / "adapter" / "adapter_config.json").read_text())
-    scale = scale["lora_alpha"] / scale["r"]
+    weights = load_file(as_adapter / "adapter" / "adapter_model.safetensors")
+    cfg = json.loads((as_adapter / "adapter" / "adapter_config.json").read_text())
     for key, a in weights.items():
         if ".lora_A." not in key:
             continue
         layer = key.split("base_model.model.", 1)[1].split(".lora_A.")[0]
         b = weights[key.replace(".lora_A.", ".lora_B.")]
-        by_hand[layer + ".weight"] = by_hand[layer + ".weight"].detach() + scale * (b.double() @ a.double()).float()
+        by_hand[layer + ".weight"] = by_hand[layer + ".weight"].detach() + \
+            (cfg["lora_alpha"] / cfg["r"] * (b.double() @ a.double())).float()
+    evaluated = dict(load_engine(as_adapter)[0].model.named_parameters())
     for name, p in served.named_parameters():
         torch.testing.assert_close(p, by_hand[name].detach(), rtol=0, atol=1e-6)
-        torch.testing.assert_close(p, dict(expected.named_parameters())[name])
+        torch.testing.assert_close(evaluated[name], p, rtol=0, atol=1e-6)
     moved = max((p - dict(merged.named_parameters())[n]).abs().max().item() for n, p in served.named_parameters())
     assert moved > 1e-4  # the merged export quantized W + s B A: not what the adapter target served
-    torch.testing.assert_close(dict(merged.named_parameters()), dict(load_policy(v1)[0].named_parameters()), rtol=0,
-                               atol=0)
+    torch.testing.assert_close(dict(merged.named_parameters()), dict(load_policy(as_merged)[0].named_parameters()),
+                               rtol=0, atol=0)
+    evaluated = dict(load_engine(as_merged)[0].model.named_parameters())
+    torch.testing.assert_close(evaluated, dict(merged.named_parameters()), rtol=0, atol=0)

@@ -52,10 +52,18 @@ class EpisodeWork:
 
 
 def load_engine(export_dir: str | Path):
-    """The local engine on an export (NVFP4 dequantised, as deployed) and its stop tokens."""
+    """The local engine on an export as deployed (NVFP4 dequantised; a LoRA round's export served by an
+    adapter target: its base export with the adapter folded in) and its stop tokens."""
     from prodrl_pipelines.engines.local import LocalEngine
+    from prodrl_pipelines.quant.adapter_export import adapter_export, served_as_adapter
 
-    engine = LocalEngine.from_pretrained(export_dir)
+    if served_as_adapter(export_dir):
+        from prodrl_pipelines.engines.serve_adapters import adapter_engine
+
+        adapter, _, base_export = adapter_export(export_dir)
+        engine = adapter_engine(LocalEngine.from_pretrained(base_export), adapter)
+    else:
+        engine = LocalEngine.from_pretrained(export_dir)
     return engine, stop_token_ids(engine.tokenizer, export_dir)
 
 

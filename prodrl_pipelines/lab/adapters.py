@@ -26,7 +26,7 @@ def random_adapter(model, recipe, scale: float, seed: int):
 
 def random_adapter_exports(base_checkpoint: str | Path, base_export: str | Path, root: str | Path,
                            scales: dict[str, float], base_version: str = "base", scheme: str = "bf16",
-                           rank: int = 4, alpha: float = 8.0) -> dict[str, Path]:
+                           rank: int = 4, alpha: float = 8.0, served_as: str = "adapter") -> dict[str, Path]:
     """One LoRA export per name under ``root`` (adapter ``i`` seeded ``11 + i``), adapting the policy at
     ``base_checkpoint`` whose export ``base_export`` serves as ``base_version``."""
     from prodrl_pipelines.quant.adapter_export import write_adapter_export
@@ -45,6 +45,6 @@ def random_adapter_exports(base_checkpoint: str | Path, base_export: str | Path,
         save_checkpoint(ckpt, lora.merged_copy(model), tok, None, TrainerState(),
                         extra=lora.write_lora_parts(model, base_version))
         export_policy(ckpt, root / name, scheme)
-        write_adapter_export(ckpt, root / name, base_version, base_export)
+        write_adapter_export(ckpt, root / name, base_version, base_export, served_as)
         out[name] = root / name
     return out

@@ -95,6 +95,7 @@ def export(svc: Services, rkey: str) -> dict:
 def _adapter_part(svc: Services, checkpoint_dir: Path, export_dir: Path) -> dict:
     """A LoRA round's export also carries its adapter and names its base's export (what the adapter
     targets load into running servers); {} for a full round."""
+    from prodrl_pipelines.deploy_targets import ADAPTER_TARGETS
     from prodrl_pipelines.quant.adapter_export import AdapterExportError, write_adapter_export
     from prodrl_pipelines.rl.lora import adapter_of
 
@@ -103,6 +104,7 @@ def _adapter_part(svc: Services, checkpoint_dir: Path, export_dir: Path) -> dict
         return {}
     try:
         return write_adapter_export(checkpoint_dir, export_dir, base_version,
-                                    ensure_local(svc, "exports", base_version))
+                                    ensure_local(svc, "exports", base_version),
+                                    "adapter" if svc.settings.deploy.target in ADAPTER_TARGETS else "merged")
     except AdapterExportError as e:
         raise RoundError(f"{export_dir.name}: {e}") from e

@@ -59,7 +59,7 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
         reference = {}
         for v in data_versions:  # each trajectory's own deployed weights, upcast
             export_dir = reference_export(svc, v, version_dirs(svc, v)[1], f"it sampled data of {rkey}")
-            reference[v] = served_weights(s, export_dir)
+            reference[v] = served_weights(export_dir)
             reference[v].eval()
     # in-round resume: one file (one process), or a directory per rank for its part of a sharded save
     # (ranks on machines that share no disk); kept in the blob store after every save, so that any
@@ -185,17 +185,16 @@ def training_history(svc: Services) -> tuple[list[dict], list[int]]:
     return steps, starts
 
 
-def served_weights(settings, export_dir: Path):
+def served_weights(export_dir: Path):
     """The weights that served a version, upcast (ref_is's reference): an adapter target served a LoRA
     round's adapter on its base export (``rl.lora.served_policy``); every other target, the export."""
     import torch
 
-    from prodrl_pipelines.deploy_targets import ADAPTER_TARGETS
-    from prodrl_pipelines.quant.adapter_export import adapter_export
+    from prodrl_pipelines.quant.adapter_export import adapter_export, served_as_adapter
     from prodrl_pipelines.rl.checkpoint import load_policy
 
-    part = adapter_export(export_dir) if settings.deploy.target in ADAPTER_TARGETS else None
-    if part is not None:
+    if served_as_adapter(export_dir):
+        part = adapter_export(export_dir)
         from prodrl_pipelines.rl.lora import served_policy
 
         return served_policy(part[2], part[0], torch.float32)[0]

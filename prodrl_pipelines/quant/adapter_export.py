@@ -21,6 +21,7 @@ from pathlib import Path
 ADAPTER_DIR = "adapter"
 BASE_FILE = "lora_base.json"
 ADAPTER_FILES = ("adapter_config.json", "adapter_model.safetensors")
+SERVED_AS = ("adapter", "merged")
 
 
 class AdapterExportError(ValueError):
@@ -28,8 +29,13 @@ class AdapterExportError(ValueError):
 
 
 def write_adapter_export(checkpoint_dir: str | Path, export_dir: str | Path, base_version: str,
-                         base_export: str | Path) -> dict:
-    """Copy the checkpoint's adapter into ``export_dir`` and name its base; the adapter's bytes."""
+                         base_export: str | Path, served_as: str = "adapter") -> dict:
+    """Copy the checkpoint's adapter into ``export_dir`` and name its base; the adapter's bytes.
+    ``served_as``: how the deployment serves it, ``adapter`` (an adapter target: base export + adapter)
+    or ``merged`` (any other target: the export's merged weights); the evaluation and ``ref_is`` use
+    the same form (``served_as_adapter``)."""
+    if served_as not in SERVED_AS:
+        raise AdapterExportError(f"served_as {served_as!r}: one of {SERVED_AS}")
     src, dst = Path(checkpoint_dir) / ADAPTER_DIR, Path(export_dir) / ADAPTER_DIR
     missing = [f for f in ADAPTER_FILES if not (src / f).is_file()]
     if missing:
@@ -44,7 +50,7 @@ def write_adapter_export(checkpoint_dir: str | Path, export_dir: str | Path, bas
         shutil.copyfile(src / f, tmp / f)
     shutil.rmtree(dst, ignore_errors=True)
     tmp.rename(dst)
-    (Path(export_dir) / BASE_FILE).write_text(json.dumps({"base_version": base_version,
+    (Path(export_dir) / BASE_FILE).write_text(json.dumps({"base_version": base_version, "served_as": served_as,
                                                           "base_export": str(Path(base_export).resolve())}))
     return {"adapter_bytes": adapter_bytes(export_dir), "lora_base_version": base_version,
             "lora_base_export": str(Path(base_export).resolve())}
@@ -74,6 +80,15 @@ def adapter_export(export_dir: str | Path, base_export: str | Path | None = None
     if missing:
         raise AdapterExportError(f"the LoRA export {d} has no {missing} in {ADAPTER_DIR}/")
     return d / ADAPTER_DIR, version, base
+
+
+def served_as_adapter(export_dir: str | Path) -> bool:
+    """Whether the deployment serves this export as base export + adapter (recorded at export time)."""
+    f = Path(export_dir) / BASE_FILE
+    try:
+        return f.is_file() and json.loads(f.read_text()).get("served_as") == "adapter"
+    except (OSError, ValueError):
+        return False
 
 
 def adapter_rank(export_dir: str | Path) -> int:
