@@ -55,6 +55,9 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=2, help="timed train steps per process (after one warm-up)")
     ap.add_argument("--repeats", type=int, default=2, help="processes per mode (alternating)")
     ap.add_argument("--batch", type=int, default=8, help="trajectories of two calls per step")
+    ap.add_argument("--activation-checkpointing", action=argparse.BooleanOptionalAction, default=True,
+                    help="recompute each layer's activations in backward (recipe.activation_checkpointing), so "
+                         "that weights, gradients and optimizer state dominate the memory, as at scale")
     ap.add_argument("--scheme", default="nvfp4-w4a16", help="the whole export's scheme")
     ap.add_argument("--ablation", default=str(REPO / "docs" / "ablations" / "lora" / "results.csv"))
     ap.add_argument("--lora-recipe", default="lora_r8")
@@ -116,7 +119,13 @@ def train_probe(args) -> dict:
     model = bench_model(args)
     if args.train_probe == "lora":
         model = lora.with_adapter(model, recipe)
+    if args.activation_checkpointing:
+        from prodrl_pipelines.rl.sharding import checkpoint_activations
+
+        checkpoint_activations(model)
     opt = build_optimizer(model, recipe, TrainerState())
+    trained = lora.trainable_parameters(model)
+    start = [p.detach().clone() for p in trained[:4]]
     rng = np.random.default_rng(0)
     trajs = []
     for i in range(args.batch):
@@ -132,6 +141,9 @@ def train_probe(args) -> dict:
         train_step(model, opt, [b], [old], None, recipe, recipe.correction_params())
         if step:  # the first is warm-up
             times.append(time.perf_counter() - t0)
+    # the step trained: some of what trains moved (a LoRA's B starts at 0, its gradient through the
+    # recomputed layers included)
+    assert any(not torch.equal(a, p) for a, p in zip(start, trained[:4])), "nothing trained"
     return {"step_s": statistics.median(times), "grew_mb": rss_mb("VmHWM") - before,
             "trainable": sum(p.numel() for p in lora.trainable_parameters(model))}
 
@@ -154,13 +166,15 @@ def train_ratios(args) -> dict:
     for rep in range(args.repeats):
         for mode in (("full", "lora") if rep % 2 == 0 else ("lora", "full")):
             cmd = [sys.executable, __file__, "--train-probe", mode, *[f"--{k}={getattr(args, k)}" for k in
-                   ("hidden", "layers", "vocab", "rank", "steps", "batch")]]
+                   ("hidden", "layers", "vocab", "rank", "steps", "batch")],
+                   "--activation-checkpointing" if args.activation_checkpointing else "--no-activation-checkpointing"]
             out = subprocess.run(cmd, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
             got[mode].append(json.loads(out))
     med = {m: {k: statistics.median(r[k] for r in rs) for k in ("step_s", "grew_mb", "trainable")}
            for m, rs in got.items()}
     print(f"trainer, dense {args.layers} x {args.hidden} (vocab {args.vocab}), {args.batch} trajectories a step, "
-          f"median of {args.repeats} process(es) x {args.steps} step(s):")
+          f"activation checkpointing {'on' if args.activation_checkpointing else 'off'}, median of {args.repeats} "
+          f"process(es) x {args.steps} step(s):")
     for m, r in med.items():
         print(f"  {m:5s} step {r['step_s'] * 1e3:8.1f} ms   peak memory +{r['grew_mb']:7.1f} MB   "
               f"{int(r['trainable']):,} trainable parameters")
