@@ -124,6 +124,31 @@ def test_two_rank_torchrun_matches_single_process(tmp_path, pg_instance):
     opt.step()
 
 
+@pytest.mark.long(seconds=60)
+def test_a_lora_round_at_two_ranks_matches_one_process(tmp_path, pg_instance):
+    """``training: lora`` under FSDP2: the adapters are sharded with their layers, the frozen base with
+    them, and rank 0 saves from a whole copy that the gathered state is loaded into: the merged weights,
+    the adapter and the adapters' Adam state equal the single process's."""
+    res, svc, key = _round_with_data(tmp_path, pg_instance, training="lora", lora_rank=2)
+    single = train.train(svc, key, progress=False, out_dir=tmp_path / "single")
+    assert single["steps_taken"] == 2
+    out = materialize([recorded_trajectories, training_batch, trained_checkpoint], selection=[trained_checkpoint],
+                      instance=pg_instance, partition_key=key, resources=res)
+    assert out.success
+    assert out.asset_materializations_for_node("trained_checkpoint")[0].metadata["train_processes"].value == 2
+    sharded = svc.settings.checkpoints_root / key
+    _same_weights(tmp_path / "single", sharded)
+    a = load_file(tmp_path / "single" / "adapter" / "adapter_model.safetensors")
+    b = load_file(sharded / "adapter" / "adapter_model.safetensors")
+    assert a.keys() == b.keys() and any(v.abs().max() > 0 for k, v in a.items() if "lora_B" in k)  # it trained
+    for name in a:
+        torch.testing.assert_close(a[name], b[name], atol=2e-5, rtol=1e-4, msg=name)
+    sa, sb = load_trainer_state(tmp_path / "single"), load_trainer_state(sharded)
+    assert sa.optimizer["param_groups"][0]["params"] == sb.optimizer["param_groups"][0]["params"] == list(range(len(a)))
+    for i, st in sa.optimizer["state"].items():
+        torch.testing.assert_close(st["exp_avg_sq"], sb.optimizer["state"][i]["exp_avg_sq"], atol=1e-8, rtol=1e-4)
+
+
 @pytest.mark.long(seconds=90)
 def test_a_rank_killed_mid_round_resumes_from_the_sharded_checkpoint(tmp_path, pg_instance):
     res, svc, key = _round_with_data(tmp_path, pg_instance, steps_per_round=4, batch_size=2, checkpoint_every=1,

@@ -262,35 +262,29 @@ class AdapterServing:
         endpoint_file(self.home, self.deploy).update(change)
 
     def _stop_old_canary(self) -> list[str]:
-        """An adapter canary's records taken (its adapter unloaded unless the fleet now serves it)."""
-        stopped = []
-        for kind in ("pending", "current"):
-            raw = self.slots.read(self.CANARY, kind)
-            if raw and raw.get("adapter_canary"):
-                self.slots.drop(self.CANARY, kind)
-                serving = {c.policy_version for c in self.currents() if c is not None}
+        """A running adapter canary taken off traffic and unloaded (a server canary is the base's to stop)."""
+        raw = self.slots.read(self.CANARY, "current") or self.slots.read(self.CANARY, "pending")
+        if not raw or not raw.get("adapter_canary"):
+            return []
+        return self._unload_canaries(self.take_canary()[1])
+
+    def _unload_canaries(self, records: list[dict]) -> list[str]:
+        """Each adapter canary's adapter unloaded from the fleet's servers, unless the fleet now serves it
+        (a promoted canary)."""
+        serving = {c.policy_version for c in self.currents() if c is not None}
+        done = []
+        for raw in records:
+            if raw.get("adapter_canary"):
                 if raw["policy_version"] not in serving:
                     for url in raw["urls"]:
                         self._unload_quietly(url, raw["policy_version"])
-                stopped.append(raw["policy_version"])
-        return stopped
+                done.append(raw["policy_version"])
+        return done
 
     def stop_canary(self) -> str:
         raw = self.slots.read(self.CANARY, "current") or self.slots.read(self.CANARY, "pending")
         if not raw or not raw.get("adapter_canary"):
             return super().stop_canary()
-        routed = []
-
-        def change(ep: Endpoint | None) -> Endpoint | None:
-            if ep is None or not ep.canary:
-                return None
-            routed.append(ep.canary)
-            ep.canary = None
-            return ep
-
-        endpoint_file(self.home, self.deploy).update(change)
-        if routed:
-            time.sleep(ADAPTER_DRAIN_S)
         stopped = self._stop_old_canary()
         return f"stopped the canary adapter ({', '.join(stopped)}) on the fleet's servers"
 

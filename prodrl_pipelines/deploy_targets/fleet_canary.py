@@ -78,6 +78,24 @@ class FleetCanary:
     def stop_canary(self) -> str:
         """No more traffic to the canary (endpoint file first, and its records taken, under the file's
         lock), then its server drains and stops."""
+        routed, records = self.take_canary()
+        stopped = []
+        for raw in records:
+            alive = record_alive(raw)
+            if alive:
+                stopped.append(raw["policy_version"])
+            if alive or raw.get("actor"):  # an actor whose server died goes too, with its group
+                stop_record(raw)
+        paused = routed[0].get("paused") if routed and isinstance(routed[0].get("paused"), dict) else None
+        why = f"; it had been taken off traffic: {paused.get('reason', '')}" if paused else ""
+        if stopped or paused:
+            return f"stopped the canary ({', '.join(stopped) or 'no longer running'}){why}"
+        return "no canary was running"
+
+    def take_canary(self) -> tuple[list[dict], list[dict]]:
+        """The canary off traffic and its records taken, in one step under the endpoint file's lock (so
+        it cannot interleave with a ``commit_canary``), then the calls routed to it drain: (what the
+        endpoint file routed, the records)."""
         routed, records = [], []
 
         def change(ep: Endpoint | None) -> Endpoint | None:
@@ -95,15 +113,4 @@ class FleetCanary:
         endpoint_file(self.home, self.deploy).update(change)
         if routed:
             time.sleep(CANARY_DRAIN_S)
-        stopped = []
-        for raw in records:
-            alive = record_alive(raw)
-            if alive:
-                stopped.append(raw["policy_version"])
-            if alive or raw.get("actor"):  # an actor whose server died goes too, with its group
-                stop_record(raw)
-        paused = routed[0].get("paused") if routed and isinstance(routed[0].get("paused"), dict) else None
-        why = f"; it had been taken off traffic: {paused.get('reason', '')}" if paused else ""
-        if stopped or paused:
-            return f"stopped the canary ({', '.join(stopped) or 'no longer running'}){why}"
-        return "no canary was running"
+        return routed, records

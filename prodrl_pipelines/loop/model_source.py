@@ -54,12 +54,9 @@ def source_is_moe(spec: str, settings=None) -> bool | None:
     if name in registered_sources():
         says = getattr(registered_sources()[name].load()(arg, settings), "mixture_of_experts", None)
         return bool(says()) if callable(says) else None
-    try:
-        cfg = json.loads((Path(spec) / "config.json").read_text())
-    except (OSError, ValueError):
-        return None
-    return bool(cfg.get("num_experts") or cfg.get("num_local_experts")
-                or any("Moe" in a for a in cfg.get("architectures") or []))
+    from prodrl_pipelines.deploy_targets.base import is_moe
+
+    return is_moe(Path(spec)) if (Path(spec) / "config.json").is_file() else None
 
 
 def _vocab_size(config: dict) -> int | None:

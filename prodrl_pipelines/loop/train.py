@@ -3,6 +3,7 @@ torchrun with FSDP2)."""
 
 from __future__ import annotations
 
+import copy
 from pathlib import Path
 from typing import Callable
 
@@ -43,6 +44,9 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
 
         checkpoint_activations(model)
     trained, load_opt, sharded = model, None, world_size > 1
+    # a sharded LoRA policy is saved from a whole copy (PEFT saves and merges a plain model): rank 0
+    # keeps one, and loads the gathered state into it at the end
+    whole_policy = copy.deepcopy(model) if sharded and base_version is not None and rank == 0 else None
     if sharded:  # FSDP2: parameters, gradients and Adam state sharded over the ranks
         from prodrl_pipelines.rl import sharding
 
@@ -96,8 +100,12 @@ def train(svc: Services, rkey: str, on_step: Callable[[int, dict], None] | None 
         if base_version is not None:  # the merged weights, read like a full round's, and the adapter
             from prodrl_pipelines.rl import lora
 
-            save_checkpoint(out, lora.merged_copy(model), tokenizer, opt, state,
-                            extra=lora.write_lora_parts(model, base_version))
+            policy = model
+            if whole_policy is not None:
+                whole_policy.load_state_dict(whole["model_state"])
+                policy = whole_policy
+            save_checkpoint(out, lora.merged_copy(policy), tokenizer, opt, state,
+                            optimizer_state=whole.get("optimizer_state"), extra=lora.write_lora_parts(policy, base_version))
         else:
             save_checkpoint(out, model, tokenizer, opt, state, **whole)
         if out_dir is None:  # the round's own checkpoint (not a worker's scratch copy)
@@ -139,9 +147,6 @@ def _lora_policy(svc: Services, live, model, state, world_size: int):
         if adapter is not None:
             state.optimizer = None
         return model, None
-    if world_size > 1:
-        raise ValueError("training 'lora' with more than one training rank (FSDP2) is not built yet: "
-                         "train_processes / cluster_workers 1")
     if adapter is None:
         state.optimizer = None
         return lora.with_adapter(model, svc.settings.recipe), live.policy_version

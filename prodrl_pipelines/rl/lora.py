@@ -77,7 +77,13 @@ def with_adapter(model, recipe, adapter_dir: str | Path | None = None):
 
     if adapter_dir is not None:
         return PeftModel.from_pretrained(model, str(adapter_dir), is_trainable=True)
-    return get_peft_model(model, lora_config(recipe, model))
+    import torch
+
+    # A's initial draw seeded by the recipe: every training rank (FSDP2 shards what each rank holds, so
+    # they must hold the same) and every rerun of the round start from the same adapter
+    with torch.random.fork_rng(devices=[]):
+        torch.manual_seed(int(recipe.seed))
+        return get_peft_model(model, lora_config(recipe, model))
 
 
 def is_adapted(model) -> bool:

@@ -76,7 +76,9 @@ def shard_policy(policy: nn.Module, world_size: int):
 
 
 def _param_names(module: nn.Module) -> list[str]:
-    return [n for n, _ in module.named_parameters()]
+    """The parameters an optimizer over ``module``'s trained parameters indexes, in its order (a LoRA
+    policy's adapters; every parameter of a full one), as a single process's optimizer does."""
+    return [n for n, p in module.named_parameters() if p.requires_grad]
 
 
 def full_model_state(root) -> dict[str, torch.Tensor]:
