@@ -146,10 +146,23 @@ def test_lora_rounds_through_dagster_adapt_the_frozen_base_and_carry_the_adapter
         target.stop()
 
 
+def rewarded_traffic(svc, episodes: int = 8) -> None:
+    """Lab traffic, then the client's feedback on it: the tiny policy earns 0 on every task, so the
+    rewards alternate 0 and 1 (a signal to train on, arbitrary by design)."""
+    from datetime import datetime, timezone
+
+    from prodrl_pipelines.lab.traffic import simulate_traffic
+
+    before = set(svc.store.read_calls(columns=[]).column("trajectory_id").to_pylist())
+    simulate_traffic(svc, episodes)
+    new = sorted(set(svc.store.read_calls(columns=[]).column("trajectory_id").to_pylist()) - before)
+    svc.store.write_rewards([{"trajectory_id": t, "reward": float(i % 2), "source": "feedback",
+                              "created_at": datetime.now(timezone.utc)} for i, t in enumerate(new)])
+
+
 def _lora_rounds(defs, res, svc, target, pg_instance):
     from safetensors.torch import load_file
 
-    from prodrl_pipelines.lab.traffic import simulate_traffic
     from prodrl_pipelines.quant.adapter_export import adapter_export
     from prodrl_pipelines.rl.checkpoint import load_trainer_state
     from tests.test_pipeline_e2e import ROUND_ASSETS, request_round
@@ -159,14 +172,8 @@ def _lora_rounds(defs, res, svc, target, pg_instance):
     server = target.current()
     assert server.base_version == "round-000000" and server.adapters == []  # the NVFP4 base export serves
 
-    def traffic():  # the tiny policy earns 0 on every task: the client's later feedback gives a signal
-        from datetime import datetime, timezone
-
-        before = set(svc.store.read_calls(columns=[]).column("trajectory_id").to_pylist())
-        simulate_traffic(svc, 8)
-        new = sorted(set(svc.store.read_calls(columns=[]).column("trajectory_id").to_pylist()) - before)
-        svc.store.write_rewards([{"trajectory_id": t, "reward": float(i % 2), "source": "feedback",
-                                  "created_at": datetime.now(timezone.utc)} for i, t in enumerate(new)])
+    def traffic():
+        rewarded_traffic(svc)
 
     traffic()
     req = request_round(pg_instance, defs, res)

@@ -189,3 +189,48 @@ def test_a_real_vllm_loads_each_adapter_under_its_version_without_a_restart_and_
               f"(switch {ro.switch.seconds:.2f}s), probe mean {ro.probe.mean_abs:.4f}")
     finally:
         target.stop()
+
+
+@pytest.mark.long(seconds=150)
+def test_a_lora_round_through_dagster_is_loaded_into_a_real_vllm_and_rolled_back_by_routing(tmp_path, pg_instance):
+    """``training: lora`` with ``vllm-lora`` end to end: bootstrap starts vLLM (CPU) on the base export;
+    the round job trains an adapter, exports it beside its merged weights, registers it in MLflow with
+    its base, and loads it into that same vLLM under the round's name, probed on base + adapter; the
+    rollback to round 0 only routes back to the base's name."""
+    from prodrl_pipelines.definitions import build_definitions
+    from prodrl_pipelines.loop import promotion
+    from prodrl_pipelines.resources.settings import make_resources, open_services
+    from tests.test_lora import rewarded_traffic
+    from tests.test_pipeline_e2e import TINY, request_round
+    from tests.vllm_support import SERVER_ARGS, vllm_python
+
+    res = make_resources({**TINY, "lab_size": "tiny-dense", "home": str(tmp_path / "home"), "training": "lora",
+                          "lora_rank": 2, "learning_rate": 1e-2, "monitors_enabled": [], "export_scheme": "bf16",
+                          "target": "vllm-lora", "target_port": pick_port_range(4), "vllm_python": vllm_python(),
+                          "server_args": list(SERVER_ARGS), "lora_max_rank": 8, "probe_prompts": 4})
+    defs = build_definitions(res)
+    svc = open_services(res["settings"], res["store"], res["mlflow"])
+    target = make_target(svc.settings)
+    try:
+        assert defs.resolve_job_def("bootstrap").execute_in_process(instance=pg_instance).success
+        server = target.current()
+        assert (server.base_version, server.adapters) == ("round-000000", [])
+        rewarded_traffic(svc)
+        req = request_round(pg_instance, defs, res)
+        assert defs.resolve_job_def("prod_rl_round").execute_in_process(
+            instance=pg_instance, partition_key=req.partition_key, tags=req.tags).success
+        assert svc.ledger.live().policy_version == "round-000001"
+        r1 = svc.ledger.round_summary("round-000001")
+        assert r1["mode"] == "adapter" and r1["probe_mean_abs"] < 0.02, r1
+        assert target.current().pid == server.pid and _served_names(server.url) == {"round-000000", "round-000001"}
+        assert endpoint_file(svc.settings.home_path).read().served_model_name == "round-000001"
+        tags = svc.lineage.version_tags(r1["model_version"])
+        assert (tags["lora_base_version"], tags["lora_base_model_version"]) == (
+            "round-000000", svc.ledger.round_summary("round-000000")["model_version"])
+
+        _, back = promotion.make_live(svc, "round-000000", kind="rollback", by="test")
+        assert back.switch.detail["mode"] == "adapter" and back.switch.detail["loaded"] == []
+        assert target.current().pid == server.pid and back.probe.passed
+        assert endpoint_file(svc.settings.home_path).read().served_model_name == "round-000000"
+    finally:
+        target.stop()

@@ -105,16 +105,16 @@ class AdapterServing:
             raise DeployError(f"{url} refused to unload the adapter {name}: HTTP {status}: {text[:300]}")
         return True
 
-    def hot_loadable(self, export_dir: Path, slots: list) -> tuple[Path, str] | None:
+    def hot_loadable(self, export_dir: Path, slots: list, policy_version: str) -> tuple[Path | None, str] | None:
         """(adapter, base version) when ``export_dir`` is an adapter every server of ``slots`` can
-        take (each runs, on that base); None: the wave is started anew."""
+        take (each runs, on that base), (None, version) when it is the base those servers run (a
+        rollback to it routes back to the base's name); None: the wave is started anew."""
         part = adapter_export(export_dir)
-        if part is None:
-            return None
+        base_version = part[1] if part else policy_version
         curs = [self.current(s) for s in slots]
-        if any(c is None or c.base_version != part[1] for c in curs):
+        if any(c is None or c.base_version != base_version for c in curs):
             return None
-        return part[0], part[1]
+        return (part[0] if part else None), base_version
 
     def _load_into(self, recs: list[ServerRecord], version: str, adapter: Path) -> list[ServerRecord]:
         """Load into each server that lacks it and wait until it serves it; the servers it was loaded into
@@ -144,7 +144,7 @@ class AdapterServing:
     # the protocol
     def switch(self, export_dir: Path, policy_version: str, wave: list[int] | None = None) -> Switch:
         wave = list(range(self.replicas)) if wave is None else list(wave)
-        hot = self.hot_loadable(Path(export_dir), wave)
+        hot = self.hot_loadable(Path(export_dir), wave, policy_version)
         if hot is None:
             sw = super().switch(export_dir, policy_version, wave)
             sw.detail.update(mode="start", **served_adapter(export_dir))
@@ -152,17 +152,18 @@ class AdapterServing:
         t0 = time.monotonic()
         adapter, _ = hot
         curs = [self.current(s) for s in wave]
-        loaded = self._load_into(curs, policy_version, adapter)
+        loaded = self._load_into(curs, policy_version, adapter) if adapter is not None else []
         slots = []
         for slot, cur in zip(wave, curs):
-            pending = {**asdict(cur), "policy_version": policy_version, "export_dir": str(export_dir),
-                       "adapters": [a for a in cur.adapters if a != policy_version] + [policy_version]}
+            kept = [a for a in cur.adapters if a != policy_version] + ([policy_version] if adapter is not None else [])
+            pending = {**asdict(cur), "policy_version": policy_version, "export_dir": str(export_dir), "adapters": kept}
             self.slots.write(slot, "pending", pending)
             slots.append(cur.slot(slot, cur))
         first = curs[0]
         return Switch(self.name, policy_version, str(export_dir), first.url, policy_version,
                       seconds=time.monotonic() - t0, previous=asdict(first),
-                      detail={"mode": "adapter", "adapter": str(adapter), "wave": wave, "replicas": self.replicas,
+                      detail={"mode": "adapter", **({"adapter": str(adapter)} if adapter else {}), "wave": wave,
+                              "replicas": self.replicas,
                               "slots": slots, "loaded": [r.url for r in loaded], "replaces": first.policy_version})
 
     def commit(self, switch: Switch) -> None:
@@ -225,8 +226,8 @@ class AdapterServing:
     # a canary on the fleet's own servers
     def switch_canary(self, export_dir: Path, policy_version: str) -> Switch:
         self._stop_old_canary()
-        hot = self.hot_loadable(Path(export_dir), list(range(self.replicas)))
-        if hot is None:
+        hot = self.hot_loadable(Path(export_dir), list(range(self.replicas)), policy_version)
+        if hot is None or hot[0] is None:  # the base itself as a canary: a server of its own
             sw = super().switch_canary(export_dir, policy_version)
             sw.detail.update(mode="start", **served_adapter(export_dir))
             return sw
