@@ -32,6 +32,7 @@ from prodrl_pipelines.deploy_targets.servers import ProdrlServeTarget
 from prodrl_pipelines.engines.server import BackgroundServer
 from prodrl_pipelines.recorder import RecorderConfig, build_recorder_app
 from prodrl_pipelines.recorder.balancer import Balancer, canary_share
+from tests.helpers import until
 
 pytestmark = pytest.mark.usefixtures("one_torch_thread")
 PROMPTS = [[1, 5, 6, 7, 8], [1, 40, 41, 42, 9, 9], [1, 12, 13]]
@@ -390,6 +391,8 @@ def test_a_crashed_canary_fails_no_call_is_paused_with_the_reason_and_resumed_wh
         while endpoint_file(s.home_path).read().canary_paused() is not None:
             assert time.monotonic() < deadline, "the canary that answers again was never resumed"
             time.sleep(0.2)
+        # the recorder counts a resume once its write of the endpoint file returned: a moment after it
+        until("the resume counted", lambda: client.get("/stats").json()["counters"].get("canary_resumed"), 60)
         assert client.get("/stats").json()["counters"].get("canary_resumed") == 1
         assert len(endpoint_file(s.home_path).read().canary["pauses"]) == 1
         fresh = [t for t in (f"back-{i}" for i in range(60)) if canary_share(t) < 0.5][:3]
