@@ -136,67 +136,17 @@ def test_a_fleet_loads_each_adapter_without_a_restart_fails_no_call_and_routes_b
         target.stop()
 
 
-@pytest.mark.long(seconds=150)
-def test_a_real_vllm_loads_each_adapter_under_its_version_without_a_restart_and_rolls_back_by_routing(
-        vllm_exports, tmp_path):
-    """vLLM's CPU build (LoRA on, runtime updates on) on the tiny dense base: v1 is given at start-up,
-    v2 is loaded into the same process under traffic through the recorder (0 failed calls, rows filed
-    under the adapter that answered); the probe scores base export + adapter, as served; with one
-    adapter kept, v1 is unloaded; a rejected v3 leaves v2 routed; the rollback to v1 loads it again
-    and routes, still the same process."""
-    from tests.vllm_support import SERVER_ARGS, vllm_python
+@pytest.mark.long(seconds=180)
+def test_lora_rounds_are_loaded_into_a_real_vllm_under_traffic_and_rolled_back_by_routing(tmp_path, pg_instance):
+    """``training: lora`` with ``vllm-lora`` end to end, vLLM's CPU build on the tiny dense policy:
 
-    exports = random_adapter_exports(vllm_exports["dense"], vllm_exports["dense-bf16"], tmp_path / "exports",
-                              {"v1": 0.05, "v2": -0.05, "v3": 0.03})
-    s = Settings(home=str(tmp_path / "home"), deploy={
-        "target": "vllm-lora", "target_port": pick_port_range(4), "export_scheme": "bf16", "probe_prompts": 3,
-        "max_tokens": 6, "server_args": SERVER_ARGS, "vllm_python": vllm_python(), "lora_max_rank": 8,
-        "lora_kept_adapters": 1})
-    target = make_target(s)
-    app = build_recorder_app(RecorderConfig(upstream="", follow=str(endpoint_file(s.home_path).path),
-                                            store_dir=str(tmp_path / "store"), token="t", top_logprobs=4))
-    try:
-        first = roll_out(s, target, exports["v1"], "v1", PROMPTS)
-        assert first.switch.detail["mode"] == "start" and first.probe.passed, first.probe
-        server = target.current()
-        assert _served_names(server.url) == {"base", "v1"}
-        with BackgroundServer(app) as rec:
-            traffic = Traffic(rec.url)
-            traffic.wait_served("v1", 5)
-            ro = roll_out(s, target, exports["v2"], "v2", PROMPTS)
-            traffic.wait_served("v2", 5)
-            assert ro.switch.detail["mode"] == "adapter" and target.current().pid == server.pid
-            # vLLM's LoRA kernels against the trainer's base export + adapter in fp32
-            assert ro.probe.passed and ro.probe.mean_abs < 2e-2, ro.probe
-            assert _moved(server.url, "v2", "base") > 5 * ro.probe.mean_abs  # the adapter is applied
-            assert _served_names(server.url) == {"base", "v2"}  # one kept: v1 unloaded
-
-            strict = Settings(**{**s.model_dump(), "deploy": {**s.deploy.model_dump(), "probe_mean_bound": 1e-12}})
-            with pytest.raises(DeployRejected, match="parity probe failed") as e:
-                roll_out(strict, make_target(strict), exports["v3"], "v3", PROMPTS)
-            assert "v2 kept serving on the same servers (no restart); unloaded v3" in e.value.rollback
-            assert _served_names(server.url) == {"base", "v2"}
-
-            back = roll_out(s, target, exports["v1"], "v1", PROMPTS)
-            assert back.switch.detail["loaded"] == [server.url] and target.current().pid == server.pid
-            traffic.wait_served("v1", traffic.served["v1"] + 5)
-            sent = traffic.finish()
-        assert not traffic.failures, traffic.failures[:5]
-        recorded = _recorded(app)
-        assert sum(recorded.values()) == sent and recorded == dict(traffic.served), (recorded, traffic.served)
-        assert _served_names(server.url) == {"base", "v1"}
-        print(f"vllm-lora: start {first.seconds:.1f}s, adapter load+probe {ro.seconds:.2f}s "
-              f"(switch {ro.switch.seconds:.2f}s), probe mean {ro.probe.mean_abs:.4f}")
-    finally:
-        target.stop()
-
-
-@pytest.mark.long(seconds=150)
-def test_a_lora_round_through_dagster_is_loaded_into_a_real_vllm_and_rolled_back_by_routing(tmp_path, pg_instance):
-    """``training: lora`` with ``vllm-lora`` end to end: bootstrap starts vLLM (CPU) on the base export;
-    the round job trains an adapter, exports it beside its merged weights, registers it in MLflow with
-    its base, and loads it into that same vLLM under the round's name, probed on base + adapter; the
-    rollback to round 0 only routes back to the base's name."""
+    - bootstrap starts vLLM on the base export; the round job trains an adapter, exports it beside its
+      merged weights, registers it in MLflow with its base, and loads it into that same process under
+      the round's name, probed on base export + adapter;
+    - under traffic through the recorder: another adapter is loaded (one kept: round 1's unloaded), a
+      rejected one is unloaded while the live one keeps serving, the rollback to round 1 loads it
+      again, the rollback to round 0 routes to the base's name: 0 failed calls, every row filed
+      under the adapter (or base) that answered, one vLLM process throughout."""
     from prodrl_pipelines.definitions import build_definitions
     from prodrl_pipelines.loop import promotion
     from prodrl_pipelines.resources.settings import make_resources, open_services
@@ -204,33 +154,65 @@ def test_a_lora_round_through_dagster_is_loaded_into_a_real_vllm_and_rolled_back
     from tests.test_pipeline_e2e import TINY, request_round
     from tests.vllm_support import SERVER_ARGS, vllm_python
 
+    r0, r1 = "round-000000", "round-000001"
     res = make_resources({**TINY, "lab_size": "tiny-dense", "home": str(tmp_path / "home"), "training": "lora",
                           "lora_rank": 2, "learning_rate": 1e-2, "monitors_enabled": [], "export_scheme": "bf16",
                           "target": "vllm-lora", "target_port": pick_port_range(4), "vllm_python": vllm_python(),
-                          "server_args": list(SERVER_ARGS), "lora_max_rank": 8, "probe_prompts": 4})
+                          "server_args": list(SERVER_ARGS), "lora_max_rank": 8, "lora_kept_adapters": 1,
+                          "probe_prompts": 4})
     defs = build_definitions(res)
     svc = open_services(res["settings"], res["store"], res["mlflow"])
-    target = make_target(svc.settings)
+    s = svc.settings
+    target = make_target(s)
+    app = build_recorder_app(RecorderConfig(upstream="", follow=str(endpoint_file(s.home_path).path),
+                                            store_dir=str(tmp_path / "recorded"), token="t", top_logprobs=4))
     try:
         assert defs.resolve_job_def("bootstrap").execute_in_process(instance=pg_instance).success
         server = target.current()
-        assert (server.base_version, server.adapters) == ("round-000000", [])
+        assert (server.base_version, server.adapters) == (r0, [])
         rewarded_traffic(svc)
         req = request_round(pg_instance, defs, res)
         assert defs.resolve_job_def("prod_rl_round").execute_in_process(
             instance=pg_instance, partition_key=req.partition_key, tags=req.tags).success
-        assert svc.ledger.live().policy_version == "round-000001"
-        r1 = svc.ledger.round_summary("round-000001")
-        assert r1["mode"] == "adapter" and r1["probe_mean_abs"] < 0.02, r1
-        assert target.current().pid == server.pid and _served_names(server.url) == {"round-000000", "round-000001"}
-        assert endpoint_file(svc.settings.home_path).read().served_model_name == "round-000001"
-        tags = svc.lineage.version_tags(r1["model_version"])
+        assert svc.ledger.live().policy_version == r1
+        summary = svc.ledger.round_summary(r1)
+        assert summary["mode"] == "adapter" and summary["probe_mean_abs"] < 0.02, summary
+        assert target.current().pid == server.pid and _served_names(server.url) == {r0, r1}
+        tags = svc.lineage.version_tags(summary["model_version"])
         assert (tags["lora_base_version"], tags["lora_base_model_version"]) == (
-            "round-000000", svc.ledger.round_summary("round-000000")["model_version"])
+            r0, svc.ledger.round_summary(r0)["model_version"])
 
-        _, back = promotion.make_live(svc, "round-000000", kind="rollback", by="test")
-        assert back.switch.detail["mode"] == "adapter" and back.switch.detail["loaded"] == []
-        assert target.current().pid == server.pid and back.probe.passed
-        assert endpoint_file(svc.settings.home_path).read().served_model_name == "round-000000"
+        exports = random_adapter_exports(s.checkpoints_root / r0, s.exports_root / r0, tmp_path / "exports",
+                                         {"v2": -0.05, "v3": 0.03}, base_version=r0)
+        with BackgroundServer(app) as rec:
+            traffic = Traffic(rec.url)
+            traffic.wait_served(r1, 5)
+            ro = roll_out(s, target, exports["v2"], "v2", PROMPTS)
+            traffic.wait_served("v2", 5)
+            assert ro.switch.detail["mode"] == "adapter" and target.current().pid == server.pid
+            # vLLM's LoRA kernels against the trainer's base export + adapter in fp32
+            assert ro.probe.passed and ro.probe.mean_abs < 2e-2, ro.probe
+            assert _moved(server.url, "v2", r0) > 5 * ro.probe.mean_abs  # the adapter is applied
+            assert _served_names(server.url) == {r0, "v2"}  # one kept: round 1's unloaded
+
+            strict = Settings(**{**s.model_dump(), "deploy": {**s.deploy.model_dump(), "probe_mean_bound": 1e-12}})
+            with pytest.raises(DeployRejected, match="parity probe failed") as e:
+                roll_out(strict, make_target(strict), exports["v3"], "v3", PROMPTS)
+            assert "v2 kept serving on the same servers (no restart); unloaded v3" in e.value.rollback
+            assert _served_names(server.url) == {r0, "v2"}
+
+            _, back = promotion.make_live(svc, r1, kind="rollback", by="test")  # unloaded: loaded again
+            assert back.switch.detail["loaded"] == [server.url] and back.probe.passed
+            traffic.wait_served(r1, traffic.served[r1] + 5)
+            _, base = promotion.make_live(svc, r0, kind="rollback", by="test")  # the base: only routed to
+            assert base.switch.detail["mode"] == "adapter" and base.switch.detail["loaded"] == [] and base.probe.passed
+            traffic.wait_served(r0, 5)
+            sent = traffic.finish()
+        assert not traffic.failures, traffic.failures[:5]
+        recorded = _recorded(app)
+        assert sum(recorded.values()) == sent and recorded == dict(traffic.served), (recorded, traffic.served)
+        assert set(recorded) == {r0, r1, "v2"} and target.current().pid == server.pid
+        print(f"vllm-lora: adapter load + probe {ro.seconds:.2f}s (load {ro.switch.seconds:.2f}s), "
+              f"probe mean {ro.probe.mean_abs:.4f}")
     finally:
         target.stop()
