@@ -151,6 +151,8 @@ class AdapterServing:
             return sw
         t0 = time.monotonic()
         adapter, _ = hot
+        if adapter is not None:  # the running servers were started for this rank at most
+            self.check_serves(adapter_export(export_dir)[2], adapter)
         curs = [self.current(s) for s in wave]
         loaded = self._load_into(curs, policy_version, adapter) if adapter is not None else []
         slots = []
@@ -232,6 +234,7 @@ class AdapterServing:
             sw.detail.update(mode="start", **served_adapter(export_dir))
             return sw
         t0 = time.monotonic()
+        self.check_serves(adapter_export(export_dir)[2], hot[0])
         curs = [c for c in self.currents() if c is not None]
         loaded = self._load_into(curs, policy_version, hot[0])
         record = {"adapter_canary": True, "policy_version": policy_version, "export_dir": str(export_dir),
