@@ -132,6 +132,12 @@ def test_a_fleet_loads_each_adapter_without_a_restart_fails_no_call_and_routes_b
         roll_out(s, target, exports["v4"], "v4", PROMPTS)
         assert all(_served_names(u) == {"base", "v1", "v4"} for u in urls)
         assert [r.pid for r in target.currents()] == pids
+        # an adapter of a higher rank than the servers were started for is refused before it is loaded
+        big = random_adapter_exports(tiny_policy_dir, tiny_exports["bf16"], tmp_path / "big", {"v5": 0.01}, rank=32,
+                                     alpha=64)["v5"]
+        with pytest.raises(DeployRejected, match=r"rank 32 > deploy.lora_max_rank 16"):
+            roll_out(s, target, big, "v5", PROMPTS)
+        assert all(_served_names(u) == {"base", "v1", "v4"} for u in urls)
     finally:
         target.stop()
 
