@@ -292,12 +292,6 @@ class AdapterServing:
         stopped = self._stop_old_canary()
         return f"stopped the canary adapter ({', '.join(stopped)}) on the fleet's servers"
 
-    def canary(self):
-        raw = self.slots.read(self.CANARY, "current")
-        if raw and raw.get("adapter_canary"):
-            return None  # no server of its own
-        return super().canary()
-
     def stop(self) -> None:
         for kind in ("pending", "current"):
             raw = self.slots.read(self.CANARY, kind)

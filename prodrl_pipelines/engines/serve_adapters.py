@@ -36,15 +36,13 @@ def adapter_engine(base, path: str | Path):
     """An engine serving ``base`` (a ``LocalEngine``) with the PEFT adapter at ``path`` folded in."""
     import copy
 
-    from peft import PeftModel
-
     from prodrl_pipelines.engines.local import LocalEngine
+    from prodrl_pipelines.rl.lora import folded
 
     path = Path(path)
     if not (path / "adapter_config.json").is_file():
         raise ValueError(f"{path} is not a PEFT adapter (no adapter_config.json)")
-    merged = PeftModel.from_pretrained(copy.deepcopy(base.model), str(path)).merge_and_unload()
-    return LocalEngine(merged, base.tokenizer)
+    return LocalEngine(folded(copy.deepcopy(base.model), path), base.tokenizer)
 
 
 def parse_lora_modules(specs: list[str]) -> list[tuple[str, str]]:

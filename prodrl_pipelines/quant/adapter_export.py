@@ -60,10 +60,10 @@ def adapter_bytes(export_dir: str | Path) -> int:
     return sum((Path(export_dir) / ADAPTER_DIR / f).stat().st_size for f in ADAPTER_FILES)
 
 
-def adapter_export(export_dir: str | Path, base_export: str | Path | None = None) -> tuple[Path, str, Path] | None:
+def adapter_export(export_dir: str | Path) -> tuple[Path, str, Path] | None:
     """(the adapter, the base's policy version, the base export) of a LoRA round's export; None for a
-    whole-model export. ``base_export`` overrides the recorded one (a host where exports live
-    elsewhere: ``exports_root / base_version``)."""
+    whole-model export. The base export is the recorded one, else ``exports_root / base_version`` beside
+    this export (a host whose exports live elsewhere)."""
     d = Path(export_dir)
     if not (d / BASE_FILE).is_file():
         return None
@@ -72,7 +72,7 @@ def adapter_export(export_dir: str | Path, base_export: str | Path | None = None
         version, recorded = str(meta["base_version"]), Path(meta["base_export"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise AdapterExportError(f"{d / BASE_FILE} is unreadable: {e}") from None
-    base = Path(base_export) if base_export is not None else recorded
+    base = recorded
     if not base.is_absolute() or not (base / "config.json").is_file():
         sibling = d.parent / version  # exports_root / base_version, where this host keeps its exports
         base = sibling if (sibling / "config.json").is_file() else base

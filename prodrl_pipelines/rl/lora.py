@@ -18,12 +18,13 @@ import contextlib
 import json
 from pathlib import Path
 
+# a LoRA round's checkpoint: the merged weights (what exports and evaluations read, as for a full
+# round), its adapter in PEFT's format, and the policy version whose frozen weights it adapts: the
+# layout of its export's adapter part too
+from prodrl_pipelines.quant.adapter_export import ADAPTER_DIR, BASE_FILE
+
 # what an MoE layer's fused experts are called (transformers 5's Qwen3-MoE): not adaptable here
 EXPERT_PARAMETERS = ("gate_up_proj", "experts")
-# a LoRA round's checkpoint: the merged weights (what exports and evaluations read, as for a full
-# round), its adapter in PEFT's format, and the policy version whose frozen weights it adapts
-ADAPTER_DIR = "adapter"
-BASE_FILE = "lora_base.json"
 
 
 def check_target_modules(targets: tuple[str, ...]) -> None:
@@ -145,9 +146,15 @@ def served_policy(base_export: str | Path, adapter_dir: str | Path, dtype=None):
     """(model, tokenizer) of what an adapter target serves: the base export's weights as the trainer
     reads them (``load_policy``: NVFP4 dequantized) with the adapter folded in, W + (alpha / r) B A."""
     import torch
-    from peft import PeftModel
 
     from prodrl_pipelines.rl.checkpoint import load_policy
 
     model, tokenizer = load_policy(Path(base_export), dtype or torch.float32)
-    return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload(), tokenizer
+    return folded(model, adapter_dir), tokenizer
+
+
+def folded(model, adapter_dir: str | Path):
+    """``model`` (changed in place) with the PEFT adapter at ``adapter_dir`` folded into its weights."""
+    from peft import PeftModel
+
+    return PeftModel.from_pretrained(model, str(adapter_dir)).merge_and_unload()
