@@ -27,6 +27,13 @@ def _served_names(url: str) -> set[str]:
     return {m["id"] for m in httpx.get(url + "/v1/models").json()["data"]}
 
 
+def _answers(url: str, name: str) -> int:
+    """The status of a completion asked of ``name`` directly, as a call the recorder routed before a
+    switch reaches the server after it."""
+    return httpx.post(url + "/v1/completions", json={"model": name, "prompt": PROMPTS[0], "max_tokens": 2},
+                      timeout=120).status_code
+
+
 def _moved(url: str, name: str, other: str) -> float:
     """Mean |log p| difference of the same seeded samples served under two names of one server."""
     import numpy as np
@@ -106,14 +113,16 @@ def test_a_fleet_loads_each_adapter_without_a_restart_fails_no_call_and_routes_b
             assert can.switch.detail["mode"] == "adapter" and can.probe.passed
             traffic.wait_served("v3", 5)
             assert "stopped the canary adapter (v3)" in target.stop_canary()
-            assert all(_served_names(u) == {"base", "v1", "v2"} for u in urls)
+            # off traffic but still loaded until the next deploy: a call routed to it just before finds it
+            assert all(_served_names(u) == {"base", "v1", "v2", "v3"} for u in urls)
+            assert _answers(urls[0], "v3") == 200
 
             # a rejected adapter (a probe bound nothing meets) never served: v2 kept serving
             strict = Settings(**{**s.model_dump(), "deploy": {**s.deploy.model_dump(), "probe_mean_bound": 1e-12}})
             with pytest.raises(DeployRejected, match="parity probe failed") as e:
                 roll_out(strict, make_target(strict), exports["v4"], "v4", PROMPTS)
             assert "v2 kept serving on the same servers (no restart); unloaded v4" in e.value.rollback
-            assert all(_served_names(u) == {"base", "v1", "v2"} for u in urls)
+            assert all(_served_names(u) == {"base", "v1", "v2", "v3"} for u in urls)
 
             # the rollback to v1: still loaded, so only routed to
             back = roll_out(s, target, exports["v1"], "v1", PROMPTS)
@@ -125,8 +134,10 @@ def test_a_fleet_loads_each_adapter_without_a_restart_fails_no_call_and_routes_b
         recorded = _recorded(app)
         assert sum(recorded.values()) == sent and recorded == dict(traffic.served), (recorded, traffic.served)
         assert set(recorded) == {"v1", "v2", "v3"}
-        # v1 routed again; kept 2 (v2, v1): nothing was beyond, so nothing more was unloaded
+        # v1 routed again: the stopped canary's v3 unloaded at this deploy; kept 2 (v2, v1): nothing was
+        # beyond, so nothing more was unloaded
         assert [r.adapters for r in target.currents()] == [["v2", "v1"]] * 3
+        assert all(_served_names(u) == {"base", "v1", "v2"} for u in urls)
 
         # v4 accepted this time: v2, now the oldest beyond the 2 kept, is unloaded
         roll_out(s, target, exports["v4"], "v4", PROMPTS)
@@ -149,10 +160,11 @@ def test_lora_rounds_are_loaded_into_a_real_vllm_under_traffic_and_rolled_back_b
     - bootstrap starts vLLM on the base export; the round job trains an adapter, exports it beside its
       merged weights, registers it in MLflow with its base, and loads it into that same process under
       the round's name, probed on base export + adapter;
-    - under traffic through the recorder: another adapter is loaded (one kept: round 1's unloaded), a
-      rejected one is unloaded while the live one keeps serving, the rollback to round 1 loads it
-      again, the rollback to round 0 routes to the base's name: 0 failed calls, every row filed
-      under the adapter (or base) that answered, one vLLM process throughout."""
+    - under traffic through the recorder: another adapter is loaded (one kept, but round 1's, just
+      routed away from, still answers until the next deploy), a rejected one is unloaded while the
+      live one keeps serving, the rollback to round 0 routes to the base's name (round 1's unloaded
+      now), the rollback to round 1 loads it again: 0 failed calls, every row filed under the
+      adapter (or base) that answered, one vLLM process throughout."""
     from prodrl_pipelines.definitions import build_definitions
     from prodrl_pipelines.loop import promotion
     from prodrl_pipelines.resources.settings import make_resources, open_services
@@ -199,20 +211,23 @@ def test_lora_rounds_are_loaded_into_a_real_vllm_under_traffic_and_rolled_back_b
             # vLLM's LoRA kernels against the trainer's base export + adapter in fp32
             assert ro.probe.passed and ro.probe.mean_abs < 2e-2, ro.probe
             assert _moved(server.url, "v2", r0) > 5 * ro.probe.mean_abs  # the adapter is applied
-            assert _served_names(server.url) == {r0, "v2"}  # one kept: round 1's unloaded
+            # one kept, but round 1's adapter, routed until this deploy, is unloaded only at the next one: a
+            # call the recorder routed to it just before the switch still finds it (vLLM answers 404 after)
+            assert _served_names(server.url) == {r0, r1, "v2"} and _answers(server.url, r1) == 200
 
             strict = Settings(**{**s.model_dump(), "deploy": {**s.deploy.model_dump(), "probe_mean_bound": 1e-12}})
             with pytest.raises(DeployRejected, match="parity probe failed") as e:
                 roll_out(strict, make_target(strict), exports["v3"], "v3", PROMPTS)
             assert "v2 kept serving on the same servers (no restart); unloaded v3" in e.value.rollback
-            assert _served_names(server.url) == {r0, "v2"}
+            assert _served_names(server.url) == {r0, r1, "v2"}
 
-            _, back = promotion.make_live(svc, r1, kind="rollback", by="test")  # unloaded: loaded again
-            assert back.switch.detail["loaded"] == [server.url] and back.probe.passed
-            traffic.wait_served(r1, traffic.served[r1] + 5)
             _, base = promotion.make_live(svc, r0, kind="rollback", by="test")  # the base: only routed to
             assert base.switch.detail["mode"] == "adapter" and base.switch.detail["loaded"] == [] and base.probe.passed
             traffic.wait_served(r0, 5)
+            assert _served_names(server.url) == {r0, "v2"}  # round 1's unloaded now; v2 just routed away from
+            _, back = promotion.make_live(svc, r1, kind="rollback", by="test")  # unloaded: loaded again
+            assert back.switch.detail["loaded"] == [server.url] and back.probe.passed
+            traffic.wait_served(r1, traffic.served[r1] + 5)
             sent = traffic.finish()
         assert not traffic.failures, traffic.failures[:5]
         recorded = _recorded(app)

@@ -7,9 +7,12 @@ server of the wave under the round's own name (``POST /v1/load_lora_adapter``; o
 vLLM 0.32 reloads from disk on every step when a name is reused in place), waiting until
 ``/v1/models`` lists it, probing it there, then routing the fleet's served model name to it
 (endpoint record): the recorder sends the next calls to the adapter and files them under its name,
-which is the policy version. Calls in flight finish on the adapter they started on, which stays
-loaded. A rollback routes back to the previous adapter, still loaded, and unloads the rejected one.
-Beyond ``deploy.lora_kept_adapters`` per server the oldest adapters are unloaded.
+which is the policy version. A rollback routes back to the previous adapter, still loaded, and
+unloads the rejected one (at the next deploy if calls were routed to it). Beyond ``deploy.lora_kept_adapters`` per server the oldest adapters are
+unloaded, but never at the deploy that routed away from them: a call the recorder routed just before
+the switch (or still in flight) reaches the server after it, and must still find its adapter (vLLM
+answers 404 for an unloaded name). So the adapter a deploy replaces, and a canary taken off traffic,
+are unloaded at the next deploy, not on a timer.
 
 What cannot be hot-loaded is started, blue/green, as by the restart targets: the first deploy, a
 whole-model export (a full round), an adapter on another base, a server that is down. A started
@@ -34,8 +37,6 @@ from prodrl_pipelines.deploy_targets.server_records import ServerRecord, same_se
 from prodrl_pipelines.deploy_targets.servers import ProdrlServeTarget, VLLMRestartTarget, cuda_available
 from prodrl_pipelines.quant.adapter_export import adapter_export, adapter_rank
 
-# calls already sent to an adapter finish before it is unloaded
-ADAPTER_DRAIN_S = 2.0
 # vLLM's accepted --max-lora-rank values (0.32)
 VLLM_LORA_RANKS = (1, 8, 16, 32, 64, 128, 256, 320, 512)
 
@@ -170,11 +171,13 @@ class AdapterServing:
 
     def commit(self, switch: Switch) -> None:
         super().commit(switch)  # an adapter's switch keeps its servers: nothing is stopped
-        self.prune(switch.detail["slots"])
+        self._unload_retired_canaries()
+        self.prune(switch.detail["slots"], spare=switch.detail.get("replaces"))
 
-    def prune(self, slots: list[dict]) -> list[str]:
-        """Unload, per server, the oldest adapters beyond ``deploy.lora_kept_adapters`` (never the one
-        routed to, nor the canary's)."""
+    def prune(self, slots: list[dict], spare: str | None = None) -> list[str]:
+        """Unload, per server, the oldest adapters beyond ``deploy.lora_kept_adapters``: never the one
+        routed to, the canary's, nor ``spare`` (the one this deploy routed away from: calls routed to it
+        before the switch may still arrive)."""
         keep = int(self.deploy.lora_kept_adapters)
         canary = (endpoint_file(self.home, self.deploy).read() or Endpoint("", "", "")).canary or {}
         done = []
@@ -183,8 +186,8 @@ class AdapterServing:
             if not raw or not raw.get("adapters"):
                 continue
             names = list(raw["adapters"])
-            drop = [n for n in names[:-keep] if n not in (raw["policy_version"], canary.get("policy_version"))] \
-                if len(names) > keep else []
+            spared = (raw["policy_version"], canary.get("policy_version"), spare)
+            drop = [n for n in names[:-keep] if n not in spared] if len(names) > keep else []
             for name in drop:
                 self._unload_quietly(raw["url"], name)
                 names.remove(name)
@@ -206,18 +209,22 @@ class AdapterServing:
         prev = switch.previous or {}
         if routed_back:
             self.write_endpoint(prev["policy_version"], prev["export_dir"])
-            time.sleep(ADAPTER_DRAIN_S)
-        notes = ""
+        notes, cand = "", switch.policy_version
         for s in switch.detail["slots"]:
-            if s["url"] in switch.detail.get("loaded", []):  # one it had before stays (a kept version)
-                notes += self._unload_quietly(s["url"], switch.policy_version)
-                raw = self.slots.read(s["slot"], "current")
-                if raw and switch.policy_version in raw.get("adapters", []):
-                    self.slots.write(s["slot"], "current", {**raw, "adapters": [
-                        a for a in raw["adapters"] if a != switch.policy_version]})
-        where = f"routed back to {prev.get('policy_version')}" if routed_back else \
-            f"{prev.get('policy_version')} kept serving"
-        return f"{where} on the same servers (no restart); unloaded {switch.policy_version}{notes}"
+            if s["url"] not in switch.detail.get("loaded", []):  # one it had before stays (a kept version)
+                continue
+            raw = self.slots.read(s["slot"], "current") or {}
+            others = [a for a in raw.get("adapters", []) if a != cand]
+            if routed_back:  # calls were routed to it: the oldest now, unloaded at the next deploy
+                self.slots.write(s["slot"], "current", {**raw, "adapters": [cand, *others]})
+            else:  # only the probe ever called it
+                notes += self._unload_quietly(s["url"], cand)
+                if raw:
+                    self.slots.write(s["slot"], "current", {**raw, "adapters": others})
+        if routed_back:
+            return (f"routed back to {prev.get('policy_version')} on the same servers (no restart); {cand} unloaded "
+                    f"at the next deploy{notes}")
+        return f"{prev.get('policy_version')} kept serving on the same servers (no restart); unloaded {cand}{notes}"
 
     def restore(self, switches: list[Switch]) -> str:
         done = []
@@ -266,37 +273,46 @@ class AdapterServing:
         endpoint_file(self.home, self.deploy).update(change)
 
     def _stop_old_canary(self) -> list[str]:
-        """A running adapter canary taken off traffic and unloaded (a server canary is the base's to stop)."""
+        """A running adapter canary taken off traffic; its adapter stays loaded until the next deploy or
+        canary (calls routed to it just before may still arrive). A server canary is the base's to stop."""
+        self._unload_retired_canaries()
         raw = self.slots.read(self.CANARY, "current") or self.slots.read(self.CANARY, "pending")
         if not raw or not raw.get("adapter_canary"):
             return []
-        return self._unload_canaries(self.take_canary()[1])
+        records = [r for r in self.take_canary()[1] if r.get("adapter_canary")]
+        retired = (self.slots.read(self.CANARY, "retired") or {}).get("canaries", [])
+        self.slots.write(self.CANARY, "retired", {"canaries": retired + records})
+        return [r["policy_version"] for r in records]
 
-    def _unload_canaries(self, records: list[dict]) -> list[str]:
-        """Each adapter canary's adapter unloaded from the fleet's servers, unless the fleet now serves it
-        (a promoted canary)."""
+    def _unload_retired_canaries(self) -> list[str]:
+        """The adapters of canaries taken off traffic earlier, unloaded from the fleet's servers unless the
+        fleet now serves them (a promoted canary)."""
+        records = (self.slots.read(self.CANARY, "retired") or {}).get("canaries", [])
+        if not records:
+            return []
         serving = {c.policy_version for c in self.currents() if c is not None}
-        done = []
+        serving |= {a for c in self.currents() if c is not None for a in c.adapters}
         for raw in records:
-            if raw.get("adapter_canary"):
-                if raw["policy_version"] not in serving:
-                    for url in raw["urls"]:
-                        self._unload_quietly(url, raw["policy_version"])
-                done.append(raw["policy_version"])
-        return done
+            if raw["policy_version"] not in serving:
+                for url in raw["urls"]:
+                    self._unload_quietly(url, raw["policy_version"])
+        self.slots.drop(self.CANARY, "retired")
+        return [r["policy_version"] for r in records]
 
     def stop_canary(self) -> str:
         raw = self.slots.read(self.CANARY, "current") or self.slots.read(self.CANARY, "pending")
         if not raw or not raw.get("adapter_canary"):
             return super().stop_canary()
         stopped = self._stop_old_canary()
-        return f"stopped the canary adapter ({', '.join(stopped)}) on the fleet's servers"
+        return (f"stopped the canary adapter ({', '.join(stopped)}) on the fleet's servers "
+                "(unloaded at the next deploy)")
 
     def stop(self) -> None:
         for kind in ("pending", "current"):
             raw = self.slots.read(self.CANARY, kind)
             if raw and raw.get("adapter_canary"):
                 self.slots.drop(self.CANARY, kind)
+        self.slots.drop(self.CANARY, "retired")
         super().stop()
 
 
@@ -306,7 +322,8 @@ class VLLMLoRATarget(AdapterServing, VLLMRestartTarget):
     name = "vllm-lora"
 
     def lora_args(self, adapter: tuple[str, Path] | None) -> list[str]:
-        n = str(int(self.deploy.lora_kept_adapters) + 2)  # the kept ones, a candidate and a canary at once
+        # the kept ones, the one a deploy routed away from, a candidate, a canary and a retired canary at once
+        n = str(int(self.deploy.lora_kept_adapters) + 4)
         args = ["--enable-lora", "--max-lora-rank", str(self.deploy.lora_max_rank), "--max-loras", n,
                 "--max-cpu-loras", n]
         return args + (["--lora-modules", f"{adapter[0]}={adapter[1]}"] if adapter else [])

@@ -1,5 +1,6 @@
 """Where a managed fleet keeps the record of each slot's server: ``current`` (serving) and ``pending``
-(started by a switch, not committed yet), for slots 0..N-1 and the canary.
+(started by a switch, not committed yet), for slots 0..N-1 and the canary; and the canary's
+``retired`` (adapter canaries taken off traffic, unloaded at the next deploy).
 
 On one host these are JSON files under the target's state directory (slot 0 at the top, the single
 server's layout; ``replica-i/``, ``canary/``). In the documented topology the deploy step runs in
@@ -19,7 +20,7 @@ from pathlib import Path
 from prodrl_pipelines.deploy_targets.base import read_json, write_json
 
 TABLE = "prodrl_deploy_slots"
-KINDS = ("pending", "current")
+KINDS = ("pending", "current", "retired")
 
 
 class FileSlots:
