@@ -124,7 +124,9 @@ def test_canary_slice_is_sticky_per_trajectory_and_its_fraction():
 class Traffic:
     """Steady completions through the recorder, each its own trajectory; failures kept with reasons."""
 
-    def __init__(self, url: str, workers: int = 3, pause_s: float = 0.02) -> None:
+    # a short pause per client: calls are in flight at every switch, without taking a whole core from
+    # the suite running beside it for the test's length
+    def __init__(self, url: str, workers: int = 3, pause_s: float = 0.05) -> None:
         self.url, self.pause_s = url, pause_s
         self.failures: list[str] = []
         self.sent = 0

@@ -225,7 +225,7 @@ class Background:
                 self.failures.append(f"{type(e).__name__}: {e}")
             n += 1
             self.sent += 1
-            time.sleep(0.25)  # steady, light: the round trains on the same two cores
+            time.sleep(1.0)  # steady, light: the round trains on the same two cores (each call costs CPU)
 
     def finish(self) -> None:
         self.stop.set()
