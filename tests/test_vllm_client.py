@@ -62,6 +62,7 @@ def test_vllm_serve_command():
     assert vllm_serve_command("/m", 1, python="p", extra_args=["--enforce-eager"])[-1] == "--enforce-eager"
     env = vllm_serve_env("127.0.0.1", base={"PATH": "/bin"})
     assert env["VLLM_HOST_IP"] == "127.0.0.1" and env["PATH"] == "/bin"
+    assert env["PYTHONFAULTHANDLER"] == "1"  # a worker killed by a fatal signal leaves its stack in the log
 
 
 PROMPTS = [[1, 116, 5, 24, 17, 25, 35, 2, 5, 1, 121, 5], [1, 40, 41, 42], [5, 6, 7, 8, 9, 10, 11]] * 2

@@ -122,10 +122,13 @@ def vllm_serve_command(
 
 def vllm_serve_env(host: str = "127.0.0.1", base: dict | None = None) -> dict:
     """The environment for ``vllm_serve_command``: ``VLLM_HOST_IP`` = the serving host (else vLLM's
-    internal queues bind a non-loopback address) and, on CPU, a KV cache budget when none is set."""
+    internal queues bind a non-loopback address) and, on CPU, a KV cache budget when none is set.
+    Python's fault handler is on: a worker that dies of a fatal signal (SIGSEGV, SIGABRT, SIGILL, ...)
+    writes its stack to the server's log, where vLLM itself reports only "died unexpectedly"."""
     env = dict(os.environ if base is None else base)
     env["VLLM_HOST_IP"] = host
     env.setdefault("VLLM_CPU_KVCACHE_SPACE", "1")
+    env.setdefault("PYTHONFAULTHANDLER", "1")
     return env
 
 
