@@ -149,6 +149,16 @@ def test_a_fleet_loads_each_adapter_without_a_restart_fails_no_call_and_routes_b
         with pytest.raises(DeployRejected, match=r"rank 32 > deploy.lora_max_rank 16"):
             roll_out(s, target, big, "v5", PROMPTS)
         assert all(_served_names(u) == {"base", "v1", "v4"} for u in urls)
+
+        # a canary promoted: rolled out while it runs, its adapter already on every server (nothing loaded
+        # twice, nothing unloaded when the canary stops, since the fleet serves it now)
+        start_canary(s, target, exports["v3"], "v3", PROMPTS, 0.5)
+        promoted = roll_out(s, target, exports["v3"], "v3", PROMPTS)
+        assert promoted.switch.detail["mode"] == "adapter" and promoted.switch.detail["loaded"] == []
+        assert "stopped the canary adapter (v3)" in target.stop_canary()
+        roll_out(s, target, exports["v4"], "v4", PROMPTS)  # the next deploy: nothing of v3 unloaded
+        assert all(_served_names(u) == {"base", "v3", "v4"} for u in urls)
+        assert [r.pid for r in target.currents()] == pids
     finally:
         target.stop()
 

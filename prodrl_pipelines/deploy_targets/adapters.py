@@ -92,10 +92,15 @@ class AdapterServing:
         except OSError as e:
             raise DeployError(f"POST {url}{path} failed: {e}") from None
 
-    def load_adapter(self, url: str, name: str, adapter: Path) -> None:
+    def load_adapter(self, url: str, name: str, adapter: Path) -> bool:
+        """False when the server already has it: a version's name always means the same adapter (a
+        running canary's being promoted, one taken off traffic and not unloaded yet)."""
         status, text = self._post(url, "/v1/load_lora_adapter", {"lora_name": name, "lora_path": str(adapter)})
+        if status == 400 and "already been loaded" in text:
+            return False
         if status != 200:
             raise DeployError(f"{url} refused to load the adapter {name} ({adapter}): HTTP {status}: {text[:300]}")
+        return True
 
     def unload_adapter(self, url: str, name: str) -> bool:
         """False when the server does not have it (nothing to do)."""
@@ -123,8 +128,7 @@ class AdapterServing:
         loaded = []
         try:
             for rec in recs:
-                if version not in rec.adapters:
-                    self.load_adapter(rec.url, version, adapter)
+                if version not in rec.adapters and self.load_adapter(rec.url, version, adapter):
                     loaded.append(rec)
             for rec in recs:
                 wait_healthy(rec.url, self.deploy.health_timeout_s, expect_model=version, api_key=self.api_key(),
