@@ -8,11 +8,12 @@ vLLM 0.32 reloads from disk on every step when a name is reused in place), waiti
 ``/v1/models`` lists it, probing it there, then routing the fleet's served model name to it
 (endpoint record): the recorder sends the next calls to the adapter and files them under its name,
 which is the policy version. A rollback routes back to the previous adapter, still loaded, and
-unloads the rejected one (at the next deploy if calls were routed to it). Beyond ``deploy.lora_kept_adapters`` per server the oldest adapters are
-unloaded, but never at the deploy that routed away from them: a call the recorder routed just before
-the switch (or still in flight) reaches the server after it, and must still find its adapter (vLLM
-answers 404 for an unloaded name). So the adapter a deploy replaces, and a canary taken off traffic,
-are unloaded at the next deploy, not on a timer.
+unloads the rejected one (at the next deploy if calls were routed to it). Beyond
+``deploy.lora_kept_adapters`` per server the oldest adapters are unloaded, but never at the deploy
+that routed away from them: a call the recorder routed just before the switch (or still in flight)
+reaches the server after it, and must still find its adapter (vLLM answers 404 for an unloaded
+name). So the adapter a deploy replaces, and a canary taken off traffic, are unloaded at the next
+deploy, not on a timer.
 
 What cannot be hot-loaded is started, blue/green, as by the restart targets: the first deploy, a
 whole-model export (a full round), an adapter on another base, a server that is down. A started
@@ -284,18 +285,20 @@ class AdapterServing:
         if not raw or not raw.get("adapter_canary"):
             return []
         records = [r for r in self.take_canary()[1] if r.get("adapter_canary")]
-        retired = (self.slots.read(self.CANARY, "retired") or {}).get("canaries", [])
-        self.slots.write(self.CANARY, "retired", {"canaries": retired + records})
+        self.slots.write(self.CANARY, "retired", {"canaries": self._retired_canaries() + records})
         return [r["policy_version"] for r in records]
+
+    def _retired_canaries(self) -> list[dict]:
+        return (self.slots.read(self.CANARY, "retired") or {}).get("canaries", [])
 
     def _unload_retired_canaries(self) -> list[str]:
         """The adapters of canaries taken off traffic earlier, unloaded from the fleet's servers unless the
         fleet now serves them (a promoted canary)."""
-        records = (self.slots.read(self.CANARY, "retired") or {}).get("canaries", [])
+        records = self._retired_canaries()
         if not records:
             return []
-        serving = {c.policy_version for c in self.currents() if c is not None}
-        serving |= {a for c in self.currents() if c is not None for a in c.adapters}
+        servers = [c for c in self.currents() if c is not None]
+        serving = {c.policy_version for c in servers} | {a for c in servers for a in c.adapters}
         for raw in records:
             if raw["policy_version"] not in serving:
                 for url in raw["urls"]:

@@ -69,10 +69,9 @@ def adapter_export(export_dir: str | Path) -> tuple[Path, str, Path] | None:
         return None
     try:
         meta = json.loads((d / BASE_FILE).read_text())
-        version, recorded = str(meta["base_version"]), Path(meta["base_export"])
+        version, base = str(meta["base_version"]), Path(meta["base_export"])
     except (OSError, ValueError, KeyError, TypeError) as e:
         raise AdapterExportError(f"{d / BASE_FILE} is unreadable: {e}") from None
-    base = recorded
     if not base.is_absolute() or not (base / "config.json").is_file():
         sibling = d.parent / version  # exports_root / base_version, where this host keeps its exports
         base = sibling if (sibling / "config.json").is_file() else base
