@@ -28,6 +28,10 @@ pytestmark = [pytest.mark.skipif(bool(simhosts.unavailable()), reason=simhosts.u
 REPO = Path(__file__).resolve().parents[1]
 PRODRL = str(Path(sys.executable).with_name("prodrl"))
 KEY = "deploy-key-of-this-fleet"
+# the clients of cluster.traffic: 3, each pausing 0.1 s between trajectories. Steady, with calls in
+# flight at any moment, but not back to back (the bench's capacity measure): a phase that waits on
+# something else (a health timeout, a database restart) does not load both cores with calls meanwhile
+CLIENTS = ["3", "0.1"]
 
 
 def _base_env() -> dict:
@@ -256,7 +260,7 @@ def test_a_partition_between_the_recorder_and_a_replica_fails_only_calls_in_flig
     recorder, urls, recorder_proc = served_on_hosts
     out = h5.tmp / "traffic"
     out.mkdir()
-    traffic = h5.popen([sys.executable, "-m", "prodrl_pipelines.cluster.traffic", recorder, "tok", "/tmp/traffic", "3"],
+    traffic = h5.popen([sys.executable, "-m", "prodrl_pipelines.cluster.traffic", recorder, "tok", "/tmp/traffic", *CLIENTS],
                        env=_base_env(), log=h5.tmp / "traffic.log")
 
     def answered() -> int:
@@ -318,7 +322,7 @@ def test_a_recorder_follows_the_endpoint_record_in_postgresql_on_another_host_th
           300)
     out = h5.tmp / "traffic-pg"
     out.mkdir()
-    traffic = h5.popen([sys.executable, "-m", "prodrl_pipelines.cluster.traffic", recorder, "tok", "/tmp/traffic-pg", "3"],
+    traffic = h5.popen([sys.executable, "-m", "prodrl_pipelines.cluster.traffic", recorder, "tok", "/tmp/traffic-pg", *CLIENTS],
                        env=_base_env(), log=h5.tmp / "traffic-pg.log")
 
     def answered() -> int:
@@ -425,7 +429,7 @@ def test_a_rolling_update_whose_second_node_is_cut_off_from_the_deployer_is_roll
     out_dir = h5.tmp / "traffic-roll"
     out_dir.mkdir()
     traffic = h5.popen([sys.executable, "-m", "prodrl_pipelines.cluster.traffic", recorder, "tok", "/tmp/traffic-roll",
-                        "3"], env=_base_env(), log=h5.tmp / "traffic-roll.log")
+                        *CLIENTS], env=_base_env(), log=h5.tmp / "traffic-roll.log")
 
     def answered() -> int:
         return _answered(out_dir)

@@ -1,10 +1,10 @@
 """Steady client traffic through a recorder, run on a client host of the simulated hosts
 (``cluster/hosts.py``) by tests/test_hosts.py and bench/hosts.py:
 
-    python -m prodrl_pipelines.cluster.traffic URL TOKEN OUT_DIR [WORKERS]
+    python -m prodrl_pipelines.cluster.traffic URL TOKEN OUT_DIR [WORKERS [PAUSE_S]]
 
-Each worker makes calls one after another (trajectory ``w<i>-<n>``, 2 calls each) until ``OUT_DIR/stop``
-exists; ``OUT_DIR/progress`` counts the answered calls as they come, and at the end ``OUT_DIR/result.json``
+Each worker makes calls one after another (trajectory ``w<i>-<n>``, 2 calls each; ``PAUSE_S`` between
+trajectories, 0 by default: back to back, as the bench measures capacity) until ``OUT_DIR/stop`` exists; ``OUT_DIR/progress`` counts the answered calls as they come, and at the end ``OUT_DIR/result.json``
 holds every acknowledged call (trajectory id, call index, the version that answered) and every failure.
 """
 
@@ -19,7 +19,7 @@ from pathlib import Path
 import httpx
 
 
-def main(url: str, token: str, out: str, workers: int = 3) -> None:
+def main(url: str, token: str, out: str, workers: int = 3, pause_s: float = 0.0) -> None:
     out_dir = Path(out)
     acked, failed, lock = [], [], threading.Lock()
 
@@ -44,6 +44,7 @@ def main(url: str, token: str, out: str, workers: int = 3) -> None:
                 with lock:
                     (out_dir / "progress").write_text(str(len(acked)))
                 n += 1
+                time.sleep(pause_s)
 
     threads = [threading.Thread(target=worker, args=(i,)) for i in range(workers)]
     for t in threads:
@@ -85,4 +86,5 @@ if __name__ == "__main__":
 
         os._exit(0)  # a native S3 client's threads can abort the interpreter's exit; the answer is out
     else:
-        main(sys.argv[1], sys.argv[2], sys.argv[3], *(int(a) for a in sys.argv[4:5]))
+        main(sys.argv[1], sys.argv[2], sys.argv[3], *(int(a) for a in sys.argv[4:5]),
+             *(float(a) for a in sys.argv[5:6]))
