@@ -6,7 +6,7 @@ Packages add jobs, assets or sensors through the entry point group ``prodrl_pipe
 
 from importlib.metadata import entry_points
 
-from dagster import Definitions
+from dagster import Definitions, in_process_executor
 
 from prodrl_pipelines.assets.base import base_policy, bootstrap_job
 from prodrl_pipelines.assets.gate import deployment_gate
@@ -38,6 +38,10 @@ def build_definitions(resources: dict | None = None) -> Definitions:
         sensors=[data_volume_sensor, registry_sensor, canary_sensor],
         schedules=[live_eval_schedule, store_maintenance_schedule],
         resources=resources if resources is not None else default_resources(),
+        # every job's steps in its run's own process, as the round's (sensors.py): Dagster's default, a
+        # process per step, adds a Python start-up and the code location's imports (torch,
+        # transformers: ~3 CPU-s) to each run of a one-step job (bootstrap, canary scoring, live eval)
+        executor=in_process_executor,
     )
     plugins = [ep.load()() for ep in entry_points(group=DEFINITIONS_GROUP)]
     return Definitions.merge(core, *plugins) if plugins else core

@@ -25,6 +25,8 @@ def test_code_location_contents():
     assert {j.name for j in defs.resolve_all_job_defs()} >= {"prod_rl_round", "bootstrap", "lab_traffic_job",
                                                              "store_maintenance", "rescore_rewards_job"}
     assert defs.resolve_sensor_def("data_volume_sensor") is not None
+    # no job starts a process per step (the lab's plugin job included)
+    assert {j.executor_def.name for j in defs.resolve_all_job_defs()} == {"in_process"}
     # the round chain, in order
     chain = ["scored_rewards", "recorded_trajectories", "training_batch", "trained_checkpoint", "exported_policy", "heldout_eval",
              "deployment"]
