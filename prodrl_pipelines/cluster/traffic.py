@@ -4,8 +4,10 @@
     python -m prodrl_pipelines.cluster.traffic URL TOKEN OUT_DIR [WORKERS [PAUSE_S]]
 
 Each worker makes calls one after another (trajectory ``w<i>-<n>``, 2 calls each; ``PAUSE_S`` between
-trajectories, 0 by default: back to back, as the bench measures capacity) until ``OUT_DIR/stop`` exists; ``OUT_DIR/progress`` counts the answered calls as they come, and at the end ``OUT_DIR/result.json``
-holds every acknowledged call (trajectory id, call index, the version that answered) and every failure.
+trajectories, 0 by default: back to back, as the bench measures capacity) until ``OUT_DIR/stop``
+exists; ``OUT_DIR/progress`` counts the answered calls as they come, and at the end
+``OUT_DIR/result.json`` holds every acknowledged call (trajectory id, call index, the version that
+answered) and every failure.
 """
 
 from __future__ import annotations
