@@ -113,7 +113,7 @@ def registry_actions(svc, champion: str | None = None, versions: list | None = N
                 out.append(act("reject", mv.tags.get(REVIEW_REASON, "")))
             elif tag == "approved" or at_champion:
                 out.append(act("approve"))
-            elif tag != "pending":
+            elif tag != "pending" and "review" in mv.tags:  # none yet: the gate's step is tagging it
                 out.append(act("refuse", f"review={tag!r} is not a review state (approved or rejected)",
                                restore={"review": "pending"}))
             continue
