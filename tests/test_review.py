@@ -308,11 +308,12 @@ def test_refused_contradictions_in_one_tick(tmp_path, pg_instance, mlflow_server
     assert round_state.round_state(svc.ledger.decision("round-000002")) == round_state.PENDING_REVIEW
     pending = lin.alias_version(CHALLENGER)
     assert "no pending decision" in tick().skip_message
-    # a tick between the gate's decision and its tags on the version (the ledger says pending review,
-    # the version has no review tag yet): nothing to act on, nothing refused
-    lin.client.delete_model_version_tag(lin.model_name, pending, "review")
-    assert "no pending decision" in tick().skip_message
-    assert "review" not in lin.version(pending).tags and "review_refused" not in lin.version(pending).tags
+    # ticks between the gate's decision in the ledger and its tags on the version (those of its
+    # registration, then the gate's first): nothing to act on, nothing refused
+    for tags in ({"review": "none", "gate": "pending"}, {"gate": "passed"}):
+        lin.tag_version(pending, tags)
+        assert "no pending decision" in tick().skip_message
+        assert "review_refused" not in lin.version(pending).tags and lin.version(pending).tags["review"] == "none"
     lin.tag_version(pending, {"review": "pending"})  # as the gate's step goes on to write it
 
     # approve and reject at once: refused, the registry put back to pending

@@ -105,6 +105,8 @@ def registry_actions(svc, champion: str | None = None, versions: list | None = N
         by = mv.tags.get(REVIEW_BY) or UNKNOWN_REVIEWER
         act = lambda kind, msg="", **kw: RegistryAction(kind, rkey, v, by, message=msg, **kw)  # noqa: E731
         if state == PENDING_REVIEW:
+            if mv.tags.get("gate") != "passed" or tag == "none":
+                continue  # the gate's step has decided in the ledger and is still tagging the version
             if tag == "rejected" and at_champion:
                 out.append(act("refuse", f"contradictory review of {rkey}: champion moved to version {v} but it is "
                                "tagged review=rejected; approve or reject, not both", restore={"review": "pending"},
@@ -113,7 +115,7 @@ def registry_actions(svc, champion: str | None = None, versions: list | None = N
                 out.append(act("reject", mv.tags.get(REVIEW_REASON, "")))
             elif tag == "approved" or at_champion:
                 out.append(act("approve"))
-            elif tag != "pending" and "review" in mv.tags:  # none yet: the gate's step is tagging it
+            elif tag != "pending":
                 out.append(act("refuse", f"review={tag!r} is not a review state (approved or rejected)",
                                restore={"review": "pending"}))
             continue
