@@ -105,7 +105,7 @@ def registry_actions(svc, champion: str | None = None, versions: list | None = N
         by = mv.tags.get(REVIEW_BY) or UNKNOWN_REVIEWER
         act = lambda kind, msg="", **kw: RegistryAction(kind, rkey, v, by, message=msg, **kw)  # noqa: E731
         if state == PENDING_REVIEW:
-            if mv.tags.get("gate") != "passed" or tag == "none":
+            if tag == "none":
                 continue  # the gate's step has decided in the ledger and is still tagging the version
             if tag == "rejected" and at_champion:
                 out.append(act("refuse", f"contradictory review of {rkey}: champion moved to version {v} but it is "
